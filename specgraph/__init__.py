@@ -1,0 +1,23 @@
+"""specgraph: a compiler for speculative decoding.
+
+Trees (what to speculate) are settled here; compile(), attach() and the
+drafts arrive with their issues (see docs/design.md).
+"""
+from .trees import (
+    EAGLE1_MC_SIM_7B_63,
+    MAX_NODES,
+    MEDUSA_MC_SIM_7B_63,
+    Chain,
+    DynamicTree,
+    StaticTree,
+    Tree,
+    TreeSpec,
+    select_tree,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "Chain", "StaticTree", "DynamicTree", "TreeSpec", "Tree", "select_tree",
+    "EAGLE1_MC_SIM_7B_63", "MEDUSA_MC_SIM_7B_63", "MAX_NODES", "__version__",
+]

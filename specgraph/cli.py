@@ -1,0 +1,84 @@
+"""The ``specgraph`` command."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+
+
+def _info(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from .models import default_gguf
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU; Triton kernels run interpreted with TRITON_INTERPRET=1)"
+    print(f"specgraph     {__version__}")
+    print(f"torch         {torch.__version__}")
+    print(f"triton        {triton_version}")
+    print(f"transformers  {transformers.__version__}")
+    print(f"GPU           {cuda}")
+    try:
+        path = default_gguf()
+        print(f"default model {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    except FileNotFoundError as err:
+        print(f"default model missing: {err}")
+        return 1
+    if args.load:
+        from .models import load_gguf
+
+        model, tokenizer = load_gguf(path)
+        config = model.config
+        print(f"              {type(model).__name__}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+              f"vocab {config.vocab_size}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
+    return 0
+
+
+def _tree(args: argparse.Namespace) -> int:
+    from . import EAGLE1_MC_SIM_7B_63, MEDUSA_MC_SIM_7B_63
+
+    spec = {"eagle1": EAGLE1_MC_SIM_7B_63, "medusa": MEDUSA_MC_SIM_7B_63}[args.name]
+    parents = spec.parents()
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    print(f"{args.name}: {spec.num_nodes} nodes (root included), depth {spec.max_depth}, top-{spec.topk} per node")
+    for i, path in enumerate(((),) + spec.choices):
+        print(f"{'  ' * depth[i]}node {i:2d}  path {list(path)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specgraph",
+        description="specgraph: a compiler for speculative decoding (trees, verification, and soon compile()).",
+    )
+    parser.add_argument("--version", action="version", version=f"specgraph {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    info = sub.add_parser("info", help="versions, GPU, and where the embedded default model is")
+    info.add_argument("--load", action="store_true", help="also load the default model (about 20 s on CPU)")
+    info.set_defaults(func=_info)
+    tree = sub.add_parser("tree", help="print a shipped static tree, numbered depth first")
+    tree.add_argument("name", choices=["eagle1", "medusa"], help="EAGLE-1's or Medusa's mc_sim_7b_63")
+    tree.set_defaults(func=_tree)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

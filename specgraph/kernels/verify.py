@@ -1,0 +1,232 @@
+"""Tree verification: the reference implementations (plain torch, batched).
+
+These are the CPU path and the test oracle; Triton versions and the
+``specgraph::verify_*`` custom-op registration come with the kernels issue.
+
+The tree (shared by every verifier), B rows of N nodes:
+  tokens:  [B, N] int64   drafted token of each node (node 0 = the root)
+  parents: [B, N] int64   parent node, -1 for the root; parent[i] < i
+  mask:    [B, N] int64   ancestor-or-self bitmask (see kernels/bitmask.py)
+  max_depth D: int        static bound on the tree depth
+
+The verdict (``Acceptance``), all fixed-width:
+  path:       [B, D+1] accepted node indices, root first, -1 past the end
+  accept_len: [B]      entries of ``path`` in use, >= 1 (the root is committed)
+  bonus:      [B]      the target's token after the last accepted node
+  emitted:    [B, D+1] this step's new tokens: the accepted drafts, then the
+                       bonus, then -1; exactly ``accept_len`` of them
+
+Widths: path arrays are D+1 wide, node arrays N wide; never mix the two.
+Greedy and deterministic-draft sampling are loop-free; recursive rejection
+sampling with draft distributions walks at most N-1 candidates per row.
+No function here synchronises with the host.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .bitmask import first_child_next_sibling, mask_to_matrix
+
+
+class Acceptance(NamedTuple):
+    path: torch.Tensor  # [B, D+1]
+    accept_len: torch.Tensor  # [B]
+    bonus: torch.Tensor  # [B]
+    emitted: torch.Tensor  # [B, D+1]
+
+
+def _arange(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64, device=like.device)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x [B, N, V]`` at ``index [B]`` -> ``[B, V]``."""
+    return x.gather(1, index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
+
+
+def _check_tree(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor, max_depth: int) -> None:
+    if tokens.dim() != 2 or tokens.shape != parents.shape or tokens.shape != mask.shape:
+        raise ValueError(
+            f"tokens, parents and mask must all be [B, N]; got {tuple(tokens.shape)}, "
+            f"{tuple(parents.shape)}, {tuple(mask.shape)}"
+        )
+    if not 0 <= max_depth < tokens.shape[1]:
+        raise ValueError(f"max_depth is {max_depth}; a tree of {tokens.shape[1]} nodes has depth 0..{tokens.shape[1] - 1}")
+
+
+def _accept_deepest(tokens, parents, mask, match, max_depth) -> tuple[torch.Tensor, Acceptance]:
+    """Accept the deepest node whose whole root path matches (ties: lowest index).
+
+    match: [B, N] bool, whether node j's edge from its parent is accepted (the
+    root's value is ignored). returns (best node [B], Acceptance without bonus).
+    """
+    b, n = tokens.shape
+    idx = _arange(n, tokens)
+    anc = mask_to_matrix(mask, n)  # [B, N, N]: anc[b, i, j] = j is an ancestor-or-self of i
+    depth = anc.sum(-1) - 1  # [B, N]
+    match = match | (idx == 0)
+    path_ok = ~(anc & ~match.unsqueeze(1)).any(-1)  # [B, N]
+    key = torch.where(path_ok, depth * n + (n - 1 - idx), -1)
+    best = key.argmax(-1)  # [B]
+    on_path = anc.gather(1, best.view(b, 1, 1).expand(b, 1, n)).squeeze(1)  # [B, N]
+    column = torch.where(on_path, depth, max_depth + 1)  # off-path nodes land in a spare column
+    path = torch.full((b, max_depth + 2), -1, dtype=torch.int64, device=tokens.device)
+    path = path.scatter(1, column, idx.expand(b, n))[:, : max_depth + 1]
+    accept_len = depth.gather(1, best.unsqueeze(1)).squeeze(1) + 1
+    return best, Acceptance(path, accept_len, None, None)
+
+
+def _with_bonus(tokens: torch.Tensor, acc: Acceptance, bonus: torch.Tensor) -> Acceptance:
+    """Fill in ``bonus`` and ``emitted`` (accepted drafts, then the bonus)."""
+    after_root = torch.cat([acc.path[:, 1:], torch.full_like(acc.path[:, :1], -1)], 1)  # [B, D+1]
+    emitted = torch.where(after_root >= 0, tokens.gather(1, after_root.clamp(min=0)), -1)
+    emitted = emitted.scatter(1, (acc.accept_len - 1).unsqueeze(1), bonus.unsqueeze(1))
+    return Acceptance(acc.path, acc.accept_len, bonus, emitted)
+
+
+def verify_greedy(tokens, parents, mask, target_tokens, max_depth: int) -> Acceptance:
+    """Greedy tree verification.
+
+    target_tokens: [B, N] the target's argmax at every node.
+    A node is accepted iff every node on its root path drafted the target's
+    argmax at its parent. Returns the deepest accepted node's path (ties to
+    the lowest node index; siblings with distinct tokens -- every top-k
+    draft -- make this exactly the walk from the root), with the bonus
+    ``target_tokens`` at that node.
+    """
+    _check_tree(tokens, parents, mask, max_depth)
+    drafted_target = tokens == target_tokens.gather(1, parents.clamp(min=0))
+    best, acc = _accept_deepest(tokens, parents, mask, drafted_target, max_depth)
+    return _with_bonus(tokens, acc, target_tokens.gather(1, best.unsqueeze(1)).squeeze(1))
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs [..., V]`` (need not be normalised), no host sync.
+
+    Exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) picks v with
+    probability p_v / sum(p). float64 keeps ties and underflow out of the way.
+    """
+    race = torch.empty(probs.shape, dtype=torch.float64, device=probs.device).exponential_(generator=generator)
+    return (probs.to(torch.float64) / race.clamp(min=torch.finfo(torch.float64).tiny)).argmax(-1)
+
+
+def sampling_probs(logits, temperature, top_k=None, top_p=None) -> torch.Tensor:
+    """Per-row target distribution after temperature, top-k, then top-p.
+
+    logits: [B, N, V]; temperature, top_k, top_p: [B] (or scalars).
+    temperature <= 0 means greedy (one-hot argmax); top_k <= 0 and top_p >= 1
+    disable their filter. Semantics match transformers' Temperature, TopK and
+    TopP logits warpers applied in that order. returns float32 [B, N, V].
+    """
+    b, _, v = logits.shape
+
+    def per_row(x, dtype):
+        return torch.as_tensor(x, dtype=dtype, device=logits.device).expand(b).view(b, 1, 1)
+
+    temperature = per_row(temperature, torch.float32)
+    greedy = temperature <= 0
+    x = logits.float() / torch.where(greedy, 1.0, temperature)
+    if top_k is not None:
+        k = per_row(top_k, torch.int64).clamp(max=v)
+        kth = x.sort(-1, descending=True).values.gather(-1, (k - 1).clamp(min=0).expand(b, x.shape[1], 1))
+        x = torch.where((k > 0) & (x < kth), float("-inf"), x)
+    if top_p is not None:
+        p = per_row(top_p, torch.float32)
+        ascending, order = x.sort(-1)
+        cumulative = ascending.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - p
+        drop[..., -1] = False  # always keep the most likely token
+        x = torch.where(drop.scatter(-1, order, drop), float("-inf"), x)
+    probs = x.softmax(-1)
+    one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+def verify_sample(tokens, parents, mask, target_probs, max_depth: int, draft_probs=None, generator=None) -> Acceptance:
+    """Lossless sampled verification: the emitted tokens are distributed exactly
+    as sampling from the target, for any tree.
+
+    target_probs: [B, N, V] the target's (filtered) distribution at every node.
+    draft_probs:  [B, N, V] or None. Row j is the distribution node j's token
+        was drawn from, given its earlier siblings (i.i.d. drafts: the parent's
+        draft distribution; drafts without replacement: that distribution with
+        the earlier siblings removed). None means deterministic drafts (top-k):
+        every node then draws its own target sample and a child is accepted
+        iff it drafted its parent's sample (lowest index among equal tokens),
+        which is what recursive rejection reduces to for point-mass drafts.
+    With draft_probs, recursive rejection sampling (SpecInfer): at each accepted
+    node try the children best first, accept child x with probability
+    min(1, r(x) / q(x)) against the residual r, on rejection set
+    r <- norm(max(r - q, 0)); the bonus is drawn from the final residual.
+    """
+    _check_tree(tokens, parents, mask, max_depth)
+    b, n = tokens.shape
+    if target_probs.shape[:2] != (b, n):
+        raise ValueError(f"target_probs must be [B, N, V] = [{b}, {n}, V]; got {tuple(target_probs.shape)}")
+    if draft_probs is None:
+        draws = sample_categorical(target_probs, generator)  # [B, N]
+        drafted_draw = tokens == draws.gather(1, parents.clamp(min=0))
+        idx = _arange(n, tokens)
+        earlier_sibling = (parents.unsqueeze(-1) == parents.unsqueeze(-2)) & (idx.view(1, n, 1) > idx.view(1, 1, n))
+        first_match = drafted_draw & ~(earlier_sibling & drafted_draw.unsqueeze(1)).any(-1)
+        best, acc = _accept_deepest(tokens, parents, mask, first_match, max_depth)
+        return _with_bonus(tokens, acc, draws.gather(1, best.unsqueeze(1)).squeeze(1))
+    if draft_probs.shape != target_probs.shape:
+        raise ValueError(f"draft_probs must match target_probs {tuple(target_probs.shape)}; got {tuple(draft_probs.shape)}")
+    return _rejection_walk(tokens, parents, target_probs.float(), draft_probs.float(), max_depth, generator)
+
+
+def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, generator) -> Acceptance:
+    b, n = tokens.shape
+    first_child, next_sibling = first_child_next_sibling(parents)
+    rows = _arange(b, tokens)
+    path = torch.full((b, max_depth + 2), -1, dtype=torch.int64, device=tokens.device)
+    path[:, 0] = 0
+    accept_len = torch.ones(b, dtype=torch.int64, device=tokens.device)
+    candidate = first_child[:, 0]  # next child to try at the current node, -1: walk over
+    residual = target_probs[:, 0]  # [B, V]
+    for _ in range(n - 1):  # each node is tried at most once per row
+        active = candidate >= 0
+        child = candidate.clamp(min=0)
+        token = tokens[rows, child]
+        proposal = _take(draft_probs, child)  # [B, V]
+        r_x = residual[rows, token]
+        q_x = proposal[rows, token]
+        coin = torch.rand(b, generator=generator, device=tokens.device)
+        accept = active & (coin * q_x < r_x)  # probability min(1, r/q)
+        reject = active & ~accept
+        leftover = (residual - proposal).clamp(min=0)
+        total = leftover.sum(-1, keepdim=True)
+        rejected = torch.where(total > 0, leftover / total.clamp(min=1e-30), residual)
+        residual = torch.where(accept.unsqueeze(1), _take(target_probs, child),
+                               torch.where(reject.unsqueeze(1), rejected, residual))
+        path = path.scatter(1, torch.where(accept, accept_len, max_depth + 1).unsqueeze(1), child.unsqueeze(1))
+        accept_len = accept_len + accept.to(torch.int64)
+        candidate = torch.where(accept, first_child[rows, child],
+                                torch.where(reject, next_sibling[rows, child], candidate))
+    acc = Acceptance(path[:, : max_depth + 1], accept_len, None, None)
+    return _with_bonus(tokens, acc, sample_categorical(residual, generator))
+
+
+def verify_typical(tokens, parents, mask, target_logits, max_depth: int, temperature=0.7,
+                   posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, generator=None) -> Acceptance:
+    """Medusa's typical acceptance -- LOSSY: the output is not the target's distribution.
+
+    A child is accepted iff the target's probability of its token at the
+    parent exceeds min(posterior_threshold, posterior_alpha * exp(-entropy)).
+    The deepest fully accepted node wins (ties to the lowest index; Medusa
+    breaks them by path likelihood); the bonus is sampled from the target at
+    that node (argmax where temperature <= 0). Use ``verify_sample`` for
+    lossless sampling.
+    """
+    _check_tree(tokens, parents, mask, max_depth)
+    probs = sampling_probs(target_logits, temperature)  # [B, N, V]
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)  # [B, N]
+    threshold = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * (-entropy).exp())
+    p_parent = probs.gather(1, parents.clamp(min=0).unsqueeze(-1).expand_as(probs))  # [B, N, V]
+    p_token = p_parent.gather(2, tokens.unsqueeze(-1)).squeeze(-1)
+    typical = p_token > threshold.gather(1, parents.clamp(min=0))
+    best, acc = _accept_deepest(tokens, parents, mask, typical, max_depth)
+    return _with_bonus(tokens, acc, sample_categorical(_take(probs, best), generator))

@@ -1,0 +1,58 @@
+"""The embedded default model: it installs with the package set-up, loads
+offline, and greedy tree verification on it reproduces HF greedy decoding
+(the oracle: the HF eager model run on each root-to-node path alone)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specgraph import StaticTree, Tree
+from specgraph.kernels.verify import verify_greedy
+from specgraph.models import default_gguf, load_gguf
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.manual_seed(0)
+    return load_gguf()
+
+
+def test_cli_finds_the_default_model():
+    out = subprocess.run([sys.executable, "-m", "specgraph.cli", "info"], capture_output=True, text=True, check=True).stdout
+    assert str(default_gguf()) in out and "specgraph" in out
+
+
+def test_default_model_is_smollm2(smollm2):
+    model, tokenizer = smollm2
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (model.config.hidden_size, model.config.num_hidden_layers, model.config.vocab_size) == (576, 30, 49152)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
+
+
+@torch.no_grad()
+def test_greedy_tree_verification_reproduces_hf_generate(smollm2):
+    model, tokenizer = smollm2
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(text, return_tensors="pt").input_ids
+    generated = model.generate(prompt, max_new_tokens=5, do_sample=False)[0, prompt.shape[1]:].tolist()
+    g1, g2, g3, g4, _ = generated
+    other = [t for t in range(100, 110) if t not in generated]
+    # The best path drafts HF's greedy tokens except at depth 4; side branches draft other tokens.
+    spec = StaticTree([[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])
+    drafts = {(0,): g1, (1,): other[0], (0, 0): g2, (0, 1): other[1], (0, 0, 0): g3, (0, 0, 1): other[2],
+              (0, 0, 0, 0): other[3]}
+    tokens = torch.tensor([[prompt[0, -1].item()] + [drafts[p] for p in spec.choices]])
+    tree = Tree.from_spec(spec, tokens)
+    # Oracle target: the HF model over the prompt plus each node's root path, alone.
+    target = []
+    for i, path in enumerate(((),) + spec.choices):
+        ids = prompt[0].tolist() + [drafts[path[:d]] for d in range(1, len(path) + 1)]
+        target.append(model(torch.tensor([ids])).logits[0, -1].argmax().item())
+    acc = verify_greedy(tree.tokens, tree.parents, tree.mask, torch.tensor([target]), tree.max_depth)
+    assert acc.path[0].tolist() == [0, 1, 2, 3, -1]  # root, g1, g2, g3; the wrong depth-4 draft stops it
+    assert acc.emitted[0, : acc.accept_len[0]].tolist() == generated[:4]  # g1 g2 g3 + bonus g4
+    assert acc.emitted[0].tolist()[:4] == [g1, g2, g3, g4]

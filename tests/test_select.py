@@ -1,0 +1,196 @@
+"""EAGLE-2 selection: closure, depth-first numbering, ties, NaN, probability-one edges."""
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import specgraph.trees as trees
+from specgraph import Chain, DynamicTree, Tree, select_tree
+from specgraph.trees import expand_frontier, seed_frontier
+from oracles import dfs_order_ok, select_oracle
+
+# Log-probabilities that make selection hard: exact ties, probability-one
+# edges (0.0), tiny positive overshoot (low-precision log-softmax), underflow
+# to -inf, NaN from a padded row's garbage logits.
+HARD = [0.0, -0.0, 1e-7, -0.5, -0.5, -1.0, -2.0, -30.0, float("-inf"), float("nan")]
+logprob = st.one_of(st.sampled_from(HARD), st.floats(-20.0, 0.0))
+
+
+@st.composite
+def draft_steps(draw):
+    """A DynamicTree and the per-step draft outputs of B rows."""
+    steps, topk = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    spec = DynamicTree(steps, topk, draw(st.integers(2, min(64, topk + (steps - 1) * topk * topk + 1))))
+    b = draw(st.integers(1, 3))
+    seed = [[draw(logprob) for _ in range(topk)] for _ in range(b)]
+    later = [[[[draw(logprob) for _ in range(topk)] for _ in range(topk)] for _ in range(b)] for _ in range(steps - 1)]
+    return spec, torch.tensor(seed), [torch.tensor(x) for x in later]
+
+
+def run_draft(spec, seed, later):
+    """Drive the draft loop helpers; candidate c gets token 1000 + c (so a token names its candidate)."""
+    b, k = seed.shape
+    frontier = seed_frontier(seed, 1000 + torch.arange(k).expand(b, k))
+    steps = [frontier]
+    for s, logprobs in enumerate(later, start=1):
+        base = 1000 + k + (s - 1) * k * k
+        frontier = expand_frontier(frontier, logprobs, base + torch.arange(k * k).view(k, k).expand(b, k, k), s)
+        steps.append(frontier)
+    cat = lambda name: torch.cat([getattr(f, name) for f in steps], 1)  # noqa: E731
+    return cat("scores"), cat("tokens"), cat("parents")
+
+
+def check_selection(tree, scores, tokens, parents, spec):
+    """The properties every selection must have, row by row, against the oracle."""
+    tree.validate()  # root, parent < i, depth-first numbering
+    for b in range(tree.batch_size):
+        got_tokens, got_parents = tree.tokens[b].tolist(), tree.parents[b].tolist()
+        source = [-1] + [t - 1000 for t in got_tokens[1:]]
+        # closure: a node's parent is its candidate's parent candidate (the root for -1)
+        for i in range(1, spec.num_nodes):
+            assert source[got_parents[i]] == parents[b, source[i]].item(), f"row {b}: node {i}'s parent was not kept"
+        assert dfs_order_ok(got_parents)
+        want_tokens, want_parents, _, clamped, nan = select_oracle(
+            scores[b].tolist(), tokens[b].tolist(), parents[b].tolist(), got_tokens[0], spec.num_nodes)
+        assert got_tokens == want_tokens and got_parents == want_parents
+        # the best child comes first, so following first children from the root is 0, 1, 2, ...
+        node, walk = 0, [0]
+        while tree.first_child[b, node].item() >= 0:
+            node = tree.first_child[b, node].item()
+            walk.append(node)
+        assert walk == list(range(len(walk)))
+        for i in range(spec.num_nodes):  # siblings in rank order
+            j = tree.next_sibling[b, i].item()
+            if j > 0:
+                ki, kj = (nan[source[i]], -clamped[source[i]], source[i]), (nan[source[j]], -clamped[source[j]], source[j])
+                assert ki < kj
+
+
+@given(draft_steps())
+def test_selection_from_the_draft_loop(case):
+    spec, seed, later = case
+    scores, tokens, parents = run_draft(spec, seed, later)
+    root = torch.full((seed.shape[0],), 7)
+    check_selection(select_tree(scores, tokens, parents, root, spec), scores, tokens, parents, spec)
+
+
+@st.composite
+def candidate_lists(draw):
+    """Arbitrary candidate lists with the step structure (a step-s candidate's
+    parent is any step-(s-1) candidate), not only the lanes' children."""
+    steps, topk = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    spec = DynamicTree(steps, topk, draw(st.integers(2, min(64, topk + (steps - 1) * topk * topk + 1))))
+    b = draw(st.integers(1, 2))
+    rows = []
+    for _ in range(b):
+        parents, prev = [-1] * topk, list(range(topk))
+        for s in range(1, steps):
+            base = topk + (s - 1) * topk * topk
+            parents += [draw(st.sampled_from(prev)) for _ in range(topk * topk)]
+            prev = list(range(base, base + topk * topk))
+        rows.append(parents)
+    e = spec.num_candidates
+    scores = torch.tensor([[draw(logprob) for _ in range(e)] for _ in range(b)])
+    return spec, scores, torch.tensor(rows)
+
+
+@given(candidate_lists())
+def test_selection_from_raw_candidates(case):
+    spec, scores, parents = case
+    tokens = 1000 + torch.arange(spec.num_candidates).expand_as(parents)
+    tree = select_tree(scores, tokens, parents, torch.zeros(parents.shape[0], dtype=torch.long), spec)
+    check_selection(tree, scores, tokens, parents, spec)
+
+
+@given(draft_steps())
+def test_lanes_are_the_best_k_of_each_step(case):
+    spec, seed, later = case
+    b, k = seed.shape
+    frontier = seed_frontier(seed, torch.zeros(b, k, dtype=torch.long))
+    for s, logprobs in enumerate(later, start=1):
+        frontier = expand_frontier(frontier, logprobs, torch.zeros(b, k, k, dtype=torch.long), s)
+        for row in range(b):
+            sc = frontier.scores[row].tolist()
+            key = sorted(range(k * k), key=lambda c: (math.isnan(sc[c]), -(float("-inf") if math.isnan(sc[c]) else sc[c]), c))
+            assert frontier.lane_rows[row].tolist() == key[:k]
+            # a child never scores above its lane
+            lane = frontier.lane_rows[row] // k
+            assert not (frontier.lane_scores[row] > frontier.scores[row].view(k, k).max(-1).values.nan_to_num(float("inf"))[lane]).any()
+
+
+@given(st.integers(1, 20), st.lists(logprob, min_size=20 * 1 + 1, max_size=21))
+def test_topk_one_is_the_chain(steps, values):
+    spec = DynamicTree(steps=steps, topk=1, nodes=steps + 1)
+    scores = torch.tensor(values[:steps]).unsqueeze(0)
+    parents = torch.arange(-1, steps - 1).unsqueeze(0)
+    tree = select_tree(scores, torch.arange(steps).unsqueeze(0), parents, torch.tensor([5]), spec)
+    chain = Tree.from_spec(Chain(steps), torch.zeros(1, steps + 1, dtype=torch.long))
+    assert torch.equal(tree.parents, chain.parents) and torch.equal(tree.mask, chain.mask)
+    assert tree.tokens[0].tolist() == [5] + list(range(steps))
+
+
+def test_probability_one_edge_keeps_parent_before_child():
+    # Two roots' children tie at -1; candidate 0's child (id 2) has log-prob 0:
+    # child and parent tie exactly, and only one node fits.
+    spec = DynamicTree(steps=2, topk=2, nodes=2)
+    scores = torch.tensor([[-1.0, -1.0, -1.0, -5.0, -5.0, -5.0]])
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
+    tree = select_tree(scores, 1000 + torch.arange(6).unsqueeze(0), parents, torch.tensor([0]), spec)
+    assert tree.tokens[0].tolist() == [0, 1000]
+
+
+def test_ties_to_the_higher_id_break_closure(monkeypatch):
+    """Keep the suite honest: break the tie rule and the closure check must fail."""
+
+    real_rule = trees.rank_order
+
+    def ties_to_higher_id(scores, nan):  # rank the reversed ids, then map back
+        return scores.shape[-1] - 1 - real_rule(scores.flip(-1), nan.flip(-1))
+
+    monkeypatch.setattr(trees, "rank_order", ties_to_higher_id)
+    spec = DynamicTree(steps=2, topk=2, nodes=2)
+    scores = torch.tensor([[-1.0, -1.0, -1.0, -5.0, -5.0, -5.0]])
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
+    tokens = 1000 + torch.arange(6).unsqueeze(0)
+    tree = select_tree(scores, tokens, parents, torch.tensor([0]), spec)
+    with pytest.raises(AssertionError, match="parent was not kept"):
+        check_selection(tree, scores, tokens, parents, spec)
+
+
+def test_nan_ranks_last_and_taints_descendants():
+    spec = DynamicTree(steps=2, topk=2, nodes=4)
+    nan = float("nan")
+    # candidate 0 is NaN (its children 2, 3 look great but inherit NaN); 1 is -inf
+    scores = torch.tensor([[nan, float("-inf"), -0.1, -0.2, -1.0, -2.0]])
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
+    tokens = 1000 + torch.arange(6).unsqueeze(0)
+    tree = select_tree(scores, tokens, parents, torch.tensor([0]), spec)
+    check_selection(tree, scores, tokens, parents, spec)
+    # -inf candidate 1 and its children (clamped to -inf) first, then NaN candidate 0
+    assert tree.tokens[0].tolist() == [0, 1001, 1004, 1005]
+
+
+def test_select_errors_name_the_argument():
+    spec = DynamicTree(steps=2, topk=2, nodes=4)
+    ok = torch.zeros(1, 6)
+    with pytest.raises(ValueError, match=r"must be \[B, 6\]"):
+        select_tree(torch.zeros(1, 5), ok.long(), ok.long(), torch.zeros(1, dtype=torch.long), spec)
+    with pytest.raises(ValueError, match="root_tokens must be"):
+        select_tree(ok, ok.long(), ok.long(), torch.zeros(2, dtype=torch.long), spec)
+
+
+def test_selection_and_ancestry_run_on_the_meta_device():
+    """Meta tensors have no values: any host sync (.item(), nonzero, boolean
+    indexing, data-dependent shapes) would raise. Proof the hot path has none."""
+    spec = DynamicTree(steps=5, topk=4, nodes=16)
+    meta = dict(device="meta")
+    seed = seed_frontier(torch.empty(2, 4, **meta), torch.empty(2, 4, dtype=torch.long, **meta))
+    frontier, steps = seed, [seed]
+    for s in range(1, 5):
+        frontier = expand_frontier(frontier, torch.empty(2, 4, 4, **meta), torch.empty(2, 4, 4, dtype=torch.long, **meta), s)
+        steps.append(frontier)
+    cat = lambda name: torch.cat([getattr(f, name) for f in steps], 1)  # noqa: E731
+    tree = select_tree(cat("scores"), cat("tokens"), cat("parents"), torch.empty(2, dtype=torch.long, **meta), spec)
+    assert tree.mask.shape == (2, 16) and tree.mask.device.type == "meta"
