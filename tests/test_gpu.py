@@ -64,10 +64,11 @@ def test_sampled_verify_has_no_host_sync(cuda):
     seed, later, tokens, root, logits = make_inputs(cuda, spec)
     tree, _ = step(seed, later, tokens, root, logits, spec)
     temperature = torch.tensor([0.0, 0.7, 1.0, 1.3], device=cuda)
+    top_k, top_p = torch.tensor([0, 5, 10, 0], device=cuda), torch.tensor([1.0, 0.9, 0.8, 0.5], device=cuda)
     g = torch.Generator(device=cuda).manual_seed(0)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        probs = sampling_probs(logits, temperature, torch.tensor([0, 5, 10, 0], device=cuda), torch.tensor([1.0, 0.9, 0.8, 0.5], device=cuda))
+        probs = sampling_probs(logits, temperature, top_k, top_p)
         a = verify_sample(tree.tokens, tree.parents, tree.mask, probs, tree.max_depth, generator=g)
         b = verify_sample(tree.tokens, tree.parents, tree.mask, probs, tree.max_depth, draft_probs=logits.softmax(-1), generator=g)
     finally:
