@@ -274,8 +274,12 @@ class Frontier(NamedTuple):
     lane_rows: torch.Tensor
 
 
+def _nan_to_neg_inf(scores: torch.Tensor) -> torch.Tensor:
+    return torch.where(scores.isnan(), float("-inf"), scores)  # nan_to_num would also turn -inf finite
+
+
 def _frontier(scores, tokens, parents, ids, k) -> Frontier:
-    clean = torch.nan_to_num(scores, nan=float("-inf"))
+    clean = _nan_to_neg_inf(scores)
     rows = rank_order(clean, scores.isnan())[:, :k]
     return Frontier(scores, tokens, parents, clean.gather(1, rows), ids.gather(1, rows), rows)
 
@@ -327,7 +331,7 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     # Clamp to the ancestors' minimum and inherit NaN, by pointer doubling
     # (candidate chains are at most `steps` long). Column e is the root.
     nan = scores.isnan()
-    clean = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    clean = _nan_to_neg_inf(scores.float())
     up = torch.where(parents >= 0, parents, e).to(torch.int64)
     for _ in range((spec.steps - 1).bit_length()):
         clean = torch.minimum(clean, torch.cat([clean, clean.new_full((b, 1), float("inf"))], 1).gather(1, up))
