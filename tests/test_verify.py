@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specgraph import Chain, StaticTree, Tree
+import specgraph.kernels  # noqa: F401  (registers the ops)
 from specgraph.kernels.verify import sampling_probs, verify_greedy, verify_sample, verify_typical
 from oracles import longest_accepted_path
 from strategies import dfs_parents
@@ -137,3 +138,25 @@ def test_typical_acceptance_is_greedy_at_temperature_zero_and_lossy_above():
     typical = verify_typical(*_args(tree), logits, tree.max_depth, temperature=1.0)
     assert typical.path.tolist() == [[0, 1, 2]]  # accepts the non-argmax draft: lossy by design
     assert typical.accept_len.tolist() == [3]
+
+
+# ----------------------------------------------------------------------------- the greedy op
+@given(tree_and_targets())
+def test_greedy_op_and_triton_kernel_match_the_reference(case):
+    import os
+
+    from specgraph.kernels.verify import verify_greedy_triton
+
+    parents, tokens, targets = case
+    b, n = tokens.shape
+    tree = Tree.from_parents(tokens, torch.tensor(parents).expand(b, n))
+    want = verify_greedy(*_args(tree), targets, tree.max_depth)
+    got = torch.ops.specgraph.verify_greedy(*_args(tree), targets, tree.max_depth)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+        move = lambda x: x.to(device)  # noqa: E731
+        got = verify_greedy_triton(move(tree.tokens), move(tree.parents), move(tree.mask), move(targets), tree.max_depth)
+        for name, w, g in zip(want._fields, want, got):
+            assert torch.equal(w, g.cpu()), name

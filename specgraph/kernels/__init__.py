@@ -1,5 +1,17 @@
 """specgraph's ops: one module per op (Triton kernel, registration, plain-torch reference).
 
-Imports nothing else of specgraph. Built so far: ``bitmask`` (ancestor masks)
-and ``verify`` (reference verification).
+Imports nothing else of specgraph. Importing this package registers the
+``torch.ops.specgraph.*`` ops. ``DECOMPOSITIONS`` maps each op to standard
+aten ops (``ExportedProgram.run_decompositions(DECOMPOSITIONS)``: what ONNX
+and TensorRT export lower to).
 """
+import torch
+
+from . import compact_kv as _compact_kv  # noqa: F401
+from . import tree_attention as _tree_attention
+from . import verify as _verify
+
+DECOMPOSITIONS = {
+    torch.ops.specgraph.tree_attention.default: _tree_attention.tree_attention_reference,
+    torch.ops.specgraph.verify_greedy.default: _verify.verify_greedy_decomposition,
+}

@@ -11,6 +11,8 @@ runs under CUDA-graph capture and on the meta device.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 MAX_NODES = 64
 
@@ -26,9 +28,15 @@ def check_num_nodes(n: int, what: str = "number of tree nodes") -> None:
 
 
 def node_bits(n: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[n]`` int64 with element j equal to ``1 << j``."""
-    one = torch.ones(n, dtype=torch.int64, device=device)
-    return torch.bitwise_left_shift(one, torch.arange(n, dtype=torch.int64, device=device))
+    """``[n]`` int64 with element j equal to ``1 << j`` (j = 63 is the sign bit).
+
+    Built on the device from exact float64 powers of two, not with a shift:
+    traced graphs then need only bitwise_and (ONNX has no signed BitShift),
+    and nothing is copied from the host (CUDA-graph capture).
+    """
+    j = torch.arange(n, dtype=torch.float64, device=device)
+    powers = torch.exp2(j.clamp(max=62)).to(torch.int64)
+    return torch.where(j < 63, powers, torch.iinfo(torch.int64).min)
 
 
 def mask_to_matrix(mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -83,3 +91,19 @@ def first_child_next_sibling(parents: torch.Tensor) -> tuple[torch.Tensor, torch
     nxt = torch.where(later_sibling, idx.view(1, 1, n), n).amin(-1)
     none = torch.full_like(first, -1)
     return torch.where(first == n, none, first), torch.where(nxt == n, none, nxt)
+
+
+# ----------------------------------------------------------------------------- Triton helpers
+@triton.jit
+def bit_or(a, b):
+    """Combine function for ``tl.reduce``: the union of bitmasks."""
+    return a | b
+
+
+@triton.jit
+def popcount64(x):
+    """Set bits of each int64 in ``x`` (int32)."""
+    count = tl.zeros(x.shape, tl.int32)
+    for j in tl.static_range(64):
+        count += ((x >> j) & 1).to(tl.int32)
+    return count

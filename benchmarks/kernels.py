@@ -1,0 +1,206 @@
+"""Kernel benchmark (GPU): tree_attention against its peers, and the verify /
+compact ops against their torch references, all measured in one run.
+
+    python benchmarks/kernels.py [--quick] [--out DIR]
+
+For every (shape, B, prefix, N), bf16: median time of
+  tree      specgraph::tree_attention (the Triton kernel)
+  sdpa      F.scaled_dot_product_attention with an explicit boolean mask
+  flex      FlexAttention (torch.compile'd) with a block mask built from the tree
+  decode    SDPA without a mask at N = 1 (the plain decode path)
+and the bandwidth tree_attention achieves (K/V of prefix+tree read once, plus
+q and out) as a fraction of the device-to-device copy bandwidth measured in
+the same run. Trees are random depth-first trees of N nodes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import specgraph.kernels  # noqa: E402,F401
+from specgraph.kernels.bitmask import ancestor_masks  # noqa: E402
+from specgraph.kernels.compact_kv import compact_kv_reference  # noqa: E402
+from specgraph.kernels.verify import verify_greedy  # noqa: E402
+
+SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # H, H_kv, D
+BATCHES, PREFIXES, NODES = (1, 8, 32, 64), (1024, 4096, 32768), (1, 8, 16, 64)
+
+
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, read + write counted."""
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def random_tree_masks(b: int, n: int, seed: int) -> torch.Tensor:
+    return ancestor_masks(random_parents(b, n, seed))[0]
+
+
+def random_parents(b: int, n: int, seed: int) -> torch.Tensor:
+    """[B, N] random trees numbered depth first."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(b):
+        parents = [-1]
+        for i in range(1, n):
+            path = [i - 1]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            parents.append(rng.choice(path))
+        rows.append(parents)
+    return torch.tensor(rows)
+
+
+_flex = None
+
+
+def flex_runner(q, k, v, cache_len: int, tree_mask):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _flex
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=False)
+    b, h, n, _ = q.shape
+
+    def tree_mod(bi, hi, qi, ki):
+        rel = ki - cache_len
+        bit = (tree_mask[bi, qi] >> rel.clamp(0, 63)) & 1
+        return (ki < cache_len) | ((rel >= 0) & (rel < 64) & (bit == 1))
+
+    block = create_block_mask(tree_mod, b, None, n, k.shape[2], device="cuda")
+    return lambda: _flex(q, k, v, block_mask=block, enable_gqa=True)
+
+
+def bench_attention(shape: str, b: int, prefix: int, n: int, bandwidth: float, with_flex: bool) -> dict:
+    h, h_kv, d = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s_max = prefix + 64
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, h_kv, s_max, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, h_kv, s_max, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache_len = torch.full((b,), prefix, device="cuda", dtype=torch.int32)
+    tree_mask = random_tree_masks(b, n, seed=b * n).cuda()
+    scale = d**-0.5
+    row = dict(shape=shape, B=b, prefix=prefix, N=n)
+
+    tree = lambda: torch.ops.specgraph.tree_attention(q, k, v, cache_len, tree_mask, scale, 0)  # noqa: E731
+    out = tree()
+    row["tree_ms"] = median_ms(tree)
+    moved = 2 * b * h_kv * (prefix + n) * d * 2 + 2 * b * h * n * d * 2
+    row["floor_ms"] = moved / bandwidth * 1e3
+    row["bw_frac"] = row["floor_ms"] / row["tree_ms"]
+
+    kk, vv = k[:, :, : prefix + n], v[:, :, : prefix + n]
+    bits = (tree_mask.unsqueeze(-1) >> torch.arange(n, device="cuda")) & 1  # [B, N, N]
+    dense = torch.cat([torch.ones(b, n, prefix, dtype=torch.bool, device="cuda"), bits.bool()], -1).unsqueeze(1)
+    sdpa = lambda: F.scaled_dot_product_attention(q, kk, vv, attn_mask=dense, scale=scale, enable_gqa=True)  # noqa: E731
+    try:
+        row["max_abs_diff"] = (sdpa().float() - out.float()).abs().max().item()
+        row["sdpa_ms"] = median_ms(sdpa)
+    except torch.OutOfMemoryError:
+        row["sdpa_ms"] = None
+    if with_flex:
+        try:
+            flex = flex_runner(q, kk, vv, prefix, tree_mask)
+            flex()
+            row["flex_ms"] = median_ms(flex)
+        except Exception as err:  # noqa: BLE001 - report, keep measuring the rest
+            row["flex_ms"], row["flex_error"] = None, f"{type(err).__name__}: {err}"[:200]
+    if n == 1:
+        kd, vd = k[:, :, : prefix + 1], v[:, :, : prefix + 1]
+        row["decode_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, kd, vd, scale=scale, enable_gqa=True))
+    del q, k, v, kk, vv, dense
+    return row
+
+
+def bench_ops() -> list[dict]:
+    """verify_greedy and compact_kv: Triton op vs the torch reference."""
+    rows = []
+    for b, n in [(1, 8), (1, 64), (32, 8), (32, 64)]:
+        parents = random_parents(b, n, seed=n).cuda()
+        masks = ancestor_masks(parents)[0]
+        tokens = torch.randint(0, 3, (b, n), device="cuda")
+        target = torch.randint(0, 3, (b, n), device="cuda")
+        ref = lambda: verify_greedy(tokens, parents, masks, target, n - 1)  # noqa: E731
+        op = lambda: torch.ops.specgraph.verify_greedy(tokens, parents, masks, target, n - 1)  # noqa: E731
+        rows.append(dict(op="verify_greedy", B=b, N=n, triton_ms=median_ms(op), torch_ms=median_ms(ref)))
+    for b, layers in [(1, 30), (32, 32)]:
+        kv = torch.randn(2 * layers, b, 8, 4096 + 64, 128, device="cuda", dtype=torch.bfloat16)
+        cache_len = torch.full((b,), 4000, device="cuda")
+        path = torch.tensor([[0, 2, 5, 9, 12, -1, -1, -1]], device="cuda").expand(b, -1).contiguous()
+        accept_len = torch.full((b,), 5, device="cuda")
+        op = lambda: torch.ops.specgraph.compact_kv(kv, cache_len, path, accept_len)  # noqa: E731
+        ref = lambda: compact_kv_reference(kv, cache_len, path, accept_len)  # noqa: E731
+        rows.append(dict(op="compact_kv", B=b, N=2 * layers, triton_ms=median_ms(op), torch_ms=median_ms(ref)))
+        del kv
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only the acceptance configurations (B=32, 4k, 8B shapes)")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
+    parser.add_argument("--budget-s", type=float, default=480, help="stop starting new configurations after this")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    from tqdm import tqdm
+
+    started = time.time()
+    bandwidth = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    configs = [("llama8b", 32, 4096, n) for n in NODES]
+    if not args.quick:
+        configs += [(s, b, p, n) for s in SHAPES for b in BATCHES for p in PREFIXES for n in NODES
+                    if (s, b, p, n) not in configs]
+    rows = []
+    for shape, b, prefix, n in tqdm(configs, desc="attention", file=sys.stderr):
+        if time.time() - started > args.budget_s:
+            print(f"# budget reached: {len(configs) - len(rows)} configurations not measured")
+            break
+        rows.append(bench_attention(shape, b, prefix, n, bandwidth, with_flex=not args.no_flex))
+        torch.cuda.empty_cache()
+    ops = bench_ops()
+
+    def fmt(x, spec=".3f"):
+        return "n/a" if x is None else format(x, spec)
+
+    header = "| shape | B | prefix | N | tree ms | floor ms | % of copy bw | sdpa+mask ms | flex ms | decode ms | sdpa/tree | flex/tree | tree N / tree N=1 |"
+    lines = [header, "|" + "---|" * 13]
+    base = {(r["shape"], r["B"], r["prefix"]): r["tree_ms"] for r in rows if r["N"] == 1}
+    for r in rows:
+        ratio = lambda key: None if r.get(key) is None else r[key] / r["tree_ms"]  # noqa: E731
+        vs_decode = base.get((r["shape"], r["B"], r["prefix"]))
+        lines.append(f"| {r['shape']} | {r['B']} | {r['prefix']} | {r['N']} | {fmt(r['tree_ms'])} | {fmt(r['floor_ms'])} | "
+                     f"{100 * r['bw_frac']:.0f}% | {fmt(r.get('sdpa_ms'))} | {fmt(r.get('flex_ms'))} | {fmt(r.get('decode_ms'))} | "
+                     f"{fmt(ratio('sdpa_ms'), '.2f')} | {fmt(ratio('flex_ms'), '.2f')} | "
+                     f"{fmt(None if vs_decode is None else r['tree_ms'] / vs_decode, '.2f')} |")
+    lines += ["", "| op | B | N (nodes / caches) | Triton ms | torch ms | torch/Triton |", "|---|---|---|---|---|---|"]
+    for r in ops:
+        lines.append(f"| {r['op']} | {r['B']} | {r['N']} | {r['triton_ms']:.4f} | {r['torch_ms']:.4f} | {r['torch_ms'] / r['triton_ms']:.1f} |")
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.md").write_text(table + "\n")
+    (args.out / "kernels.json").write_text(json.dumps(dict(bandwidth=bandwidth, attention=rows, ops=ops), indent=1))
+    errors = [r for r in rows if r.get("max_abs_diff", 0) > 0.05]
+    if errors:
+        print(f"# WARNING: {len(errors)} configurations differ from SDPA by > 0.05")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""``specgraph::tree_attention``: attention over a committed prefix plus a
+tree window under a 64-bit ancestor mask.
+
+Contract (settled):
+  q:        [B, H, R, D]      R query rows (N tree nodes, or K draft lanes)
+  k_cache:  [B, H_kv, S_max, D], v_cache likewise (H % H_kv == 0: GQA)
+  cache_len:[B] int           committed slots 0 .. cache_len-1; the tree window
+                              is slots cache_len .. cache_len+63
+  tree_mask:[B, R] int64      bit j: window slot cache_len+j is an
+                              ancestor-or-self of query i (depth = popcount-1)
+  scale: float; window: int   0 = full attention; else keys at positions
+                              > q_pos - window, q_pos = cache_len + depth(i)
+  out:      [B, H, R, D] contiguous, q's dtype
+Query i attends to every committed key (inside the sliding window, if any)
+and to exactly the window slots its mask row names.
+
+The kernel reads the prefix once per KV head for all G*R query rows of the
+group (GQA rows stacked into the M dimension of one tile), split over the
+prefix (flash-decoding) when B*H_kv programs cannot fill the GPU; the split
+holding the prefix's end also takes the 64-slot window under the mask. No
+mask tensor larger than [B, R] exists. Unused window slots never reach a
+dot product (V is loaded as 0 there: 0 * garbage would be NaN).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .bitmask import bit_or, mask_to_matrix, node_bits, popcount64
+
+WINDOW_SLOTS = 64
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    if UPCAST:  # the CPU interpreter's bf16 tl.dot is wrong (triton 3.7): do it in fp32 there
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if a.dtype == tl.float32:  # fp32 inputs get fp32 products, not TF32
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, s, v, UPCAST: tl.constexpr):
+    """Fold one tile of base-2 logits s [M, N] and values v [N, D] into the running state."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_kernel(
+    Q, K, V, CacheLen, Mask, Out, PartO, PartLse,
+    stride_qb, stride_qh, stride_qr, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_mb, stride_mr,
+    H_KV, R, S_MAX, qk_scale, window,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)  # tile of the G*R (group head, query row) pairs: fastest, so tiles share K/V in L2
+    pid_bh = tl.program_id(1)  # b * H_KV + kv head
+    pid_s = tl.program_id(2)  # split of the prefix
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * R
+    g = rows // R
+    r = rows % R
+    h = kvh * G + g
+    dims = tl.arange(0, HEAD_DIM)
+
+    q_ptr = Q + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + r[:, None] * stride_qr + dims[None, :] * stride_qd
+    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [M, D]
+    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    cache_len = tl.load(CacheLen + b).to(tl.int32)
+    tree_mask = tl.load(Mask + b * stride_mb + r * stride_mr, mask=row_ok, other=0)  # [M] int64
+
+    lo = 0
+    if HAS_WINDOW:
+        q_pos = cache_len + popcount64(tree_mask) - 1
+        lo = tl.maximum(cache_len - window + 1, 0)  # the root (depth 0) sees the least
+    chunk = tl.cdiv(tl.cdiv(cache_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + pid_s * chunk
+    end = tl.minimum(start + chunk, cache_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for block in range(start, end, BLOCK_N):  # the committed prefix
+        keys = block + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        k = tl.load(k_base + keys[None, :] * stride_ks + dims[:, None] * stride_kd, mask=key_ok[None, :], other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
+        s = _dot(q, k, UPCAST) * qk_scale
+        ok = key_ok[None, :]
+        if HAS_WINDOW:
+            ok = ok & (keys[None, :] > q_pos[:, None] - window)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, tl.where(ok, s, float("-inf")), v, UPCAST)
+
+    if pid_s == NUM_SPLITS - 1:  # the tree window, under the ancestor mask
+        offs = tl.arange(0, WINDOW_SLOTS)
+        slots = cache_len + offs
+        used = (((tl.reduce(tree_mask, 0, bit_or) >> offs) & 1) != 0) & (slots < S_MAX)
+        k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, mask=used[None, :], other=0.0)
+        v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd, mask=used[:, None], other=0.0)
+        ancestor = ((tree_mask[:, None] >> offs[None, :]) & 1) != 0
+        s = tl.where(ancestor & used[None, :], _dot(q, k, UPCAST) * qk_scale, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, UPCAST)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    # rows of [B, H, R] are contiguous in Out/PartO/PartLse
+    row_id = (b.to(tl.int64) * (H_KV * G) + h) * R + r
+    if NUM_SPLITS == 1:
+        tl.store(Out + row_id[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = row_id * NUM_SPLITS + pid_s
+        tl.store(PartO + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
+        tl.store(PartLse + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(PartO, PartLse, Out, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one (b, h, r) row
+    splits = tl.arange(0, SPLITS_POW2)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(PartLse + row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    o = tl.load(PartO + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :], mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(o * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + row * HEAD_DIM + dims, out.to(Out.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None):
+    b, h, r, d = q.shape
+    rows = (h // h_kv) * r
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    block_n = 64 if d <= 128 else 32
+    m_tiles = triton.cdiv(rows, block_m)
+    if num_splits is None:
+        sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
+        num_splits = max(1, min(triton.cdiv(2 * sms, b * h_kv * m_tiles), triton.cdiv(s_max, 4 * block_n), 64))
+    num_warps = 8 if block_m * d >= 128 * 128 else 4
+    return block_m, block_n, m_tiles, num_splits, num_warps
+
+
+def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: float, window: int,
+                          num_splits: int | None = None) -> torch.Tensor:
+    """Launch the Triton kernel (CUDA, or the interpreter with TRITON_INTERPRET=1)."""
+    b, h, r, d = q.shape
+    h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
+    block_m, block_n, m_tiles, splits, num_warps = _launch_config(q, h_kv, s_max, num_splits)
+    out = torch.empty((b, h, r, d), dtype=q.dtype, device=q.device)
+    if splits > 1:
+        part_o = torch.empty((b * h * r * splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b * h * r * splits,), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _tree_attention_kernel[(m_tiles, b * h_kv, splits)](
+        q, k_cache, v_cache, cache_len, tree_mask, out, part_o, part_lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(),
+        h_kv, r, s_max, scale * LOG2E, window,
+        G=h // h_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
+        HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS, num_warps=num_warps,
+        UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(b * h * r,)](part_o, part_lse, out, NUM_SPLITS=splits,
+                                           SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=d)
+    return out
+
+
+# ----------------------------------------------------------------------------- the op
+def _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window) -> None:
+    problems = []
+    if q.dim() != 4 or k_cache.dim() != 4:
+        raise ValueError(f"tree_attention: q must be [B, H, R, D] and k_cache [B, H_kv, S_max, D]; got "
+                         f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
+    b, h, r, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        problems.append(f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}")
+    if k_cache.shape[0] != b or k_cache.shape[3] != d:
+        problems.append(f"k_cache {tuple(k_cache.shape)} must be [B={b}, H_kv, S_max, D={d}]")
+    if h % k_cache.shape[1] != 0:
+        problems.append(f"H={h} query heads must be a multiple of H_kv={k_cache.shape[1]}")
+    if not 1 <= r <= WINDOW_SLOTS:
+        problems.append(f"R={r} query rows: 1 .. {WINDOW_SLOTS} allowed")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        problems.append(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if cache_len.shape != (b,) or cache_len.dtype not in (torch.int32, torch.int64):
+        problems.append(f"cache_len must be [B={b}] int32/int64; got {tuple(cache_len.shape)} {cache_len.dtype}")
+    if tree_mask.shape != (b, r) or tree_mask.dtype != torch.int64:
+        problems.append(f"tree_mask must be [B={b}, R={r}] int64; got {tuple(tree_mask.shape)} {tree_mask.dtype}")
+    if window < 0:
+        problems.append(f"window={window}: 0 (full attention) or a positive sliding-window width")
+    if problems:
+        raise ValueError("tree_attention: " + "; ".join(problems))
+
+
+def tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale: float, window: int) -> torch.Tensor:
+    """Plain torch, float32 math: the CPU path, the decomposition, the kernel's oracle.
+
+    Builds the [B, R, S_max] mask explicitly (fine for a reference; the kernel never does).
+    """
+    b, h, r, d = q.shape
+    h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
+    slots = torch.arange(s_max, device=q.device).view(1, 1, s_max)
+    committed_len = cache_len.to(torch.int64).view(b, 1, 1)
+    ancestors = mask_to_matrix(tree_mask, WINDOW_SLOTS)  # [B, R, 64]
+    committed = slots < committed_len  # [B, 1, S]
+    if window > 0:
+        q_pos = committed_len + ancestors.sum(-1, keepdim=True) - 1  # [B, R, 1]
+        committed = committed & (slots > q_pos - window)
+    offset = slots - committed_len  # [B, 1, S]: window slot index
+    in_window = (offset >= 0) & (offset < WINDOW_SLOTS)
+    named = (tree_mask.unsqueeze(-1) & node_bits(WINDOW_SLOTS, q.device)[offset.clamp(0, WINDOW_SLOTS - 1)]) != 0
+    allowed = committed | (in_window & named)  # [B, R, S]
+    used = allowed.any(1)  # [B, S]: slots any query reads (others may hold garbage)
+    g = h // h_kv
+    k = k_cache.float().repeat_interleave(g, dim=1)
+    v = torch.where(used.view(b, 1, s_max, 1), v_cache.float(), 0.0).repeat_interleave(g, dim=1)
+    scores = (q.float() @ k.transpose(-1, -2)) * scale  # [B, H, R, S]
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row with no key at all -> zeros
+    return (probs @ v).to(q.dtype).contiguous()
+
+
+@torch.library.custom_op("specgraph::tree_attention", mutates_args=())
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor,
+                   tree_mask: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Tree-masked attention (contract in the module docstring). CPU: the reference."""
+    _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
+    return tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
+
+
+@tree_attention.register_kernel("cuda")
+def _tree_attention_cuda(q, k_cache, v_cache, cache_len, tree_mask, scale, window):
+    _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
+    if q.shape[-1] not in (16, 32, 64, 128, 256):
+        return tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
+    return tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
+
+
+@tree_attention.register_fake
+def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask, scale, window):
+    _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
+    return q.new_empty(q.shape)  # contiguous, like the real output
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

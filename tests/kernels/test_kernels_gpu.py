@@ -1,0 +1,81 @@
+"""The kernels on the GPU at real shapes: against the reference, under CUDA
+graphs and torch.compile. Marked gpu: skipped without CUDA."""
+import pytest
+import torch
+
+import specgraph.kernels  # noqa: F401
+from specgraph.kernels.compact_kv import compact_kv_reference
+from specgraph.kernels.tree_attention import tree_attention_reference, tree_attention_triton
+from attention_cases import make_case, oracle
+
+pytestmark = pytest.mark.gpu
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("seed", range(30))
+def test_fuzz_against_reference_and_oracle(seed, dtype):
+    case = make_case(1000 + seed, dtype=dtype).to(device="cuda")
+    got = torch.ops.specgraph.tree_attention(*case.args())
+    want = tree_attention_reference(*case.args())
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+    if seed < 5:
+        torch.testing.assert_close(got.double().cpu(), oracle(case.to(device="cpu")), atol=4 * TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("h_kv, g, d", [(8, 4, 128), (3, 3, 64), (1, 4, 256)])
+@pytest.mark.parametrize("r, lanes", [(1, False), (8, False), (64, False), (4, True)])
+@pytest.mark.parametrize("window", [0, 1000])
+def test_real_shapes(h_kv, g, d, r, lanes, window):
+    case = make_case(7, b=4, h_kv=h_kv, g=g, d=d, r=r, s_max=4096 + 64, lanes=lanes, window=window,
+                     dtype=torch.bfloat16).to(device="cuda")
+    torch.testing.assert_close(tree_attention_triton(*case.args()).float(), tree_attention_reference(*case.args()).float(),
+                               atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
+def test_long_context_128k():
+    case = make_case(9, b=1, h_kv=2, g=4, d=128, r=16, s_max=131072, lanes=False, window=0, dtype=torch.bfloat16,
+                     poison=False).to(device="cuda")
+    case.cache_len.fill_(131072 - 64)
+    torch.testing.assert_close(tree_attention_triton(*case.args()).float(), tree_attention_reference(*case.args()).float(),
+                               atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
+def test_step_ops_replay_in_a_cuda_graph():
+    case = make_case(11, b=2, h_kv=2, g=2, d=64, r=8, s_max=512, lanes=False, window=0, dtype=torch.bfloat16,
+                     poison=False).to(device="cuda")
+    kv = torch.randn(4, 2, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
+    tokens = torch.randint(0, 3, (2, 8), device="cuda")
+    parents = torch.zeros(2, 8, dtype=torch.long, device="cuda")
+    target = torch.randint(0, 3, (2, 8), device="cuda")
+
+    def step():
+        out = torch.ops.specgraph.tree_attention(*case.args())
+        path, accept_len, bonus, emitted = torch.ops.specgraph.verify_greedy(tokens, parents, case.mask, target, 7)
+        torch.ops.specgraph.compact_kv(kv, case.cache_len, path, accept_len)
+        return out, path, accept_len
+
+    kv_start = kv.clone()
+    step()  # warm up (compiles the kernels)
+    kv.copy_(kv_start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, path, accept_len = step()
+    kv.copy_(kv_start)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_kv = kv_start.clone()
+    compact_kv_reference(want_kv, case.cache_len, path, accept_len)
+    assert torch.equal(kv, want_kv)
+    torch.testing.assert_close(out.float(), tree_attention_reference(*case.args()).float(), atol=1.6e-2, rtol=0)
+
+
+def test_compiled_module_calls_the_kernel():
+    case = make_case(12, b=2, h_kv=2, g=2, d=64, r=8, s_max=300, window=0, dtype=torch.bfloat16).to(device="cuda")
+
+    def layer(q, k, v, cache_len, mask):
+        return torch.ops.specgraph.tree_attention(q, k, v, cache_len, mask, case.scale, 0) * 2
+
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(*case.args()[:5]).float(), 2 * tree_attention_reference(*case.args()).float(),
+                               atol=3.2e-2, rtol=0)

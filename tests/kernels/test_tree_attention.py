@@ -1,0 +1,119 @@
+"""tree_attention: reference vs the per-path SDPA oracle, Triton (interpreted
+on CPU, native on GPU) vs the reference, and the op through export/compile."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specgraph.kernels  # noqa: F401  (registers the ops)
+from specgraph.kernels.tree_attention import tree_attention_reference, tree_attention_triton
+from attention_cases import Case, make_case, oracle
+
+# max |kernel - reference| allowed, per dtype (reference computes in float32)
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                                  reason="Triton needs a GPU or TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_reference_matches_per_path_sdpa(seed):
+    case = make_case(seed, dtype=torch.float64)
+    got = tree_attention_reference(*case.args())
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), oracle(case), atol=1e-5, rtol=1e-5)
+
+
+def test_chain_mask_is_causal_attention():
+    b, h, n, d, s_max = 2, 4, 12, 32, 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, n, d, generator=g)
+    k, v = torch.randn(b, 2, s_max, d, generator=g), torch.randn(b, 2, s_max, d, generator=g)
+    cache_len = torch.tensor([20, 5])
+    chain = torch.tensor([(1 << (i + 1)) - 1 for i in range(n)]).expand(b, n)
+    got = tree_attention_reference(q, k, v, cache_len, chain, d**-0.5, 0)
+    for row in range(b):
+        c = int(cache_len[row])
+        kk = k[row, :, : c + n].repeat_interleave(2, 0)
+        vv = v[row, :, : c + n].repeat_interleave(2, 0)
+        causal = torch.ones(n, c + n, dtype=torch.bool).tril(c)
+        want = F.scaled_dot_product_attention(q[row], kk, vv, attn_mask=causal)
+        torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-5)
+
+
+def test_one_query_is_decode():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(3, 6, 1, 64, generator=g), torch.randn(3, 2, 50, 64, generator=g), torch.randn(3, 2, 50, 64, generator=g)
+    cache_len = torch.tensor([0, 17, 48])
+    got = tree_attention_reference(q, k, v, cache_len, torch.ones(3, 1, dtype=torch.long), 0.125, 0)
+    for row in range(3):
+        n = int(cache_len[row]) + 1  # prefix + the query's own slot
+        want = F.scaled_dot_product_attention(q[row], k[row, :, :n].repeat_interleave(3, 0), v[row, :, :n].repeat_interleave(3, 0), scale=0.125)
+        torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(6))
+def test_triton_matches_reference(seed, dtype):
+    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    case = make_case(100 + seed, dtype=dtype).to(device=device)
+    splits = [1, 3] if seed % 2 else [None]
+    for num_splits in splits:
+        got = tree_attention_triton(*case.args(), num_splits=num_splits)
+        want = tree_attention_reference(*case.args())
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_triton_head_dims_and_full_trees(d):
+    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    case = make_case(7, b=1, h_kv=1, g=2, d=d, r=64, s_max=160, lanes=False, window=0).to(device=device)
+    torch.testing.assert_close(tree_attention_triton(*case.args()), tree_attention_reference(*case.args()),
+                               atol=TOLERANCE[torch.float32], rtol=0)
+
+
+@needs_triton
+def test_triton_sliding_window_and_lanes():
+    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    case = make_case(8, b=2, h_kv=2, g=2, d=32, r=8, s_max=200, lanes=True, window=40).to(device=device)
+    for splits in (1, 4):
+        torch.testing.assert_close(tree_attention_triton(*case.args(), num_splits=splits),
+                                   tree_attention_reference(*case.args()), atol=TOLERANCE[torch.float32], rtol=0)
+
+
+def test_op_errors_name_the_argument():
+    case = make_case(0, b=2, h_kv=2, g=2, d=16, r=4)
+    op = torch.ops.specgraph.tree_attention
+    with pytest.raises(ValueError, match="multiple of H_kv"):
+        op(case.q[:, :3], case.k, case.v, case.cache_len, case.mask, 1.0, 0)
+    with pytest.raises(ValueError, match="tree_mask must be"):
+        op(case.q, case.k, case.v, case.cache_len, case.mask.int(), 1.0, 0)
+    with pytest.raises(ValueError, match="cache_len must be"):
+        op(case.q, case.k, case.v, case.cache_len[:1], case.mask, 1.0, 0)
+    with pytest.raises(ValueError, match="R=65"):
+        op(case.q[:, :, :1].expand(-1, -1, 65, -1), case.k, case.v, case.cache_len, case.mask[:, :1].expand(-1, 65), 1.0, 0)
+
+
+class _Layer(torch.nn.Module):
+    def forward(self, q, k, v, cache_len, mask):
+        return torch.ops.specgraph.tree_attention(q, k, v, cache_len, mask, 0.25, 0) * 2
+
+
+def test_op_through_export_decompositions_and_compile():
+    case = make_case(3, b=2, h_kv=1, g=2, d=16, r=5, window=0, poison=False)
+    want = _Layer()(*case.args()[:5])
+    ep = torch.export.export(_Layer(), case.args()[:5])
+    targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
+    assert torch.ops.specgraph.tree_attention.default in targets
+    torch.testing.assert_close(ep.module()(*case.args()[:5]), want)
+    decomposed = ep.run_decompositions(specgraph.kernels.DECOMPOSITIONS)
+    names = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
+    assert not any("specgraph" in name for name in names), names
+    torch.testing.assert_close(decomposed.module()(*case.args()[:5]), want)
+    compiled = torch.compile(_Layer(), fullgraph=True)
+    torch.testing.assert_close(compiled(*case.args()[:5]), want)
