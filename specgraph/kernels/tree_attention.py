@@ -152,25 +152,36 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None):
+def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None = None, **override) -> dict:
+    """Tile sizes, split count and warps for one call (static shapes only: no host sync).
+
+    ``override`` replaces any key (tests and the benchmark's sweep use it).
+    """
     b, h, r, d = q.shape
     rows = (h // h_kv) * r
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    block_n = 64 if d <= 128 else 32
-    m_tiles = triton.cdiv(rows, block_m)
+    wide = d * q.element_size() > 256  # D=256 in 16-bit, or D>=128 in fp32: halve the tiles (shared memory)
+    # Tiles below 64 rows measured slower on the H200 (benchmarks/kernels.py --sweep): pad instead.
+    config = dict(block_m=min(64 if wide else 128, max(64, triton.next_power_of_2(rows))),
+                  block_n=32 if wide else 64, num_stages=3)
+    config.update(override)
+    if "num_warps" not in config:
+        config["num_warps"] = 8 if config["block_m"] * d >= 128 * 128 else 4
+    m_tiles = triton.cdiv(rows, config["block_m"])
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
-        num_splits = max(1, min(triton.cdiv(2 * sms, b * h_kv * m_tiles), triton.cdiv(s_max, 4 * block_n), 64))
-    num_warps = 8 if block_m * d >= 128 * 128 else 4
-    return block_m, block_n, m_tiles, num_splits, num_warps
+        programs = b * h_kv * m_tiles  # split the prefix only when the grid cannot fill the SMs
+        num_splits = 1 if programs >= sms else max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, 4 * config["block_n"]), 64))
+    config.update(m_tiles=m_tiles, num_splits=num_splits)
+    return config
 
 
 def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: float, window: int,
-                          num_splits: int | None = None) -> torch.Tensor:
+                          num_splits: int | None = None, **override) -> torch.Tensor:
     """Launch the Triton kernel (CUDA, or the interpreter with TRITON_INTERPRET=1)."""
     b, h, r, d = q.shape
     h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
-    block_m, block_n, m_tiles, splits, num_warps = _launch_config(q, h_kv, s_max, num_splits)
+    config = launch_config(q, h_kv, s_max, num_splits, **override)
+    m_tiles, splits = config["m_tiles"], config["num_splits"]
     out = torch.empty((b, h, r, d), dtype=q.dtype, device=q.device)
     if splits > 1:
         part_o = torch.empty((b * h * r * splits, d), dtype=torch.float32, device=q.device)
@@ -181,8 +192,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
         q, k_cache, v_cache, cache_len, tree_mask, out, part_o, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(),
         h_kv, r, s_max, scale * LOG2E, window,
-        G=h // h_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
-        HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS, num_warps=num_warps,
+        G=h // h_kv, HEAD_DIM=d, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], NUM_SPLITS=splits,
+        HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS, num_warps=config["num_warps"], num_stages=config["num_stages"],
         UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
     )
     if splits > 1:
