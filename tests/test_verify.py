@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specgraph import Chain, StaticTree, Tree
-import specgraph.kernels  # noqa: F401  (registers the ops)
+import specgraph.kernels  # registers the ops
 from specgraph.kernels.verify import sampling_probs, verify_greedy, verify_sample, verify_typical
 from oracles import longest_accepted_path
 from strategies import dfs_parents
@@ -160,3 +160,19 @@ def test_greedy_op_and_triton_kernel_match_the_reference(case):
         got = verify_greedy_triton(move(tree.tokens), move(tree.parents), move(tree.mask), move(targets), tree.max_depth)
         for name, w, g in zip(want._fields, want, got):
             assert torch.equal(w, g.cpu()), name
+
+
+def test_greedy_op_through_export_and_decomposition():
+    class Verify(torch.nn.Module):
+        def forward(self, tokens, parents, mask, logits):
+            return torch.ops.specgraph.verify_greedy(tokens, parents, mask, logits.argmax(-1), 3)
+
+    g = torch.Generator().manual_seed(0)
+    tree = Tree.from_spec(StaticTree([[0], [1], [0, 0], [0, 0, 0]]), torch.randint(0, 3, (2, 5), generator=g))
+    args = (tree.tokens, tree.parents, tree.mask, torch.randn(2, 5, 3, generator=g))
+    want = Verify()(*args)
+    ep = torch.export.export(Verify(), args)
+    decomposed = ep.run_decompositions(specgraph.kernels.DECOMPOSITIONS)
+    assert not any("specgraph" in str(n.target) for n in decomposed.graph.nodes)
+    for w, got in zip(want, decomposed.module()(*args)):
+        assert torch.equal(w, got)
