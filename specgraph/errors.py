@@ -1,0 +1,15 @@
+"""Errors specgraph raises on purpose."""
+from __future__ import annotations
+
+
+class CompileError(Exception):
+    """What cannot be supported, refused at compile time with every blocker listed.
+
+    ``blockers`` holds one line per problem, each naming where it is (layer,
+    graph node) and, where there is one, the fix.
+    """
+
+    def __init__(self, what: str, blockers: list[str]):
+        self.blockers = list(blockers)
+        lines = "\n".join(f"  - {b}" for b in self.blockers)
+        super().__init__(f"{what}: {len(self.blockers)} blocker(s)\n{lines}")

@@ -1,0 +1,43 @@
+"""Graph passes over the captured tree-verify graph (invariants: README.md here).
+
+A pass is ``(gm, info) -> PassResult``; its docstring states Requires /
+Ensures and it asserts its own postcondition. ``PIPELINE`` is the one
+linear sequence ``run_pipeline`` applies. ``SPECGRAPH_DEBUG=1`` (or
+``debug=True``) prints each pass's counters; ``SPECGRAPH_DUMP=dir`` also
+writes each pass's graph before and after as text.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .pass_result import GraphContext, PassResult
+from .replace_attention import replace_attention
+
+PIPELINE = (replace_attention,)
+
+
+def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None = None) -> list[tuple[str, PassResult]]:
+    """Apply PIPELINE in order to ``gm`` (in place). Returns each pass's result."""
+    debug = os.environ.get("SPECGRAPH_DEBUG") == "1" if debug is None else debug
+    dump = os.environ.get("SPECGRAPH_DUMP")
+    results = []
+    for i, graph_pass in enumerate(PIPELINE):
+        name = graph_pass.__name__
+        if dump:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            (Path(dump) / f"{i:02d}_{name}_before.txt").write_text(str(gm.graph))
+        result = graph_pass(gm, ctx)
+        gm = result.graph_module
+        results.append((name, result))
+        if dump:
+            (Path(dump) / f"{i:02d}_{name}_after.txt").write_text(str(gm.graph))
+        if debug:
+            counters = ", ".join(f"{k}={v}" for k, v in result.counters.items())
+            print(f"[specgraph] pass {name}: modified={result.modified} {counters}")
+    return results
+
+
+__all__ = ["GraphContext", "PassResult", "PIPELINE", "run_pipeline", "replace_attention"]

@@ -1,0 +1,112 @@
+"""Drive a captured target like the step graph will, and the HF oracles."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from specgraph.capture import Capture
+from specgraph.kernels.bitmask import ancestor_masks
+from specgraph.kernels.compact_kv import compact_kv_reference
+from specgraph.kernels.verify import verify_greedy
+
+PREFILL_CHUNK = 16
+
+
+def dfs_parents(rng: random.Random, n: int) -> list[int]:
+    parents = [-1]
+    for i in range(1, n):
+        path = [i - 1]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        parents.append(rng.choice(path))
+    return parents
+
+
+def root_path(parents: list[int], i: int) -> list[int]:
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+class Driver:
+    """Holds per-row committed tokens; the cache holds all but each row's last (the root)."""
+
+    def __init__(self, model, batch: int, max_length: int, seed: int = 0):
+        self.model, self.batch = model, batch
+        self.capture = Capture(model, max_length)
+        self.rng = random.Random(seed)
+        self.vocab = model.config.get_text_config().vocab_size
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]):
+        """Write every prompt but its last token, in chain chunks of the (B, 16) bucket."""
+        b = self.batch
+        self.tokens = [list(p) for p in prompts]
+        lengths = [len(p) - 1 for p in prompts]
+        step = self.capture.step(b, PREFILL_CHUNK)
+        chain = torch.tensor([(1 << (i + 1)) - 1 for i in range(PREFILL_CHUNK)]).expand(b, -1)
+        for start in range(0, max(lengths), PREFILL_CHUNK):
+            ids = torch.tensor([(p[:-1] + [0] * PREFILL_CHUNK * 8)[start:start + PREFILL_CHUNK] for p in prompts])
+            cache_len = torch.full((b,), start)
+            step(ids, start + torch.arange(PREFILL_CHUNK).expand(b, -1), cache_len, chain)
+        self.cache_len = torch.tensor(lengths)
+
+    @torch.no_grad()
+    def greedy_continuation(self, row: int, steps: int) -> list[int]:
+        ids = torch.tensor([self.tokens[row]])
+        out = self.model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        return out[0, ids.shape[1]:].tolist()
+
+    def random_tree(self, nodes: int, good_path: bool = True):
+        """Per row: a random depth-first tree, random tokens, and (optionally) the
+        target's greedy continuation drafted along one random root-to-leaf path."""
+        parents, tokens = [], []
+        for row in range(self.batch):
+            p = dfs_parents(self.rng, nodes)
+            t = [self.tokens[row][-1]] + [self.rng.randrange(self.vocab) for _ in range(nodes - 1)]
+            if good_path:
+                leaf = self.rng.choice([i for i in range(nodes) if i not in p])
+                path = root_path(p, leaf)
+                for node, token in zip(path[1:], self.greedy_continuation(row, len(path) - 1)):
+                    t[node] = token
+            parents.append(p)
+            tokens.append(t)
+        parents = torch.tensor(parents)
+        mask, depth = ancestor_masks(parents)
+        return torch.tensor(tokens), parents, mask, depth
+
+    @torch.no_grad()
+    def tree_logits(self, tokens, mask, depth):
+        step = self.capture.step(self.batch, tokens.shape[1])
+        return step(tokens, self.cache_len.unsqueeze(1) + depth, self.cache_len, mask)
+
+    @torch.no_grad()
+    def oracle_logits(self, row: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """HF eager on each root-to-node path alone: [N, V]."""
+        out = []
+        for i in range(len(tokens)):
+            ids = self.tokens[row] + [tokens[j] for j in root_path(parents, i)[1:]]
+            out.append(self.model(torch.tensor([ids])).logits[0, -1])
+        return torch.stack(out)
+
+    @torch.no_grad()
+    def verify_and_commit(self, tokens, parents, mask, logits):
+        """Greedy verify, compact the cache with the reference op, advance."""
+        n = tokens.shape[1]
+        acc = verify_greedy(tokens, parents, mask, logits.argmax(-1), n - 1)
+        kv = self.capture.kv(self.batch)
+        compact_kv_reference(kv, self.cache_len, acc.path, acc.accept_len)
+        for row in range(self.batch):
+            self.tokens[row] += acc.emitted[row, : acc.accept_len[row]].tolist()
+        self.cache_len = self.cache_len + acc.accept_len
+        return acc
+
+    @torch.no_grad()
+    def hf_cache(self, row: int):
+        """HF's own K/V for the row's cached tokens (all but the root): per layer (k, v) [H_kv, T, D]."""
+        ids = torch.tensor([self.tokens[row][:-1]])
+        out = self.model(ids, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]

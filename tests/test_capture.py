@@ -1,0 +1,95 @@
+"""Capture + replace_attention on tiny random configs of six architectures:
+every node's logits equal the HF eager model on that node's root path alone;
+after several verify/compact steps the cache equals HF's own."""
+import pytest
+import torch
+import transformers
+
+from specgraph.capture import TargetInfo
+from capture_harness import Driver
+
+TOL = dict(atol=1e-4, rtol=1e-4)  # fp32; different summation order than HF's SDPA
+COMMON = dict(hidden_size=64, intermediate_size=96, vocab_size=101, max_position_embeddings=512, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+CONFIGS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                      head_dim=16)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_hidden_layers=2, num_attention_heads=4,
+                                                            num_key_value_heads=2, sliding_window=24)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(num_hidden_layers=3, num_attention_heads=2,
+                                                             num_key_value_heads=1, head_dim=256, sliding_window=16,
+                                                             layer_types=["sliding_attention", "sliding_attention",
+                                                                          "full_attention"],
+                                                             query_pre_attn_scalar=256)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+}
+
+
+def tiny_model(name: str, seed: int = 0):
+    model_cls, config_cls, extra = CONFIGS[name]
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # random init is too flat to make argmax ties unlikely: sharpen the head
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def driver(request):
+    model = tiny_model(request.param)
+    d = Driver(model, batch=3, max_length=160, seed=1)
+    rng = d.rng
+    d.prefill([[rng.randrange(3, 101) for _ in range(length)] for length in (5, 37, 20)])
+    return d
+
+
+def test_target_info_reads_the_windows(driver):
+    info = TargetInfo.from_model(driver.model)
+    config = driver.model.config
+    if getattr(config, "layer_types", None) and "sliding_attention" in config.layer_types:
+        assert info.layer_windows == tuple(config.sliding_window if t == "sliding_attention" else 0
+                                          for t in config.layer_types)
+    assert len(info.layer_windows) == config.num_hidden_layers
+
+
+def test_every_node_matches_hf_on_its_root_path(driver):
+    tokens, parents, mask, depth = driver.random_tree(nodes=8)
+    logits = driver.tree_logits(tokens, mask, depth)
+    for row in range(driver.batch):
+        want = driver.oracle_logits(row, tokens[row].tolist(), parents[row].tolist())
+        torch.testing.assert_close(logits[row], want, **TOL)
+
+
+def test_pass_counters(driver):
+    step = driver.capture.step(driver.batch, 8)
+    (name, result), = step.pass_results
+    info = step.info
+    assert name == "replace_attention"
+    assert result.counters["sdpa_replaced"] == info.num_layers
+    assert result.counters["cache_writes_kept"] == 2 * info.num_layers
+    assert result.counters["sliding_window_layers"] == sum(w > 0 for w in info.layer_windows)
+    graph = step.program.graph_module.graph
+    assert not graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
+    for node in graph.find_nodes(op="call_function", target=torch.ops.specgraph.tree_attention.default):
+        # the kernel reads the cache writes themselves: GQA un-expanded, no repeat_kv left in between
+        assert node.args[1].target == node.args[2].target == torch.ops.aten.scatter_.src
+
+
+def test_steps_with_compaction_keep_hf_cache(driver):
+    for _ in range(3):
+        tokens, parents, mask, depth = driver.random_tree(nodes=8)
+        logits = driver.tree_logits(tokens, mask, depth)
+        driver.verify_and_commit(tokens, parents, mask, logits)
+    kv = driver.capture.kv(driver.batch)
+    windows = TargetInfo.from_model(driver.model).layer_windows
+    for row in range(driver.batch):
+        length = int(driver.cache_len[row])
+        assert length == len(driver.tokens[row]) - 1
+        for layer, (k, v) in enumerate(driver.hf_cache(row)):
+            kept = k.shape[1]  # sliding layers: HF keeps only the last tokens
+            assert kept == length or (windows[layer] and kept < length)
+            torch.testing.assert_close(kv[2 * layer, row, :, length - kept:length], k, **TOL)
+            torch.testing.assert_close(kv[2 * layer + 1, row, :, length - kept:length], v, **TOL)

@@ -1,0 +1,108 @@
+"""What replace_attention cannot prove, it refuses: every blocker listed with its layer and node."""
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import specgraph.kernels  # noqa: F401
+from specgraph.capture import TargetInfo, export_tree_step, graph_context
+from specgraph.errors import CompileError
+from specgraph.passes import replace_attention
+
+B, N, S, H, D = 1, 4, 32, 2, 8
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.q, self.k, self.v = (torch.nn.Linear(H * D, H * D) for _ in range(3))
+        self.bias = torch.nn.Parameter(torch.randn(H, 1, 1))
+
+    def forward(self, x, kv, layer, slots, cache_len, tree_mask, other):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, H, D).transpose(1, 2)
+        k_new = self.k(x).view(b, n, H, D).transpose(1, 2)
+        index = slots.view(b, 1, n, 1).expand_as(k_new)
+        k = kv[2 * layer].scatter_(2, index, k_new)
+        v = kv[2 * layer + 1].scatter_(2, index, self.v(x).view(b, n, H, D).transpose(1, 2))
+        mask = torch.ops.specgraph.tree_attention_mask(cache_len, tree_mask, S, 0)
+        if self.variant == "alibi":  # a learned per-head bias added to the tree mask
+            mask = torch.where(mask, self.bias, float("-inf"))
+        if self.variant == "causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.variant == "cross":  # keys from another sequence
+            other_k = self.k(other).view(b, -1, H, D).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, other_k, other_k, attn_mask=mask[..., : other.shape[1]])
+        if self.variant == "eager":  # attention by hand: invisible to the pass
+            scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+            return scores.softmax(-1) @ v
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, variants):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(v) for v in variants)
+        self.register_buffer("kv", torch.zeros(2 * len(variants), B, H, S, D))
+
+    def forward(self, input_ids, positions, cache_len, tree_mask):
+        x = torch.nn.functional.one_hot(input_ids, H * D).float()
+        slots = cache_len.unsqueeze(1) + torch.arange(input_ids.shape[1])
+        for i, layer in enumerate(self.layers):
+            x = x + layer(x, self.kv, i, slots, cache_len, tree_mask, x[:, :2]).transpose(1, 2).reshape(x.shape)
+        return x
+
+
+def run(variants):
+    args = (torch.zeros(B, N, dtype=torch.long), torch.arange(N).unsqueeze(0), torch.zeros(B, dtype=torch.long),
+            torch.tensor([[1, 3, 7, 15]]))
+    program = torch.export.export(Toy(variants), args, strict=False)
+    info = TargetInfo(len(variants), H, H, D, H * D, (0,) * len(variants), torch.float32)
+    return replace_attention(program.graph_module, graph_context(program, info))
+
+
+def test_the_toy_is_accepted_when_plain():
+    result = run(["plain", "plain"])
+    assert result.counters["sdpa_replaced"] == 2
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("alibi", "not the tree mask alone"),
+    ("causal", "is_causal=True"),
+    ("cross", "do not come from the KV cache"),
+    ("eager", "no SDPA over the KV cache found"),
+])
+def test_refusal_names_the_blocker_and_layer(variant, message):
+    with pytest.raises(CompileError) as err:
+        run(["plain", variant])
+    text = str(err.value)
+    assert message in text
+    assert "layers.1" in text or "layers [1]" in text, text
+    assert "layers.0" not in text  # the plain layer is not blamed
+
+
+def test_every_blocker_is_listed():
+    with pytest.raises(CompileError) as err:
+        run(["alibi", "causal", "cross"])
+    assert len(err.value.blockers) >= 3
+    for message in ("not the tree mask alone", "is_causal=True", "do not come from the KV cache"):
+        assert message in str(err.value)
+
+
+def test_config_refusals_are_listed_at_capture():
+    config = transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16, vocab_size=64, attn_logit_softcapping=50.0,
+                                       pad_token_id=0)
+    model = transformers.Gemma2ForCausalLM(config)
+    with pytest.raises(CompileError, match="attn_logit_softcapping"):
+        TargetInfo.from_model(model)
+
+
+def test_window_narrower_than_the_tree_is_refused():
+    config = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=64, sliding_window=4)
+    model = transformers.MistralForCausalLM(config)
+    with pytest.raises(CompileError) as err:
+        export_tree_step(model, batch=1, nodes=8, max_length=32)
+    assert "layer 0: window 4" in str(err.value) and "layer 1: window 4" in str(err.value)
