@@ -153,55 +153,67 @@ def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.T
     return program, info
 
 
-def graph_context(program, info: TargetInfo):
+def graph_context(program, info: TargetInfo, taps=None, logits_rows=None):
     """Name the exported step's placeholders by role (the kv buffer; cache_len, tree_mask inputs)."""
     from .passes import GraphContext
 
     signature = program.graph_signature
     buffer_input = {target: name for name, target in signature.inputs_to_buffers.items()}
     users = [spec.arg.name for spec in signature.input_specs if spec.kind.name == "USER_INPUT"]
-    return GraphContext(info, kv=buffer_input["kv"], cache_len=users[2], tree_mask=users[3])
+    return GraphContext(info, kv=buffer_input["kv"], cache_len=users[2], tree_mask=users[3], taps=taps,
+                        logits_rows=logits_rows)
 
 
 class CapturedStep:
-    """One (B, N) bucket: the exported program, rewritten by the pass pipeline.
+    """One (B, N) bucket: the exported graph, rewritten by the pass pipeline.
 
-    ``step(input_ids, positions, cache_len, tree_mask) -> logits [B, N, V]``;
-    ``step.kv`` is the live cache buffer (shared by every bucket of a batch size).
+    ``step(input_ids, positions, cache_len, tree_mask)`` returns logits
+    ``[B, N, V]`` (rows pruned by ``logits_rows``), or ``(logits, [taps])``
+    when hidden states are tapped. The graph runs flat: parameters and
+    buffers are passed in by position, so passes may add outputs freely and
+    ``kv`` (the live cache, shared by every bucket of one batch size) is
+    just another argument.
     """
 
     def __init__(self, model, batch: int, nodes: int, max_length: int, kv: torch.Tensor | None = None,
-                 debug: bool | None = None):
+                 debug: bool | None = None, taps=None, logits_rows: tuple[int, int] | None = None):
         from .passes import run_pipeline
 
         self.program, self.info = export_tree_step(model, batch, nodes, max_length, kv)
-        self.context = graph_context(self.program, self.info)
+        self.context = graph_context(self.program, self.info, taps, logits_rows)
         self.pass_results = run_pipeline(self.program.graph_module, self.context, debug)
-        self.module = self.program.module()
+        self.graph = self.program.graph_module
+        state = {**self.program.state_dict, **self.program.constants}
+        specs = [s for s in self.program.graph_signature.input_specs if s.kind.name != "USER_INPUT"]
+        self._state = [state[s.target] for s in specs]
+        self._kv_index = [s.target for s in specs].index("kv")
         if kv is not None:
-            self.module.kv = kv  # share the caller's buffer (unlifting copies the reference, not the storage owner)
+            self._state[self._kv_index] = kv
         self.batch, self.nodes, self.max_length = batch, nodes, max_length
+        self.tapped = taps is not None and (bool(taps.layer_ids) or taps.final)
 
     @property
     def kv(self) -> torch.Tensor:
-        return self.module.kv
+        return self._state[self._kv_index]
 
-    def __call__(self, input_ids, positions, cache_len, tree_mask) -> torch.Tensor:
-        return self.module(input_ids, positions, cache_len, tree_mask)
+    def __call__(self, input_ids, positions, cache_len, tree_mask):
+        out = self.graph(*self._state, input_ids, positions, cache_len, tree_mask)
+        return (out[0], list(out[1:])) if self.tapped else out[0]
 
 
 class Capture:
-    """Captured steps of one target, cached per (B, N) bucket, one KV buffer per batch size."""
+    """Captured steps of one target, cached per bucket, one KV buffer per batch size."""
 
     def __init__(self, model, max_length: int, debug: bool | None = None):
         self.model, self.max_length, self.debug = model, max_length, debug
-        self._steps: dict[tuple[int, int], CapturedStep] = {}
+        self._steps: dict[tuple, CapturedStep] = {}
         self._kv: dict[int, torch.Tensor] = {}
 
-    def step(self, batch: int, nodes: int) -> CapturedStep:
-        key = (batch, nodes)
+    def step(self, batch: int, nodes: int, taps=None, logits_rows: tuple[int, int] | None = None) -> CapturedStep:
+        key = (batch, nodes, taps, logits_rows)
         if key not in self._steps:
-            step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug)
+            step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug,
+                                taps, logits_rows)
             self._kv.setdefault(batch, step.kv)
             self._steps[key] = step
         return self._steps[key]

@@ -71,9 +71,17 @@ def _inspect(args: argparse.Namespace) -> int:
     model.config._attn_implementation = "sdpa"
     print(f"{type(model).__name__}: capturing a tree-verify step for batch {args.batch}, {args.nodes} nodes, "
           f"max_length {args.max_length}")
+    from .passes import HiddenTaps
+
+    taps = None
+    if args.taps or args.final:
+        layer_ids = tuple(int(i) for i in args.taps.split(",")) if args.taps else ()
+        taps = HiddenTaps(layer_ids, args.convention, args.final)
+    rows = tuple(int(i) for i in args.logits_rows.split(":")) if args.logits_rows else None
     try:
         with torch.no_grad():
-            step = CapturedStep(model, args.batch, args.nodes, args.max_length, debug=False)
+            step = CapturedStep(model, args.batch, args.nodes, args.max_length, debug=False, taps=taps,
+                                logits_rows=rows)
     except CompileError as err:
         print(f"refused: {err}")
         return 2
@@ -107,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--batch", type=int, default=1)
     inspect.add_argument("--nodes", type=int, default=8, help="tree nodes per step (1..64)")
     inspect.add_argument("--max-length", type=int, default=256)
+    inspect.add_argument("--taps", default="", help="hidden states to return, e.g. 2,15,26 (EAGLE-3's low/mid/high)")
+    inspect.add_argument("--convention", default="layer_input", choices=["layer_input", "layer_output"],
+                         help="whether a tap id names the state entering or leaving that layer")
+    inspect.add_argument("--final", action="store_true", help="also tap the LM head's input (EAGLE-1, Medusa)")
+    inspect.add_argument("--logits-rows", default="", help="START:STOP node rows that get logits (default: all)")
     inspect.set_defaults(func=_inspect)
     return parser
 

@@ -38,6 +38,10 @@ class Driver:
         self.capture = Capture(model, max_length)
         self.rng = random.Random(seed)
         self.vocab = model.config.get_text_config().vocab_size
+        self.device = next(model.parameters()).device
+
+    def _t(self, data) -> torch.Tensor:
+        return torch.as_tensor(data, device=self.device)
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]):
@@ -46,16 +50,16 @@ class Driver:
         self.tokens = [list(p) for p in prompts]
         lengths = [len(p) - 1 for p in prompts]
         step = self.capture.step(b, PREFILL_CHUNK)
-        chain = torch.tensor([(1 << (i + 1)) - 1 for i in range(PREFILL_CHUNK)]).expand(b, -1)
+        chain = self._t([(1 << (i + 1)) - 1 for i in range(PREFILL_CHUNK)]).expand(b, -1)
         for start in range(0, max(lengths), PREFILL_CHUNK):
-            ids = torch.tensor([(p[:-1] + [0] * PREFILL_CHUNK * 8)[start:start + PREFILL_CHUNK] for p in prompts])
-            cache_len = torch.full((b,), start)
-            step(ids, start + torch.arange(PREFILL_CHUNK).expand(b, -1), cache_len, chain)
-        self.cache_len = torch.tensor(lengths)
+            ids = self._t([(p[:-1] + [0] * PREFILL_CHUNK * 8)[start:start + PREFILL_CHUNK] for p in prompts])
+            cache_len = torch.full((b,), start, device=self.device)
+            step(ids, start + torch.arange(PREFILL_CHUNK, device=self.device).expand(b, -1), cache_len, chain)
+        self.cache_len = self._t(lengths)
 
     @torch.no_grad()
     def greedy_continuation(self, row: int, steps: int) -> list[int]:
-        ids = torch.tensor([self.tokens[row]])
+        ids = self._t([self.tokens[row]])
         out = self.model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
         return out[0, ids.shape[1]:].tolist()
 
@@ -73,9 +77,9 @@ class Driver:
                     t[node] = token
             parents.append(p)
             tokens.append(t)
-        parents = torch.tensor(parents)
+        parents = self._t(parents)
         mask, depth = ancestor_masks(parents)
-        return torch.tensor(tokens), parents, mask, depth
+        return self._t(tokens), parents, mask, depth
 
     @torch.no_grad()
     def tree_logits(self, tokens, mask, depth):
@@ -88,7 +92,7 @@ class Driver:
         out = []
         for i in range(len(tokens)):
             ids = self.tokens[row] + [tokens[j] for j in root_path(parents, i)[1:]]
-            out.append(self.model(torch.tensor([ids])).logits[0, -1])
+            out.append(self.model(self._t([ids])).logits[0, -1])
         return torch.stack(out)
 
     @torch.no_grad()
@@ -106,7 +110,7 @@ class Driver:
     @torch.no_grad()
     def hf_cache(self, row: int):
         """HF's own K/V for the row's cached tokens (all but the root): per layer (k, v) [H_kv, T, D]."""
-        ids = torch.tensor([self.tokens[row][:-1]])
+        ids = self._t([self.tokens[row][:-1]])
         out = self.model(ids, use_cache=True)
         cache = getattr(out, "cache", None) or out.past_key_values
         return [(layer.keys[0], layer.values[0]) for layer in cache.layers]

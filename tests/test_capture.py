@@ -65,9 +65,11 @@ def test_every_node_matches_hf_on_its_root_path(driver):
 
 def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
-    (name, result), = step.pass_results
+    names = [name for name, _ in step.pass_results]
+    assert names == ["replace_attention", "tap_hidden_states", "prune_logits"]
+    result = step.pass_results[0][1]
+    assert [r.modified for _, r in step.pass_results[1:]] == [False, False]  # nothing asked of them
     info = step.info
-    assert name == "replace_attention"
     assert result.counters["sdpa_replaced"] == info.num_layers
     assert result.counters["cache_writes_kept"] == 2 * info.num_layers
     assert result.counters["sliding_window_layers"] == sum(w > 0 for w in info.layer_windows)
@@ -93,3 +95,44 @@ def test_steps_with_compaction_keep_hf_cache(driver):
             assert kept == length or (windows[layer] and kept < length)
             torch.testing.assert_close(kv[2 * layer, row, :, length - kept:length], k, **TOL)
             torch.testing.assert_close(kv[2 * layer + 1, row, :, length - kept:length], v, **TOL)
+
+
+def test_tapped_hidden_states_match_hf(driver):
+    """layer_input of i == HF hidden_states[i]; layer_output of i == hidden_states[i+1]; final == the
+    normed state HF feeds its LM head (its last hidden_states entry)."""
+    from specgraph.passes import HiddenTaps
+
+    layers = driver.model.config.num_hidden_layers
+    ids = list(range(layers))
+    tokens, parents, mask, depth = driver.random_tree(nodes=8, good_path=False)
+    positions = driver.cache_len.unsqueeze(1) + depth
+    for convention, shift in (("layer_input", 0), ("layer_output", 1)):
+        step = driver.capture.step(driver.batch, 8, taps=HiddenTaps(tuple(ids), convention, final=True))
+        logits, taps = step(tokens, positions, driver.cache_len, mask)
+        assert len(taps) == layers + 1
+        for row in range(driver.batch):
+            for i in range(8):
+                path_ids = driver.tokens[row] + [tokens[row, j].item() for j in _path(parents[row].tolist(), i)[1:]]
+                with torch.no_grad():
+                    hf = driver.model(torch.tensor([path_ids]), output_hidden_states=True).hidden_states
+                for layer in ids:
+                    if layer + shift < len(hf) - 1:  # HF's last entry is after the final norm
+                        torch.testing.assert_close(taps[layer][row, i], hf[layer + shift][0, -1], **TOL)
+                torch.testing.assert_close(taps[-1][row, i], hf[-1][0, -1], **TOL)
+
+
+def test_prune_logits_keeps_only_the_asked_rows(driver):
+    tokens, parents, mask, depth = driver.random_tree(nodes=8, good_path=False)
+    positions = driver.cache_len.unsqueeze(1) + depth
+    full = driver.capture.step(driver.batch, 8)(tokens, positions, driver.cache_len, mask)
+    pruned_step = driver.capture.step(driver.batch, 8, logits_rows=(7, 8))
+    pruned = pruned_step(tokens, positions, driver.cache_len, mask)
+    assert pruned.shape == (driver.batch, 1, full.shape[-1])
+    torch.testing.assert_close(pruned, full[:, 7:8], **TOL)
+    assert pruned_step.pass_results[-1][1].counters == {"rows": 1, "rows_pruned": 7}
+
+
+def _path(parents, i):
+    from capture_harness import root_path
+
+    return root_path(parents, i)

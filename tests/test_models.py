@@ -56,3 +56,10 @@ def test_greedy_tree_verification_reproduces_hf_generate(smollm2):
     assert acc.path[0].tolist() == [0, 1, 2, 3, -1]  # root, g1, g2, g3; the wrong depth-4 draft stops it
     assert acc.emitted[0, : acc.accept_len[0]].tolist() == generated[:4]  # g1 g2 g3 + bonus g4
     assert acc.emitted[0].tolist()[:4] == [g1, g2, g3, g4]
+
+
+def test_inspect_prints_the_passes_for_smollm2():
+    out = subprocess.run([sys.executable, "-m", "specgraph.cli", "inspect", "--taps", "2,15,26", "--final"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "pass replace_attention:" in out and "sdpa_replaced            30" in out
+    assert "cache_writes_kept        60" in out and "taps                     4" in out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -290,7 +291,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 @tree_attention.register_kernel("cuda")
 def _tree_attention_cuda(q, k_cache, v_cache, cache_len, tree_mask, scale, window):
     _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
-    if q.shape[-1] not in (16, 32, 64, 128, 256):
+    if os.environ.get("SPECGRAPH_REFERENCE_KERNELS") == "1" or q.shape[-1] not in (16, 32, 64, 128, 256):
         return tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
     return tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
 

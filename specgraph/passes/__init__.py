@@ -13,10 +13,14 @@ from pathlib import Path
 
 import torch
 
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, HiddenTaps, PassResult
+from .prune_logits import prune_logits
 from .replace_attention import replace_attention
+from .tap_hidden_states import tap_hidden_states
 
-PIPELINE = (replace_attention,)
+# Taps first: they read layer boundaries from the module structure, before
+# prune_logits puts a slice in front of the LM head.
+PIPELINE = (replace_attention, tap_hidden_states, prune_logits)
 
 
 def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None = None) -> list[tuple[str, PassResult]]:
@@ -40,4 +44,5 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
     return results
 
 
-__all__ = ["GraphContext", "PassResult", "PIPELINE", "run_pipeline", "replace_attention"]
+__all__ = ["GraphContext", "HiddenTaps", "PassResult", "PIPELINE", "run_pipeline", "replace_attention",
+           "tap_hidden_states", "prune_logits"]

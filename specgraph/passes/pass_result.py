@@ -14,13 +14,36 @@ class PassResult:
 
 
 @dataclass(frozen=True)
+class HiddenTaps:
+    """Which residual-stream states the step returns besides logits.
+
+    ``convention`` says what a layer id means, because engines disagree:
+    ``"layer_input"`` = the hidden state entering decoder layer i (EAGLE-3's
+    "capture before layer"; layer_input of 0 is the embedding output),
+    ``"layer_output"`` = what decoder layer i returns (= layer_input of i+1).
+    ``final`` adds the state after the final norm, the LM head's input
+    (EAGLE-1, Medusa).
+    """
+
+    layer_ids: tuple[int, ...] = ()
+    convention: str = "layer_output"
+    final: bool = False
+
+    def __post_init__(self):
+        if self.convention not in ("layer_input", "layer_output"):
+            raise ValueError(f"HiddenTaps.convention={self.convention!r}: 'layer_input' or 'layer_output'")
+
+
+@dataclass(frozen=True)
 class GraphContext:
-    """The captured graph's placeholders by role, and the target's facts."""
+    """The captured graph's placeholders by role, the target's facts, and what the step must return."""
 
     info: object  # capture.TargetInfo
     kv: str  # placeholder of the stacked cache buffer [2L, B, H_kv, S_max, D]
     cache_len: str
     tree_mask: str
+    taps: HiddenTaps | None = None
+    logits_rows: tuple[int, int] | None = None  # (start, stop) of node rows whose logits are computed
 
     def placeholder(self, gm: torch.fx.GraphModule, role: str) -> torch.fx.Node:
         name = getattr(self, role)

@@ -1,0 +1,36 @@
+"""prune_logits: compute the LM head only for the node rows that need it.
+
+Requires: one LM-head ``aten.linear`` (module path ending ``lm_head``) over
+  ``[B, N, hidden]``.
+Ensures: with ``ctx.logits_rows = (start, stop)`` the head sees
+  ``hidden[:, start:stop]`` and the logits output is ``[B, stop-start, V]``
+  (a prefill chunk needs only its last row; a verify step needs all N).
+  Hidden-state taps are unaffected.
+"""
+from __future__ import annotations
+
+import torch
+
+from .pass_result import GraphContext, PassResult
+
+
+def prune_logits(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
+    if ctx.logits_rows is None:
+        return PassResult(gm, False, {"rows": -1})
+    start, stop = ctx.logits_rows
+    heads = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+             if any(path.endswith("lm_head") for path, _ in (n.meta.get("nn_module_stack") or {}).values())]
+    assert len(heads) == 1, f"{len(heads)} LM-head linear nodes"
+    head = heads[0]
+    hidden = head.args[0]
+    n = hidden.meta["val"].shape[1]
+    if not 0 <= start < stop <= n:
+        raise ValueError(f"logits_rows=({start}, {stop}) must lie inside the step's {n} nodes")
+    with gm.graph.inserting_before(head):
+        rows = gm.graph.call_function(torch.ops.aten.slice.Tensor, (hidden, 1, start, stop))
+    rows.meta["val"] = hidden.meta["val"][:, start:stop]
+    head.replace_input_with(hidden, rows)
+    gm.graph.lint()
+    gm.recompile()
+    assert head.args[0] is rows
+    return PassResult(gm, True, {"rows": stop - start, "rows_pruned": n - (stop - start)})
