@@ -32,6 +32,7 @@ import specgraph.kernels  # noqa: E402,F401
 from specgraph.kernels.bitmask import ancestor_masks  # noqa: E402
 from specgraph.kernels.compact_kv import compact_kv_reference  # noqa: E402
 from specgraph.kernels.verify import verify_greedy  # noqa: E402
+from specgraph.trees import random_parents as random_tree_parents  # noqa: E402
 
 SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # H, H_kv, D
 BATCHES, PREFIXES, NODES = (1, 8, 32, 64), (1024, 4096, 32768), (1, 8, 16, 64)
@@ -71,16 +72,7 @@ def random_tree_masks(b: int, n: int, seed: int) -> torch.Tensor:
 def random_parents(b: int, n: int, seed: int) -> torch.Tensor:
     """[B, N] random trees numbered depth first."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(b):
-        parents = [-1]
-        for i in range(1, n):
-            path = [i - 1]
-            while parents[path[-1]] >= 0:
-                path.append(parents[path[-1]])
-            parents.append(rng.choice(path))
-        rows.append(parents)
-    return torch.tensor(rows)
+    return torch.tensor([random_tree_parents(rng, n) for _ in range(b)])
 
 
 _flex = None

@@ -244,6 +244,21 @@ class Tree:
             raise ValueError("malformed tree: " + "; ".join(problems))
 
 
+def random_parents(rng, n: int) -> list[int]:
+    """Parents of a random n-node tree numbered depth first (tests, benchmarks).
+
+    ``rng`` is a ``random.Random``; node i hangs off some node on node i-1's
+    root path, the only places a pre-order allows.
+    """
+    parents = [-1]
+    for i in range(1, n):
+        path = [i - 1]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        parents.append(rng.choice(path))
+    return parents
+
+
 # ----------------------------------------------------------------------------- EAGLE-2 selection
 def rank_order(scores: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
     """Candidate ids best first: higher score first, ties to the lower id, NaN last.

@@ -9,18 +9,9 @@ from specgraph.capture import Capture
 from specgraph.kernels.bitmask import ancestor_masks
 from specgraph.kernels.compact_kv import compact_kv_reference
 from specgraph.kernels.verify import verify_greedy
+from specgraph.trees import random_parents
 
 PREFILL_CHUNK = 16
-
-
-def dfs_parents(rng: random.Random, n: int) -> list[int]:
-    parents = [-1]
-    for i in range(1, n):
-        path = [i - 1]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        parents.append(rng.choice(path))
-    return parents
 
 
 def root_path(parents: list[int], i: int) -> list[int]:
@@ -68,7 +59,7 @@ class Driver:
         target's greedy continuation drafted along one random root-to-leaf path."""
         parents, tokens = [], []
         for row in range(self.batch):
-            p = dfs_parents(self.rng, nodes)
+            p = random_parents(self.rng, nodes)
             t = [self.tokens[row][-1]] + [self.rng.randrange(self.vocab) for _ in range(nodes - 1)]
             if good_path:
                 leaf = self.rng.choice([i for i in range(nodes) if i not in p])

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specgraph.kernels.bitmask import ancestor_masks
+from specgraph.trees import random_parents
 
 
 @dataclass
@@ -27,17 +28,6 @@ class Case:
     def to(self, **kw):
         f = lambda x: x.to(**kw) if x.is_floating_point() else x.to(device=kw.get("device", x.device))  # noqa: E731
         return Case(f(self.q), f(self.k), f(self.v), f(self.cache_len), f(self.mask), self.scale, self.window)
-
-
-def random_parents(rng: random.Random, n: int) -> list[int]:
-    """A random tree numbered depth first (node i hangs off node i-1's root path)."""
-    parents = [-1]
-    for i in range(1, n):
-        path = [i - 1]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        parents.append(rng.choice(path))
-    return parents
 
 
 def tree_masks(rng: random.Random, b: int, r: int, lanes: bool) -> torch.Tensor:

@@ -10,7 +10,7 @@ import specgraph.kernels  # noqa: F401
 from specgraph.kernels.compact_kv import compact_kv_reference, compact_kv_triton
 from specgraph.kernels.verify import verify_greedy
 from specgraph.trees import Tree
-from attention_cases import random_parents
+from specgraph.trees import random_parents
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
