@@ -3,6 +3,9 @@
 Trees (what to speculate) are settled here; compile(), attach() and the
 drafts arrive with their issues (see docs/design.md).
 """
+from . import drafts
+from .api import SpecModel, compile
+from .errors import CompileError
 from .trees import (
     EAGLE1_MC_SIM_7B_63,
     MAX_NODES,
@@ -18,6 +21,7 @@ from .trees import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "compile", "SpecModel", "CompileError", "drafts",
     "Chain", "StaticTree", "DynamicTree", "TreeSpec", "Tree", "select_tree",
     "EAGLE1_MC_SIM_7B_63", "MEDUSA_MC_SIM_7B_63", "MAX_NODES", "__version__",
 ]

@@ -206,6 +206,8 @@ class Capture:
 
     def __init__(self, model, max_length: int, debug: bool | None = None):
         self.model, self.max_length, self.debug = model, max_length, debug
+        self.kv_device = next(model.parameters()).device
+        self.info = TargetInfo.from_model(model)
         self._steps: dict[tuple, CapturedStep] = {}
         self._kv: dict[int, torch.Tensor] = {}
 

@@ -63,3 +63,34 @@ def test_inspect_prints_the_passes_for_smollm2():
                          capture_output=True, text=True, check=True).stdout
     assert "pass replace_attention:" in out and "sdpa_replaced            30" in out
     assert "cache_writes_kept        60" in out and "taps                     4" in out
+
+
+def test_quickstart_example_runs_and_is_exact():
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    out = subprocess.run([sys.executable, str(script), "--max-new-tokens", "24"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "token-exact with model.generate: True" in out
+
+
+@torch.no_grad()
+def test_compiled_smollm2_generate_is_token_exact_batched(smollm2):
+    import specgraph
+
+    model, tokenizer = smollm2
+    texts = ["Name three primary colors.", "Count from one to ten in words, separated by commas."]
+    rows = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                    add_generation_prompt=True)).input_ids for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(4), max_batch=2, max_length=512)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=32, eos_token_id=None, return_dict_in_generate=True)
+    for i, row in enumerate(rows):
+        # an explicit all-ones mask: otherwise generate() masks the prompt's own <|im_end|> tokens (id 2 is
+        # also the pad id) once eos_token_id=None, and stops being the model's greedy continuation
+        ids_row = torch.tensor([row])
+        want = model.generate(ids_row, attention_mask=torch.ones_like(ids_row), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None)
+        assert out["sequences"][i, width:].tolist() == want[0, len(row):].tolist()

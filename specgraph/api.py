@@ -1,0 +1,113 @@
+"""specgraph.compile(): the one place that wires the layers together."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .capture import Capture, TargetInfo
+from .errors import CompileError
+from .runtime.generate import generate_greedy
+from .trees import Chain, DynamicTree, StaticTree
+
+BACKENDS = ("eager",)  # "inductor" and "tensorrt" arrive with the compiled-backends issue
+GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
+                 "do_sample", "generation_config", "return_dict_in_generate"}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    tree: Chain | StaticTree | DynamicTree
+    backend: str
+    max_batch: int
+    max_length: int
+
+
+def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1, max_length: int = 2048) -> "SpecModel":
+    """Make ``model`` (a transformers causal LM) speculate with ``draft``.
+
+    Everything that cannot be supported is refused here, all blockers at once.
+    """
+    tree = tree if tree is not None else Chain(4)
+    blockers = []
+    if backend not in BACKENDS:
+        blockers.append(f"backend={backend!r}: available now: {', '.join(BACKENDS)}")
+    if getattr(draft, "kind", None) == "ngram" and not isinstance(tree, Chain):
+        blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
+    if getattr(draft, "kind", None) is None:
+        blockers.append(f"draft={type(draft).__name__}: not a specgraph draft (see specgraph.drafts)")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        blockers.append(f"max_batch={max_batch!r}: an int >= 1")
+    if not isinstance(max_length, int) or max_length <= tree.num_nodes:
+        blockers.append(f"max_length={max_length!r}: an int larger than the tree ({tree.num_nodes} nodes)")
+    try:
+        TargetInfo.from_model(model)
+    except CompileError as err:
+        blockers += err.blockers
+    if blockers:
+        raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
+    model.config._attn_implementation = "sdpa"
+    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length))
+
+
+class SpecModel:
+    """The speculating model. ``generate`` takes ``model.generate``'s arguments (greedy so far)."""
+
+    def __init__(self, model, draft, config: SpecConfig):
+        self.model, self.draft, self.config = model, draft, config
+        self.capture = Capture(model.eval(), config.max_length)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        unknown = sorted(set(kwargs) - GENERATE_ARGS)
+        if unknown:
+            raise TypeError(f"SpecModel.generate does not support {unknown} yet; they would change the result, "
+                            f"so they are refused rather than ignored")
+        gen = kwargs.get("generation_config") or self.model.generation_config
+        if kwargs.get("do_sample", False) or (kwargs.get("do_sample") is None and getattr(gen, "do_sample", False)):
+            raise NotImplementedError("do_sample=True: speculative sampling is not wired into generate yet; "
+                                      "pass do_sample=False (greedy is exact)")
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+            raise ValueError(f"input_ids must be [B, T] with B >= 1; got {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if b > self.config.max_batch:
+            raise ValueError(f"batch of {b} rows > max_batch={self.config.max_batch} given to specgraph.compile")
+        prompts = _strip_left_padding(input_ids, attention_mask)
+        max_new = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None)
+        if max_new is None:
+            max_new = (kwargs.get("max_length") or gen.max_length) - t
+        eos = kwargs.get("eos_token_id", gen.eos_token_id)
+        eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        pad = kwargs.get("pad_token_id", gen.pad_token_id)
+        if pad is None:
+            pad = min(eos) if eos else 0
+        n = self.config.tree.num_nodes
+        too_long = [i for i, p in enumerate(prompts) if len(p) + max_new + n > self.config.max_length]
+        if too_long:
+            raise ValueError(f"rows {too_long}: prompt + max_new_tokens ({max_new}) + tree ({n} nodes) exceeds "
+                             f"max_length={self.config.max_length} given to specgraph.compile; raise it there")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a row of input_ids is all padding (attention_mask has no 1)")
+        result = generate_greedy(self.capture, self.draft, self.config.tree.depth, prompts, max_new, eos,
+                                 self.config.max_length)
+        width = max(len(g) for g in result.sequences)
+        new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
+        for row, tokens in enumerate(result.sequences):
+            new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+        sequences = torch.cat([input_ids, new], 1)
+        if kwargs.get("return_dict_in_generate"):
+            return {"sequences": sequences, "accept_lens": result.accept_lens}
+        return sequences
+
+
+def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    if attention_mask is None:
+        return input_ids.tolist()
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    prompts = []
+    for row, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+        first = mask.index(1) if 1 in mask else len(mask)
+        if any(m == 0 for m in mask[first:]):
+            raise ValueError("attention_mask has padding after tokens: pad on the left (tokenizer.padding_side='left')")
+        prompts.append(row[first:])
+    return prompts

@@ -1,0 +1,85 @@
+"""The generate loop (greedy, host-driven for now).
+
+Per row, the cache holds every committed token but the last, which is the
+root of the next tree. One iteration: draft a chain from each row's
+sequence -> one captured verify step over [root, drafts] -> greedy verify ->
+compact the KV cache -> advance ``cache_len`` -> append the emitted tokens.
+Prefill writes each prompt but its last token in chain chunks of the
+prefill bucket (their logits are pruned away: the first verify step's root
+row yields the first new token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels.verify import verify_greedy
+
+PREFILL_NODES = 32
+
+
+@dataclass
+class GenerateResult:
+    sequences: list[list[int]]  # per row: the generated tokens (eos included, nothing after it)
+    accept_lens: list[list[int]] = field(default_factory=list)  # per step, per row: tokens committed
+
+
+def _chain_mask(n: int, device) -> torch.Tensor:
+    return torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(n)], device=device)
+
+
+@torch.no_grad()
+def prefill(capture, prompts: list[list[int]], device) -> torch.Tensor:
+    """Write every prompt but its last token into the batch's cache. returns cache_len [B]."""
+    b = len(prompts)
+    # a chunk is a chain, so it must be shallower than the narrowest sliding window
+    chunk = min([PREFILL_NODES] + [w for w in capture.info.layer_windows if w > 0])
+    step = capture.step(b, chunk, logits_rows=(chunk - 1, chunk))
+    chain = _chain_mask(chunk, device).expand(b, -1)
+    lengths = [len(p) - 1 for p in prompts]
+    for start in range(0, max(lengths), chunk):
+        ids = torch.tensor([(p[:-1] + [0] * chunk)[start:start + chunk] for p in prompts], device=device)
+        # rows whose prompt ended write padding past their length: those slots are overwritten before being read
+        cache_len = torch.full((b,), start, device=device)
+        step(ids, start + torch.arange(chunk, device=device).expand(b, -1), cache_len, chain)
+    return torch.tensor(lengths, device=device)
+
+
+@torch.no_grad()
+def generate_greedy(capture, draft, depth: int, prompts: list[list[int]], max_new_tokens: int,
+                    eos_token_ids: set[int], max_length: int) -> GenerateResult:
+    """Greedy speculative decoding of ``prompts`` with a chain of ``depth`` drafts per step."""
+    device = capture.kv_device
+    b, n = len(prompts), depth + 1
+    cache_len = prefill(capture, prompts, device)
+    step = capture.step(b, n)
+    chain = _chain_mask(n, device).expand(b, -1)
+    parents = torch.arange(-1, n - 1, device=device).expand(b, -1)
+    depth_row = torch.arange(n, device=device)
+    sequences = [list(p) for p in prompts]
+    generated: list[list[int]] = [[] for _ in range(b)]
+    done = [max_new_tokens <= 0] * b
+    result = GenerateResult(generated)
+    while not all(done):
+        # a row that would overflow the cache this step must already be done (checked below)
+        tokens = torch.tensor([[seq[-1]] + draft.propose(seq, depth) for seq in sequences], device=device)
+        logits = step(tokens, cache_len.unsqueeze(1) + depth_row, cache_len, chain)
+        acc = verify_greedy(tokens, parents, chain, logits.argmax(-1), depth)
+        active = torch.tensor([not d for d in done], device=device)
+        accept_len = torch.where(active, acc.accept_len, 0)
+        torch.ops.specgraph.compact_kv(capture.kv(b), cache_len, acc.path, accept_len)
+        cache_len = cache_len + accept_len
+        emitted, lens = acc.emitted.tolist(), accept_len.tolist()  # the one host read per step
+        result.accept_lens.append(lens)
+        for row in range(b):
+            if done[row]:
+                continue
+            for token in emitted[row][: lens[row]]:
+                generated[row].append(token)
+                sequences[row].append(token)
+                if token in eos_token_ids or len(generated[row]) >= max_new_tokens:
+                    done[row] = True
+                    break
+        assert all(d or int(c) + n <= max_length for d, c in zip(done, cache_len.tolist())), "cache overflow"
+    return result

@@ -1,0 +1,115 @@
+"""specgraph.compile(model, NGram()).generate is token-exact with the target's
+own greedy model.generate: tiny Llama/Qwen3/Gemma3 and real SmolLM2, batch 1
+and batch 3 with different prompt lengths, eos inside an accepted chunk,
+max_new_tokens mid-chunk; bad input is refused by name."""
+import pytest
+import torch
+
+import specgraph
+from specgraph import Chain, CompileError
+from specgraph.drafts import NGram
+from test_capture import tiny_model
+
+
+def hf_greedy(model, prompt: list[int], **kw) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def generated_rows(sequences: torch.Tensor, input_len: int, eos=None, pad=0) -> list[list[int]]:
+    rows = []
+    for row in sequences[:, input_len:].tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        rows.append(row)
+    return rows
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(3, 101, (8,), generator=g).tolist()
+    return [(base * 10)[:n] if i % 2 else torch.randint(3, 101, (n,), generator=g).tolist() for i, n in enumerate(lengths)]
+
+
+def left_pad(rows: list[list[int]]):
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("tree", [Chain(1), Chain(4)], ids=["chain1", "chain4"])
+def test_greedy_is_token_exact(arch, tree):
+    model = tiny_model(arch)
+    spec = specgraph.compile(model, NGram(), tree=tree, max_batch=3, max_length=256)
+    rows = prompts(0, [5, 17, 11])
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=37, eos_token_id=None, return_dict_in_generate=True)
+    assert out["sequences"].shape == (3, ids.shape[1] + 37)
+    assert torch.equal(out["sequences"][:, : ids.shape[1]], ids)
+    for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=37, eos_token_id=None)
+    single = spec.generate(torch.tensor([rows[1]]), max_new_tokens=37, eos_token_id=None)
+    assert single[0, len(rows[1]):].tolist() == hf_greedy(model, rows[1], max_new_tokens=37, eos_token_id=None)
+    if tree.depth > 1:  # the n-gram draft did speculate somewhere
+        assert max(max(step) for step in out["accept_lens"]) > 1
+
+
+def test_eos_inside_an_accepted_chunk_and_rows_finishing_apart():
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=3, max_length=256)
+    rows = prompts(1, [9, 16, 6])
+    free = [hf_greedy(model, r, max_new_tokens=40, eos_token_id=None) for r in rows]
+    eos = free[1][len(free[1]) // 2]  # a token row 1 emits mid-way: rows stop at different steps
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, pad_token_id=0)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1], eos=eos)):
+        assert got == hf_greedy(model, row, max_new_tokens=40, eos_token_id=eos)
+    width = max(len(hf_greedy(model, r, max_new_tokens=40, eos_token_id=eos)) for r in rows)
+    assert out.shape[1] == ids.shape[1] + width  # as long as the longest row, like model.generate
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 13])
+def test_max_new_tokens_cut_mid_chunk(max_new):
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(6), max_batch=1, max_length=128)
+    row = prompts(2, [10, 24])[1]  # repetitive: long accepted chunks
+    out = spec.generate(torch.tensor([row]), max_new_tokens=max_new, eos_token_id=None)
+    assert out[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=max_new, eos_token_id=None)
+
+
+def test_bad_input_is_refused_by_name():
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_batch=2, max_length=64)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(TypeError, match="num_beams"):
+        spec.generate(ids, num_beams=2)
+    with pytest.raises(NotImplementedError, match="do_sample"):
+        spec.generate(ids, do_sample=True)
+    with pytest.raises(ValueError, match="max_batch=2"):
+        spec.generate(torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds max_length=64"):
+        spec.generate(ids, max_new_tokens=62)
+    with pytest.raises(ValueError, match="pad on the left"):
+        spec.generate(torch.tensor([[5, 6, 0]]), attention_mask=torch.tensor([[1, 1, 0]]))
+    with pytest.raises(ValueError, match="all padding"):
+        spec.generate(torch.tensor([[5, 6], [0, 0]]), attention_mask=torch.tensor([[1, 1], [0, 0]]), max_new_tokens=3)
+
+
+def test_compile_lists_every_blocker():
+    model = tiny_model("llama")
+    with pytest.raises(CompileError) as err:
+        specgraph.compile(model, NGram(), tree=specgraph.EAGLE1_MC_SIM_7B_63, backend="tensorrt", max_length=8)
+    text = str(err.value)
+    assert "backend='tensorrt'" in text and "NGram draft proposes one continuation" in text and "max_length=8" in text
+    assert len(err.value.blockers) == 3
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_match():
+    draft = NGram(max_ngram=2)
+    assert draft.propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2], 3) == [9, 9, 1]  # the latest "1 2" is followed by 9 9 1
+    assert draft.propose([5, 6, 7], 2) == [7, 7]  # no match: repeat the last token
+    with pytest.raises(ValueError, match="min_ngram"):
+        NGram(max_ngram=1, min_ngram=2)
