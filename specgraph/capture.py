@@ -55,10 +55,7 @@ class TargetInfo:
             if value not in (None, False, "rope", "rotary"):
                 blockers.append(f"config.{flag}={value!r}: attention with logit soft-capping, ALiBi or absolute-"
                                 f"position variants is not tree_attention's contract")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is False:
-            windows_on = False
-        else:
-            windows_on = True
+        windows_on = getattr(config, "use_sliding_window", True) is not False  # Qwen2 carries a window it does not use
         layers = config.num_hidden_layers
         types = getattr(config, "layer_types", None) or ["full_attention"] * layers
         unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
