@@ -7,12 +7,12 @@ import torch
 
 from .capture import Capture, TargetInfo
 from .errors import CompileError
-from .runtime.generate import generate_greedy
+from .runtime.generate import Sampling, generate_greedy
 from .trees import Chain, DynamicTree, StaticTree
 
 BACKENDS = ("eager",)  # "inductor" and "tensorrt" arrive with the compiled-backends issue
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
-                 "do_sample", "generation_config", "return_dict_in_generate"}
+                 "do_sample", "temperature", "top_k", "top_p", "generation_config", "return_dict_in_generate"}
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
 
 
 class SpecModel:
-    """The speculating model. ``generate`` takes ``model.generate``'s arguments (greedy so far)."""
+    """The speculating model. ``generate`` takes ``model.generate``'s arguments: greedy is
+    token-exact, sampling (temperature, top_k, top_p) exact in distribution."""
 
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
@@ -63,9 +64,14 @@ class SpecModel:
             raise TypeError(f"SpecModel.generate does not support {unknown} yet; they would change the result, "
                             f"so they are refused rather than ignored")
         gen = kwargs.get("generation_config") or self.model.generation_config
-        if kwargs.get("do_sample", False) or (kwargs.get("do_sample") is None and getattr(gen, "do_sample", False)):
-            raise NotImplementedError("do_sample=True: speculative sampling is not wired into generate yet; "
-                                      "pass do_sample=False (greedy is exact)")
+        sampling = None
+        do_sample = kwargs.get("do_sample")
+        if do_sample or (do_sample is None and getattr(gen, "do_sample", False)):
+            pick = lambda name, default: kwargs[name] if kwargs.get(name) is not None else (  # noqa: E731
+                getattr(gen, name, None) if getattr(gen, name, None) is not None else default)
+            sampling = Sampling(float(pick("temperature", 1.0)), int(pick("top_k", 50)), float(pick("top_p", 1.0)))
+            if sampling.temperature <= 0:
+                raise ValueError(f"temperature={sampling.temperature} with do_sample=True: use do_sample=False for greedy")
         if input_ids.dim() != 2 or input_ids.shape[0] == 0:
             raise ValueError(f"input_ids must be [B, T] with B >= 1; got {tuple(input_ids.shape)}")
         b, t = input_ids.shape
@@ -88,7 +94,7 @@ class SpecModel:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a row of input_ids is all padding (attention_mask has no 1)")
         result = generate_greedy(self.capture, self.draft, self.config.tree.depth, prompts, max_new, eos,
-                                 self.config.max_length)
+                                 self.config.max_length, sampling)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):

@@ -4,6 +4,7 @@ and batch 3 with different prompt lengths, eos inside an accepted chunk,
 max_new_tokens mid-chunk; bad input is refused by name."""
 import pytest
 import torch
+import transformers
 
 import specgraph
 from specgraph import Chain, CompileError
@@ -86,8 +87,8 @@ def test_bad_input_is_refused_by_name():
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(TypeError, match="num_beams"):
         spec.generate(ids, num_beams=2)
-    with pytest.raises(NotImplementedError, match="do_sample"):
-        spec.generate(ids, do_sample=True)
+    with pytest.raises(ValueError, match="temperature=0.0 with do_sample=True"):
+        spec.generate(ids, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="max_batch=2"):
         spec.generate(torch.zeros(3, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="exceeds max_length=64"):
@@ -113,3 +114,54 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
     assert draft.propose([5, 6, 7], 2) == [7, 7]  # no match: repeat the last token
     with pytest.raises(ValueError, match="min_ngram"):
         NGram(max_ngram=1, min_ngram=2)
+
+
+def _marginals(sequences: torch.Tensor, start: int, positions: int, vocab: int) -> torch.Tensor:
+    return torch.stack([torch.bincount(sequences[:, start + i], minlength=vocab) for i in range(positions)]).double()
+
+
+def _homogeneity_p(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample chi-square test that counts a and b come from one distribution."""
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    total = a + b
+    ea, eb = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    stat = (((a - ea) ** 2) / ea + ((b - eb) ** 2) / eb).sum()
+    dof = torch.tensor((keep.sum().item() - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, stat / 2).item()
+
+
+def _small_vocab_model():
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=12, max_position_embeddings=128,
+                                      attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=0), dict(temperature=0.7, top_k=5, top_p=0.9)],
+                         ids=["plain", "filtered"])
+def test_sampling_matches_plain_sampling_in_distribution(params):
+    """Per position, speculative and plain sampling give the same token distribution (chi-square)."""
+    model = _small_vocab_model()
+    rows, positions, prompt = 2000, 4, [3, 4, 5, 3, 4, 5, 3, 4]  # repetitive: the n-gram draft gets accepted
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=rows, max_length=64)
+    ids = torch.tensor([prompt] * rows)
+    torch.manual_seed(10)
+    out = spec.generate(ids, do_sample=True, max_new_tokens=positions, eos_token_id=None, return_dict_in_generate=True,
+                        **params)
+    torch.manual_seed(11)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=positions,
+                           eos_token_id=None, pad_token_id=0, **params)
+    ours, theirs = _marginals(out["sequences"], len(prompt), positions, 12), _marginals(plain, len(prompt), positions, 12)
+    for i in range(positions):
+        assert _homogeneity_p(ours[i], theirs[i]) > 0.01, (i, ours[i], theirs[i])
+    assert max(max(step) for step in out["accept_lens"]) > 1  # drafts were accepted, so verification mattered
+    # the test can tell distributions apart: plain sampling at another temperature differs
+    torch.manual_seed(12)
+    hotter = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=positions,
+                            eos_token_id=None, pad_token_id=0, **{**params, "temperature": params["temperature"] * 2})
+    assert min(_homogeneity_p(theirs[i], _marginals(hotter, len(prompt), positions, 12)[i]) for i in range(positions)) < 1e-3

@@ -1,4 +1,4 @@
 """The step driver and generate loop."""
-from .generate import GenerateResult, generate_greedy
+from .generate import GenerateResult, Sampling, generate_greedy
 
-__all__ = ["GenerateResult", "generate_greedy"]
+__all__ = ["GenerateResult", "Sampling", "generate_greedy"]

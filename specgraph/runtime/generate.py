@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.verify import verify_greedy
+from ..kernels.verify import sampling_probs, verify_greedy, verify_sample
 
 PREFILL_NODES = 32
 
@@ -46,10 +46,22 @@ def prefill(capture, prompts: list[list[int]], device) -> torch.Tensor:
     return torch.tensor(lengths, device=device)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Per-batch sampling parameters (transformers' warper semantics)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
 @torch.no_grad()
 def generate_greedy(capture, draft, depth: int, prompts: list[list[int]], max_new_tokens: int,
-                    eos_token_ids: set[int], max_length: int) -> GenerateResult:
-    """Greedy speculative decoding of ``prompts`` with a chain of ``depth`` drafts per step."""
+                    eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None) -> GenerateResult:
+    """Speculative decoding of ``prompts`` with a chain of ``depth`` drafts per step:
+    greedy (token-exact), or with ``sampling`` exact in distribution (the drafts
+    are deterministic, so each node draws its own target sample and a draft is
+    accepted iff it equals its parent's draw)."""
     device = capture.kv_device
     b, n = len(prompts), depth + 1
     cache_len = prefill(capture, prompts, device)
@@ -65,7 +77,11 @@ def generate_greedy(capture, draft, depth: int, prompts: list[list[int]], max_ne
         # a row that would overflow the cache this step must already be done (checked below)
         tokens = torch.tensor([[seq[-1]] + draft.propose(seq, depth) for seq in sequences], device=device)
         logits = step(tokens, cache_len.unsqueeze(1) + depth_row, cache_len, chain)
-        acc = verify_greedy(tokens, parents, chain, logits.argmax(-1), depth)
+        if sampling is None:
+            acc = verify_greedy(tokens, parents, chain, logits.argmax(-1), depth)
+        else:
+            probs = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            acc = verify_sample(tokens, parents, chain, probs, depth)
         active = torch.tensor([not d for d in done], device=device)
         accept_len = torch.where(active, acc.accept_len, 0)
         torch.ops.specgraph.compact_kv(capture.kv(b), cache_len, acc.path, accept_len)
