@@ -34,6 +34,8 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
         blockers.append(f"backend={backend!r}: available now: {', '.join(BACKENDS)}")
     if getattr(draft, "kind", None) == "ngram" and not isinstance(tree, Chain):
         blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
+    if getattr(draft, "kind", None) == "medusa":
+        blockers += draft.tree_problems(tree) + draft.bind(model)
     if getattr(draft, "kind", None) is None:
         blockers.append(f"draft={type(draft).__name__}: not a specgraph draft (see specgraph.drafts)")
     if not isinstance(max_batch, int) or max_batch < 1:
@@ -93,7 +95,7 @@ class SpecModel:
                              f"max_length={self.config.max_length} given to specgraph.compile; raise it there")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a row of input_ids is all padding (attention_mask has no 1)")
-        result = generate_greedy(self.capture, self.draft, self.config.tree.depth, prompts, max_new, eos,
+        result = generate_greedy(self.capture, self.draft, self.config.tree, prompts, max_new, eos,
                                  self.config.max_length, sampling)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.verify import sampling_probs, verify_greedy, verify_sample
+from ..passes import HiddenTaps
+from ..trees import Tree
 
 PREFILL_NODES = 32
 
@@ -56,32 +58,44 @@ class Sampling:
 
 
 @torch.no_grad()
-def generate_greedy(capture, draft, depth: int, prompts: list[list[int]], max_new_tokens: int,
+def generate_greedy(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                     eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None) -> GenerateResult:
-    """Speculative decoding of ``prompts`` with a chain of ``depth`` drafts per step:
+    """Speculative decoding of ``prompts`` over ``tree`` (a Chain or StaticTree):
     greedy (token-exact), or with ``sampling`` exact in distribution (the drafts
     are deterministic, so each node draws its own target sample and a draft is
     accepted iff it equals its parent's draw)."""
     device = capture.kv_device
-    b, n = len(prompts), depth + 1
+    b, n = len(prompts), tree.num_nodes
     cache_len = prefill(capture, prompts, device)
-    step = capture.step(b, n)
-    chain = _chain_mask(n, device).expand(b, -1)
-    parents = torch.arange(-1, n - 1, device=device).expand(b, -1)
-    depth_row = torch.arange(n, device=device)
+    topology = Tree.from_spec(tree, torch.zeros(b, n, dtype=torch.long, device=device))
+    reads_hidden = getattr(draft, "reads_hidden", False)
+    step = capture.step(b, n, taps=HiddenTaps(final=True) if reads_hidden else None)
+    positions_in_tree = topology.depth
     sequences = [list(p) for p in prompts]
     generated: list[list[int]] = [[] for _ in range(b)]
     done = [max_new_tokens <= 0] * b
     result = GenerateResult(generated)
+    hidden = None  # [B, H]: the target's final hidden state at each row's last accepted node
+    rows = torch.arange(b, device=device)
     while not all(done):
-        # a row that would overflow the cache this step must already be done (checked below)
-        tokens = torch.tensor([[seq[-1]] + draft.propose(seq, depth) for seq in sequences], device=device)
-        logits = step(tokens, cache_len.unsqueeze(1) + depth_row, cache_len, chain)
+        roots = torch.tensor([seq[-1] for seq in sequences], device=device).unsqueeze(1)
+        if not reads_hidden:
+            drafts = torch.tensor([draft.propose(seq, n - 1) for seq in sequences], device=device)
+        elif hidden is None:  # nothing to read yet: the first step's drafts are placeholders
+            drafts = roots.expand(b, n - 1)
+        else:
+            drafts = draft.propose_tree(hidden, tree)
+        tokens = torch.cat([roots, drafts.to(torch.long)], 1)
+        out = step(tokens, cache_len.unsqueeze(1) + positions_in_tree, cache_len, topology.mask)
+        logits, taps = out if reads_hidden else (out, None)
         if sampling is None:
-            acc = verify_greedy(tokens, parents, chain, logits.argmax(-1), depth)
+            acc = verify_greedy(tokens, topology.parents, topology.mask, logits.argmax(-1), tree.max_depth)
         else:
             probs = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            acc = verify_sample(tokens, parents, chain, probs, depth)
+            acc = verify_sample(tokens, topology.parents, topology.mask, probs, tree.max_depth)
+        if reads_hidden:
+            last = acc.path.gather(1, (acc.accept_len - 1).unsqueeze(1)).squeeze(1)
+            hidden = taps[0][rows, last]
         active = torch.tensor([not d for d in done], device=device)
         accept_len = torch.where(active, acc.accept_len, 0)
         torch.ops.specgraph.compact_kv(capture.kv(b), cache_len, acc.path, accept_len)

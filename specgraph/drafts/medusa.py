@@ -1,0 +1,183 @@
+"""Medusa heads: K parallel heads on the target's final hidden state; head k
+predicts the token k+1 places after the next one. They fill a fixed tree:
+node at depth d with sibling rank r takes head d-1's r-th best token.
+
+Public layouts ``from_pretrained`` reads (head count and depth come from the
+keys, never from the config: FasterDecoding's uploaded configs are wrong):
+  FasterDecoding  medusa_lm_head.{safetensors,pt}: {h}.{l}.linear.{weight,bias}, {h}.{L}.weight
+  Medusa-2 full   model*.safetensors / pytorch_model*.bin: medusa_head.{h}.…  (same sub-layout)
+  ModelOpt        medusa_heads.{h}.{l}.linear.*, medusa_heads.{h}.{L}.weight
+  vLLM            blocks.{h}.layers.{l}.{weight,bias?}, lm_heads.{h}.weight
+  legacy          {h}.{l}.linear.* without {h}.{L}.weight: the target's LM head is shared
+``save_pretrained`` writes the FasterDecoding layout plus a config.json.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..trees import Chain, StaticTree
+
+WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int, bias: bool = True):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x):
+        return x + nn.functional.silu(self.linear(x))
+
+
+class Medusa(nn.Module):
+    kind = "medusa"
+    reads_hidden = True  # the target's final (post-norm) hidden state of the last accepted node
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                 own_lm_head: bool = True, bias: bool = True):
+        super().__init__()
+        self.hidden_size, self.vocab_size, self.num_heads, self.num_layers = hidden_size, vocab_size, num_heads, num_layers
+        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(hidden_size, bias) for _ in range(num_layers)))
+                                    for _ in range(num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads)) \
+            if own_lm_head else None
+        self._shared_head: nn.Module | None = None
+
+    def bind(self, model) -> list[str]:
+        """Check against the target; share its LM head when this checkpoint has none. returns blockers."""
+        config = model.config.get_text_config()
+        problems = []
+        if config.hidden_size != self.hidden_size:
+            problems.append(f"Medusa hidden size {self.hidden_size} != target hidden size {config.hidden_size}")
+        if config.vocab_size != self.vocab_size:
+            problems.append(f"Medusa vocabulary {self.vocab_size} != target vocabulary {config.vocab_size}")
+        if not problems:
+            self._shared_head = model.get_output_embeddings()
+            self.to(dtype=next(model.parameters()).dtype, device=next(model.parameters()).device)
+        return problems
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, K, V]."""
+        out = []
+        for k, block in enumerate(self.blocks):
+            h = block(hidden)
+            out.append(self.lm_heads[k](h) if self.lm_heads is not None else self._shared_head(h))
+        return torch.stack(out, 1)
+
+    def tree_problems(self, tree) -> list[str]:
+        if not isinstance(tree, (Chain, StaticTree)):
+            return [f"tree={tree}: Medusa heads fill a fixed tree; use Chain(k) or StaticTree(choices)"]
+        if tree.max_depth > self.num_heads:
+            return [f"tree depth {tree.max_depth} > {self.num_heads} Medusa heads"]
+        return []
+
+    @torch.no_grad()
+    def propose_tree(self, hidden: torch.Tensor, tree) -> torch.Tensor:
+        """hidden [B, H] -> draft tokens [B, N-1] for the tree's nodes 1..N-1."""
+        paths = tree.choices if isinstance(tree, StaticTree) else tuple((0,) * d for d in range(1, tree.depth + 1))
+        topk = max(p[-1] for p in paths) + 1
+        top = self(hidden).topk(topk, dim=-1).indices  # [B, K, topk]
+        head = torch.tensor([len(p) - 1 for p in paths], device=hidden.device)
+        rank = torch.tensor([p[-1] for p in paths], device=hidden.device)
+        return top[:, head, rank]
+
+    # ------------------------------------------------------------------ formats
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Medusa":
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"Medusa checkpoint {str(path)!r} does not exist")
+        state, config = _read_state(path)
+        layout = _normalise(state)
+        heads = sorted(layout)
+        if not heads or heads != list(range(len(heads))):
+            raise ValueError(f"{path}: no Medusa heads found (looked for FasterDecoding, Medusa-2, ModelOpt and vLLM "
+                             f"key layouts)")
+        layers = {len(layout[h]["blocks"]) for h in heads}
+        own = {layout[h]["lm_head"] is not None for h in heads}
+        biases = {b is not None for h in heads for _, b in layout[h]["blocks"]}
+        if len(layers) != 1 or len(own) != 1 or len(biases) > 1:
+            raise ValueError(f"{path}: heads disagree in depth or LM head / bias presence")
+        first = layout[0]
+        hidden = first["blocks"][0][0].shape[1] if first["blocks"] else first["lm_head"].shape[1]
+        vocab = first["lm_head"].shape[0] if own == {True} else int(config.get("vocab_size", 0))
+        if vocab == 0:
+            raise ValueError(f"{path}: heads share the target's LM head (legacy layout) and config.json has no vocab_size")
+        module = cls(hidden, vocab, len(heads), layers.pop(), own_lm_head=own.pop(), bias=biases != {False})
+        with torch.no_grad():
+            for h in heads:
+                for block, (w, b) in zip(module.blocks[h], layout[h]["blocks"]):
+                    block.linear.weight.copy_(w)
+                    if b is not None:
+                        block.linear.bias.copy_(b)
+                if module.lm_heads is not None:
+                    module.lm_heads[h].weight.copy_(layout[h]["lm_head"])
+        return module.eval()
+
+    def save_pretrained(self, path: str | Path, base_model_name_or_path: str = "") -> None:
+        """FasterDecoding layout: medusa_lm_head.safetensors + config.json."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {}
+        for h, blocks in enumerate(self.blocks):
+            for l, block in enumerate(blocks):
+                state[f"{h}.{l}.linear.weight"] = block.linear.weight
+                if block.linear.bias is not None:
+                    state[f"{h}.{l}.linear.bias"] = block.linear.bias
+            if self.lm_heads is not None:
+                state[f"{h}.{self.num_layers}.weight"] = self.lm_heads[h].weight
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / "medusa_lm_head.safetensors"))
+        config = dict(medusa_num_heads=self.num_heads, medusa_num_layers=self.num_layers, hidden_size=self.hidden_size,
+                      vocab_size=self.vocab_size, base_model_name_or_path=base_model_name_or_path, version="2")
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _read_state(path: Path) -> tuple[dict, dict]:
+    files = [path] if path.is_file() else [path / f for f in WEIGHT_FILES if (path / f).is_file()]
+    if not path.is_file():
+        files += sorted(p for p in path.glob("model-*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: none of {WEIGHT_FILES} found")
+    state = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(file)))
+        else:
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
+    config_file = (path if path.is_dir() else path.parent) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return state, config
+
+
+_FASTER = re.compile(r"^(?:medusa_head\.|medusa_heads\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
+_VLLM_BLOCK = re.compile(r"^(?:medusa_heads\.)?blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
+_VLLM_HEAD = re.compile(r"^(?:medusa_heads\.)?lm_heads\.(\d+)\.weight$")
+
+
+def _normalise(state: dict) -> dict[int, dict]:
+    """Any supported layout -> {head: {"blocks": [(W, b|None), ...], "lm_head": W|None}}."""
+    raw: dict[int, dict] = {}
+    for key, value in state.items():
+        if m := _FASTER.match(key):
+            h, l, is_block, kind = int(m[1]), int(m[2]), bool(m[3]), m[4]
+            entry = raw.setdefault(h, {"blocks": {}, "lm": {}})
+            (entry["blocks"] if is_block else entry["lm"]).setdefault(l, {})[kind] = value
+        elif m := _VLLM_BLOCK.match(key):
+            raw.setdefault(int(m[1]), {"blocks": {}, "lm": {}})["blocks"].setdefault(int(m[2]), {})[m[3]] = value
+        elif m := _VLLM_HEAD.match(key):
+            raw.setdefault(int(m[1]), {"blocks": {}, "lm": {}})["lm"][-1] = {"weight": value}
+    out = {}
+    for h, entry in raw.items():
+        blocks = [(entry["blocks"][l]["weight"], entry["blocks"][l].get("bias")) for l in sorted(entry["blocks"])]
+        heads = list(entry["lm"].values())
+        out[h] = {"blocks": blocks, "lm_head": heads[0]["weight"] if heads else None}
+    return out
