@@ -12,7 +12,8 @@ from .trees import Chain, DynamicTree, StaticTree
 
 BACKENDS = ("eager",)  # "inductor" and "tensorrt" arrive with the compiled-backends issue
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
-                 "do_sample", "temperature", "top_k", "top_p", "generation_config", "return_dict_in_generate"}
+                 "do_sample", "temperature", "top_k", "top_p", "generation_config", "return_dict_in_generate",
+                 "stopping_criteria", "streamer"}
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,13 @@ class SpecModel:
                              f"max_length={self.config.max_length} given to specgraph.compile; raise it there")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a row of input_ids is all padding (attention_mask has no 1)")
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            if b != 1:
+                raise ValueError("streamer: only batch size 1 can be streamed (as in model.generate)")
+            streamer.put(input_ids.cpu())  # the prompt first, as model.generate does (TextStreamer may skip it)
         result = generate_greedy(self.capture, self.draft, self.config.tree, prompts, max_new, eos,
-                                 self.config.max_length, sampling)
+                                 self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):

@@ -165,3 +165,38 @@ def test_sampling_matches_plain_sampling_in_distribution(params):
     hotter = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=positions,
                             eos_token_id=None, pad_token_id=0, **{**params, "temperature": params["temperature"] * 2})
     assert min(_homogeneity_p(theirs[i], _marginals(hotter, len(prompt), positions, 12)[i]) for i in range(positions)) < 1e-3
+
+
+def test_streamer_and_stopping_criteria_match_model_generate():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfterToken(StoppingCriteria):
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == self.token
+
+    class Collect:
+        def __init__(self):
+            self.calls = []
+
+        def put(self, value):
+            self.calls.append(value.flatten().tolist())
+
+        def end(self):
+            self.calls.append("end")
+
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128)
+    row = prompts(3, [6, 20])[1]
+    free = hf_greedy(model, row, max_new_tokens=30, eos_token_id=None)
+    stop_token = free[12]
+    criteria = StoppingCriteriaList([StopAfterToken(stop_token)])
+    streamer = Collect()
+    out = spec.generate(torch.tensor([row]), max_new_tokens=30, eos_token_id=None, stopping_criteria=criteria,
+                        streamer=streamer)
+    want = hf_greedy(model, row, max_new_tokens=30, eos_token_id=None, stopping_criteria=criteria)
+    assert out[0, len(row):].tolist() == want
+    assert streamer.calls[0] == row and streamer.calls[-1] == "end"
+    assert [c[0] for c in streamer.calls[1:-1]] == want  # one put per accepted token, in order

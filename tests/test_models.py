@@ -94,3 +94,10 @@ def test_compiled_smollm2_generate_is_token_exact_batched(smollm2):
         want = model.generate(ids_row, attention_mask=torch.ones_like(ids_row), max_new_tokens=32, do_sample=False,
                               eos_token_id=None)
         assert out["sequences"][i, width:].tolist() == want[0, len(row):].tolist()
+
+
+def test_demo_runs_and_reports_exactness():
+    out = subprocess.run([sys.executable, "-m", "specgraph.cli", "demo", "--max-new-tokens", "12"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "tau (tokens per target step)" in out and "measured in this run" in out
+    assert "token-exact with model.generate: True" in out

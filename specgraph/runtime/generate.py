@@ -59,11 +59,17 @@ class Sampling:
 
 @torch.no_grad()
 def generate_greedy(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
-                    eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None) -> GenerateResult:
+                    eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
+                    stopping_criteria=None, streamer=None) -> GenerateResult:
     """Speculative decoding of ``prompts`` over ``tree`` (a Chain or StaticTree):
     greedy (token-exact), or with ``sampling`` exact in distribution (the drafts
     are deterministic, so each node draws its own target sample and a draft is
-    accepted iff it equals its parent's draw)."""
+    accepted iff it equals its parent's draw).
+
+    ``stopping_criteria`` (transformers' StoppingCriteriaList) is asked after
+    every accepted token, as plain decoding would (scores are not available:
+    None is passed); ``streamer`` receives each row-0 token as it is accepted.
+    """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
     cache_len = prefill(capture, prompts, device)
@@ -108,8 +114,15 @@ def generate_greedy(capture, draft, tree, prompts: list[list[int]], max_new_toke
             for token in emitted[row][: lens[row]]:
                 generated[row].append(token)
                 sequences[row].append(token)
-                if token in eos_token_ids or len(generated[row]) >= max_new_tokens:
+                if streamer is not None:
+                    streamer.put(torch.tensor([token]))
+                stop = token in eos_token_ids or len(generated[row]) >= max_new_tokens
+                if not stop and stopping_criteria is not None:
+                    stop = bool(stopping_criteria(torch.tensor([sequences[row]]), None).any())
+                if stop:
                     done[row] = True
                     break
         assert all(d or int(c) + n <= max_length for d, c in zip(done, cache_len.tolist())), "cache overflow"
+    if streamer is not None:
+        streamer.end()
     return result
