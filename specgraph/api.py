@@ -7,7 +7,7 @@ import torch
 
 from .capture import Capture, TargetInfo
 from .errors import CompileError
-from .runtime.generate import Sampling, generate_greedy
+from .runtime.generate import Sampling, speculative_generate
 from .trees import Chain, DynamicTree, StaticTree
 
 BACKENDS = ("eager",)  # "inductor" and "tensorrt" arrive with the compiled-backends issue
@@ -81,7 +81,9 @@ class SpecModel:
         if b > self.config.max_batch:
             raise ValueError(f"batch of {b} rows > max_batch={self.config.max_batch} given to specgraph.compile")
         prompts = _strip_left_padding(input_ids, attention_mask)
-        max_new = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None)
+        max_new = kwargs.get("max_new_tokens")
+        if max_new is None:
+            max_new = getattr(gen, "max_new_tokens", None)
         if max_new is None:
             max_new = (kwargs.get("max_length") or gen.max_length) - t
         eos = kwargs.get("eos_token_id", gen.eos_token_id)
@@ -101,7 +103,7 @@ class SpecModel:
             if b != 1:
                 raise ValueError("streamer: only batch size 1 can be streamed (as in model.generate)")
             streamer.put(input_ids.cpu())  # the prompt first, as model.generate does (TextStreamer may skip it)
-        result = generate_greedy(self.capture, self.draft, self.config.tree, prompts, max_new, eos,
+        result = speculative_generate(self.capture, self.draft, self.config.tree, prompts, max_new, eos,
                                  self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)

@@ -1,4 +1,4 @@
 """The step driver and generate loop."""
-from .generate import GenerateResult, Sampling, generate_greedy
+from .generate import GenerateResult, Sampling, speculative_generate
 
-__all__ = ["GenerateResult", "Sampling", "generate_greedy"]
+__all__ = ["GenerateResult", "Sampling", "speculative_generate"]

@@ -58,7 +58,7 @@ class Sampling:
 
 
 @torch.no_grad()
-def generate_greedy(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
+def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                     eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
                     stopping_criteria=None, streamer=None) -> GenerateResult:
     """Speculative decoding of ``prompts`` over ``tree`` (a Chain or StaticTree):
