@@ -105,3 +105,26 @@ class Driver:
         out = self.model(ids, use_cache=True)
         cache = getattr(out, "cache", None) or out.past_key_values
         return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+def check_tree_against_hf(driver: Driver, nodes: int, tol: dict, same_argmax: bool = False) -> None:
+    """A random tree through the captured step: every node's logits == HF eager on its root path alone."""
+    tokens, parents, mask, depth = driver.random_tree(nodes=nodes)
+    logits = driver.tree_logits(tokens, mask, depth)
+    for row in range(driver.batch):
+        want = driver.oracle_logits(row, tokens[row].tolist(), parents[row].tolist())
+        torch.testing.assert_close(logits[row], want, **tol)
+        if same_argmax:
+            assert torch.equal(logits[row].argmax(-1), want.argmax(-1))
+
+
+def check_cache_against_hf(driver: Driver, tol: dict) -> None:
+    """The capture's KV cache == HF's own K/V for every row's cached tokens (sliding layers: what HF keeps)."""
+    kv = driver.capture.kv(driver.batch)
+    for row in range(driver.batch):
+        length = int(driver.cache_len[row])
+        assert length == len(driver.tokens[row]) - 1
+        for layer, (k, v) in enumerate(driver.hf_cache(row)):
+            kept = k.shape[1]
+            torch.testing.assert_close(kv[2 * layer, row, :, length - kept:length], k, **tol)
+            torch.testing.assert_close(kv[2 * layer + 1, row, :, length - kept:length], v, **tol)

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from specgraph.capture import TargetInfo
-from capture_harness import Driver
+from capture_harness import Driver, check_cache_against_hf, check_tree_against_hf
 
 TOL = dict(atol=1e-4, rtol=1e-4)  # fp32; different summation order than HF's SDPA
 COMMON = dict(hidden_size=64, intermediate_size=96, vocab_size=101, max_position_embeddings=512, pad_token_id=0,
@@ -56,11 +56,7 @@ def test_target_info_reads_the_windows(driver):
 
 
 def test_every_node_matches_hf_on_its_root_path(driver):
-    tokens, parents, mask, depth = driver.random_tree(nodes=8)
-    logits = driver.tree_logits(tokens, mask, depth)
-    for row in range(driver.batch):
-        want = driver.oracle_logits(row, tokens[row].tolist(), parents[row].tolist())
-        torch.testing.assert_close(logits[row], want, **TOL)
+    check_tree_against_hf(driver, nodes=8, tol=TOL)
 
 
 def test_pass_counters(driver):
@@ -85,16 +81,13 @@ def test_steps_with_compaction_keep_hf_cache(driver):
         tokens, parents, mask, depth = driver.random_tree(nodes=8)
         logits = driver.tree_logits(tokens, mask, depth)
         driver.verify_and_commit(tokens, parents, mask, logits)
-    kv = driver.capture.kv(driver.batch)
     windows = TargetInfo.from_model(driver.model).layer_windows
     for row in range(driver.batch):
         length = int(driver.cache_len[row])
-        assert length == len(driver.tokens[row]) - 1
-        for layer, (k, v) in enumerate(driver.hf_cache(row)):
+        for layer, (k, _) in enumerate(driver.hf_cache(row)):
             kept = k.shape[1]  # sliding layers: HF keeps only the last tokens
             assert kept == length or (windows[layer] and kept < length)
-            torch.testing.assert_close(kv[2 * layer, row, :, length - kept:length], k, **TOL)
-            torch.testing.assert_close(kv[2 * layer + 1, row, :, length - kept:length], v, **TOL)
+    check_cache_against_hf(driver, TOL)
 
 
 def test_tapped_hidden_states_match_hf(driver):

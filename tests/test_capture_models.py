@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specgraph.models import gemma3_gguf, load_gguf
-from capture_harness import Driver
+from capture_harness import Driver, check_cache_against_hf, check_tree_against_hf
 
 pytestmark = pytest.mark.model
 TOL = dict(atol=2e-3, rtol=1e-4)  # fp32, 30/18 layers, logits of magnitude ~30
@@ -37,12 +37,7 @@ def driver(request):
 
 
 def test_tree_nodes_match_hf_paths(driver):
-    tokens, parents, mask, depth = driver.random_tree(nodes=8)
-    logits = driver.tree_logits(tokens, mask, depth)
-    for row in range(driver.batch):
-        want = driver.oracle_logits(row, tokens[row].tolist(), parents[row].tolist())
-        torch.testing.assert_close(logits[row], want, **TOL)
-        assert torch.equal(logits[row].argmax(-1), want.argmax(-1))
+    check_tree_against_hf(driver, nodes=8, tol=TOL, same_argmax=True)
 
 
 def test_cache_after_steps_equals_hf(driver):
@@ -52,10 +47,4 @@ def test_cache_after_steps_equals_hf(driver):
         acc = driver.verify_and_commit(tokens, parents, mask, driver.tree_logits(tokens, mask, depth))
         accepted += int(acc.accept_len.sum())
     assert accepted > 2 * driver.batch  # the drafted greedy paths were (partly) accepted
-    kv = driver.capture.kv(driver.batch)
-    for row in range(driver.batch):
-        length = int(driver.cache_len[row])
-        for layer, (k, v) in enumerate(driver.hf_cache(row)):
-            kept = k.shape[1]
-            torch.testing.assert_close(kv[2 * layer, row, :, length - kept:length], k, **TOL)
-            torch.testing.assert_close(kv[2 * layer + 1, row, :, length - kept:length], v, **TOL)
+    check_cache_against_hf(driver, TOL)

@@ -24,7 +24,6 @@ dot product (V is loaded as 0 there: 0 * garbage would be NaN).
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -300,7 +299,3 @@ def _tree_attention_cuda(q, k_cache, v_cache, cache_len, tree_mask, scale, windo
 def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask, scale, window):
     _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
     return q.new_empty(q.shape)  # contiguous, like the real output
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -51,3 +51,9 @@ class GraphContext:
             if node.name == name:
                 return node
         raise KeyError(f"graph has no placeholder {name!r} ({role})")
+
+
+def lm_head_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The ``aten.linear`` nodes inside a module whose path ends in ``lm_head``."""
+    return [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+            if any(path.endswith("lm_head") for path, _ in (n.meta.get("nn_module_stack") or {}).values())]

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, PassResult, lm_head_nodes
 
 
 def prune_logits(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     if ctx.logits_rows is None:
         return PassResult(gm, False, {"rows": -1})
     start, stop = ctx.logits_rows
-    heads = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
-             if any(path.endswith("lm_head") for path, _ in (n.meta.get("nn_module_stack") or {}).values())]
+    heads = lm_head_nodes(gm)
     assert len(heads) == 1, f"{len(heads)} LM-head linear nodes"
     head = heads[0]
     hidden = head.args[0]

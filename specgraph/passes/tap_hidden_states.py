@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, PassResult, lm_head_nodes
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
@@ -49,8 +49,7 @@ def layer_boundaries(gm: torch.fx.GraphModule, hidden: int, num_layers: int):
             inputs[i] = entering.pop()
         else:
             problems.append(f"layer {i}: {len(entering)} candidate inputs")
-    heads = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
-             if any(path.endswith("lm_head") for path, _ in (n.meta.get("nn_module_stack") or {}).values())]
+    heads = lm_head_nodes(gm)
     lm_input = heads[0].args[0] if len(heads) == 1 else None
     if lm_input is None:
         problems.append(f"{len(heads)} LM-head linear nodes found (expected 1)")
@@ -62,7 +61,12 @@ def tap_hidden_states(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
     if taps is None or (not taps.layer_ids and not taps.final):
         return PassResult(gm, False, {"taps": 0})
     info = ctx.info
-    hidden = _hidden_size(gm)
+    heads = lm_head_nodes(gm)
+    if len(heads) != 1:
+        from ..errors import CompileError
+
+        raise CompileError("tap_hidden_states cannot find the LM head", [f"{len(heads)} LM-head linear nodes (expected 1)"])
+    hidden = heads[0].args[0].meta["val"].shape[-1]  # the residual width: the LM head's input features
     inputs, outputs, lm_input, problems = layer_boundaries(gm, hidden, info.num_layers)
     chosen = []
     for i in taps.layer_ids:
@@ -83,10 +87,3 @@ def tap_hidden_states(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
     assert len(next(iter(gm.graph.find_nodes(op="output"))).args[0]) == len(results) + len(chosen)
     return PassResult(gm, True, {"taps": len(chosen), "outputs": len(results) + len(chosen)})
 
-
-def _hidden_size(gm: torch.fx.GraphModule) -> int:
-    """The residual width: the LM head's input features."""
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default):
-        if any(path.endswith("lm_head") for path, _ in (node.meta.get("nn_module_stack") or {}).values()):
-            return node.args[0].meta["val"].shape[-1]
-    raise ValueError("no LM head found")
