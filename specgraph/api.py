@@ -33,12 +33,15 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     blockers = []
     if backend not in BACKENDS:
         blockers.append(f"backend={backend!r}: available now: {', '.join(BACKENDS)}")
-    if getattr(draft, "kind", None) == "ngram" and not isinstance(tree, Chain):
-        blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
-    if getattr(draft, "kind", None) == "medusa":
-        blockers += draft.tree_problems(tree) + draft.bind(model)
-    if getattr(draft, "kind", None) is None:
+    kind = getattr(draft, "kind", None)
+    if kind is None or not hasattr(draft, "session"):
         blockers.append(f"draft={type(draft).__name__}: not a specgraph draft (see specgraph.drafts)")
+    if kind == "ngram" and not isinstance(tree, Chain):
+        blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
+    if hasattr(draft, "tree_problems"):
+        blockers += draft.tree_problems(tree)
+    if hasattr(draft, "bind"):
+        blockers += draft.bind(model)
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
     if not isinstance(max_length, int) or max_length <= tree.num_nodes:

@@ -1,5 +1,12 @@
-"""Drafts: what proposes the tree's tokens. Built so far: NGram (no weights), Medusa."""
+"""Drafts: what proposes the tree's tokens.
+
+Each draft has a ``kind``, ``session(tree, batch, max_length, device)`` (the
+per-generate state the loop drives: prefill / propose / commit) and, when it
+reads the target, ``bind(model) -> blockers``.
+"""
+from .eagle import Eagle
+from .eagle3 import Eagle3
 from .medusa import Medusa
 from .ngram import NGram
 
-__all__ = ["Medusa", "NGram"]
+__all__ = ["Eagle", "Eagle3", "Medusa", "NGram"]

@@ -13,14 +13,15 @@ keys, never from the config: FasterDecoding's uploaded configs are wrong):
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..trees import Chain, StaticTree
+from ..passes import HiddenTaps
+from .checkpoint import read_checkpoint, write_checkpoint
+from ..trees import Chain, StaticTree, Tree
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 
@@ -86,13 +87,13 @@ class Medusa(nn.Module):
         rank = torch.tensor([p[-1] for p in paths], device=hidden.device)
         return top[:, head, rank]
 
+    def session(self, tree, batch: int, max_length: int, device) -> "MedusaSession":
+        return MedusaSession(self, tree, batch, device)
+
     # ------------------------------------------------------------------ formats
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Medusa":
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"Medusa checkpoint {str(path)!r} does not exist")
-        state, config = _read_state(path)
+        state, config = read_checkpoint(path, WEIGHT_FILES, "Medusa")
         layout = _normalise(state)
         heads = sorted(layout)
         if not heads or heads != list(range(len(heads))):
@@ -121,10 +122,6 @@ class Medusa(nn.Module):
 
     def save_pretrained(self, path: str | Path, base_model_name_or_path: str = "") -> None:
         """FasterDecoding layout: medusa_lm_head.safetensors + config.json."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         state = {}
         for h, blocks in enumerate(self.blocks):
             for l, block in enumerate(blocks):
@@ -133,29 +130,9 @@ class Medusa(nn.Module):
                     state[f"{h}.{l}.linear.bias"] = block.linear.bias
             if self.lm_heads is not None:
                 state[f"{h}.{self.num_layers}.weight"] = self.lm_heads[h].weight
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / "medusa_lm_head.safetensors"))
         config = dict(medusa_num_heads=self.num_heads, medusa_num_layers=self.num_layers, hidden_size=self.hidden_size,
                       vocab_size=self.vocab_size, base_model_name_or_path=base_model_name_or_path, version="2")
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _read_state(path: Path) -> tuple[dict, dict]:
-    files = [path] if path.is_file() else [path / f for f in WEIGHT_FILES if (path / f).is_file()]
-    if not path.is_file():
-        files += sorted(p for p in path.glob("model-*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: none of {WEIGHT_FILES} found")
-    state = {}
-    for file in files:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state.update(load_file(str(file)))
-        else:
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
-    config_file = (path if path.is_dir() else path.parent) / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    return state, config
+        write_checkpoint(path, state, config, weights="medusa_lm_head.safetensors")
 
 
 _FASTER = re.compile(r"^(?:medusa_head\.|medusa_heads\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
@@ -181,3 +158,27 @@ def _normalise(state: dict) -> dict[int, dict]:
         heads = list(entry["lm"].values())
         out[h] = {"blocks": blocks, "lm_head": heads[0]["weight"] if heads else None}
     return out
+
+
+class MedusaSession:
+    """Per generate call: the target's final hidden state at each row's last committed token."""
+
+    taps = HiddenTaps(final=True)
+
+    def __init__(self, draft: Medusa, tree, batch: int, device):
+        self.draft, self.tree = draft, tree
+        self.hidden = torch.zeros(batch, draft.hidden_size, dtype=next(draft.parameters()).dtype, device=device)
+
+    def prefill(self, prompts, features) -> None:
+        for row, prompt in enumerate(prompts):
+            if len(prompt) > 1:  # a 1-token prompt has nothing prefilled: its first tree is a guess
+                self.hidden[row] = features[row, len(prompt) - 2]
+
+    def propose(self, sequences, roots: torch.Tensor) -> Tree:
+        drafts = self.draft.propose_tree(self.hidden, self.tree)
+        return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.to(torch.int64)], 1))
+
+    def commit(self, tree, acc, features, accept_len) -> None:
+        last = acc.path.gather(1, (accept_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        rows = torch.arange(len(last), device=last.device)
+        self.hidden = torch.where((accept_len > 0).unsqueeze(1), features[rows, last], self.hidden)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from ..trees import Tree
+
 
 @dataclass(frozen=True)
 class NGram:
@@ -32,3 +36,26 @@ class NGram:
                     if follow:
                         return (follow + [follow[-1]] * k)[:k]
         return [sequence[-1]] * k
+
+    def session(self, tree, batch: int, max_length: int, device) -> "NGramSession":
+        return NGramSession(self, tree, device)
+
+
+class NGramSession:
+    """Per generate call: proposes from each row's sequence; keeps no state."""
+
+    taps = None
+
+    def __init__(self, draft: NGram, tree, device):
+        self.draft, self.tree, self.device = draft, tree, device
+
+    def prefill(self, prompts, features) -> None:
+        pass
+
+    def propose(self, sequences: list[list[int]], roots: torch.Tensor) -> Tree:
+        k = self.tree.num_nodes - 1
+        drafts = torch.tensor([self.draft.propose(seq, k) for seq in sequences], dtype=torch.int64, device=self.device)
+        return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.view(len(sequences), k)], 1))
+
+    def commit(self, tree, acc, features, accept_len) -> None:
+        pass

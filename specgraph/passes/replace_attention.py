@@ -19,9 +19,9 @@ is refused with a CompileError listing every blocker by layer and node.
 """
 from __future__ import annotations
 
-
 import torch
 
+from .. import kernels  # noqa: F401  (registers the specgraph ops)
 from .pass_result import GraphContext, PassResult
 
 aten = torch.ops.aten

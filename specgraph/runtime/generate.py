@@ -1,9 +1,10 @@
-"""The generate loop (greedy, host-driven for now).
+"""The generate loop (host-driven for now).
 
 Per row, the cache holds every committed token but the last, which is the
-root of the next tree. One iteration: draft a chain from each row's
-sequence -> one captured verify step over [root, drafts] -> greedy verify ->
-compact the KV cache -> advance ``cache_len`` -> append the emitted tokens.
+root of the next tree. One iteration: the draft session proposes a tree
+from each row's root -> one captured verify step over it -> verify (greedy
+or sampling) -> compact the KV cache -> the session commits the accepted
+path -> advance ``cache_len`` -> append the emitted tokens.
 Prefill writes each prompt but its last token in chain chunks of the
 prefill bucket (their logits are pruned away: the first verify step's root
 row yields the first new token).
@@ -15,8 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.verify import sampling_probs, verify_greedy, verify_sample
-from ..passes import HiddenTaps
-from ..trees import Tree
 
 PREFILL_NODES = 32
 
@@ -31,21 +30,34 @@ def _chain_mask(n: int, device) -> torch.Tensor:
     return torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(n)], device=device)
 
 
+def features_of(taps: list[torch.Tensor]) -> torch.Tensor:
+    """The draft's view of the tapped states: [B, N, sum of widths] (EAGLE-3: low, mid, high)."""
+    return taps[0] if len(taps) == 1 else torch.cat(taps, -1)
+
+
 @torch.no_grad()
-def prefill(capture, prompts: list[list[int]], device) -> torch.Tensor:
-    """Write every prompt but its last token into the batch's cache. returns cache_len [B]."""
+def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Write every prompt but its last token into the batch's cache.
+
+    returns cache_len [B] and, with ``taps``, the draft features of every
+    written token [B, T-1, F] (None otherwise).
+    """
     b = len(prompts)
     # a chunk is a chain, so it must be shallower than the narrowest sliding window
     chunk = min([PREFILL_NODES] + [w for w in capture.info.layer_windows if w > 0])
-    step = capture.step(b, chunk, logits_rows=(chunk - 1, chunk))
+    step = capture.step(b, chunk, taps=taps, logits_rows=(chunk - 1, chunk))
     chain = _chain_mask(chunk, device).expand(b, -1)
     lengths = [len(p) - 1 for p in prompts]
+    features = []
     for start in range(0, max(lengths), chunk):
         ids = torch.tensor([(p[:-1] + [0] * chunk)[start:start + chunk] for p in prompts], device=device)
         # rows whose prompt ended write padding past their length: those slots are overwritten before being read
         cache_len = torch.full((b,), start, device=device)
-        step(ids, start + torch.arange(chunk, device=device).expand(b, -1), cache_len, chain)
-    return torch.tensor(lengths, device=device)
+        out = step(ids, start + torch.arange(chunk, device=device).expand(b, -1), cache_len, chain)
+        if taps is not None:
+            features.append(features_of(out[1]))
+    merged = torch.cat(features, 1) if features else None
+    return torch.tensor(lengths, device=device), merged
 
 
 @dataclass(frozen=True)
@@ -59,52 +71,45 @@ class Sampling:
 
 @torch.no_grad()
 def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
-                    eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
-                    stopping_criteria=None, streamer=None) -> GenerateResult:
-    """Speculative decoding of ``prompts`` over ``tree`` (a Chain or StaticTree):
-    greedy (token-exact), or with ``sampling`` exact in distribution (the drafts
-    are deterministic, so each node draws its own target sample and a draft is
-    accepted iff it equals its parent's draw).
+                         eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
+                         stopping_criteria=None, streamer=None) -> GenerateResult:
+    """Speculative decoding of ``prompts`` over ``tree``: greedy (token-exact), or with
+    ``sampling`` exact in distribution (the drafts are deterministic, so each node
+    draws its own target sample and a draft is accepted iff it equals its
+    parent's draw).
 
+    The draft works through a session (``draft.session(...)``): ``prefill``
+    sees the prompt's tapped features, ``propose`` returns each step's Tree,
+    ``commit`` sees the acceptance and the step's features.
     ``stopping_criteria`` (transformers' StoppingCriteriaList) is asked after
     every accepted token, as plain decoding would (scores are not available:
     None is passed); ``streamer`` receives each row-0 token as it is accepted.
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
-    cache_len = prefill(capture, prompts, device)
-    topology = Tree.from_spec(tree, torch.zeros(b, n, dtype=torch.long, device=device))
-    reads_hidden = getattr(draft, "reads_hidden", False)
-    step = capture.step(b, n, taps=HiddenTaps(final=True) if reads_hidden else None)
-    positions_in_tree = topology.depth
+    session = draft.session(tree, b, max_length, device)
+    taps = session.taps
+    cache_len, features = prefill(capture, prompts, device, taps)
+    session.prefill(prompts, features)
+    step = capture.step(b, n, taps=taps)
     sequences = [list(p) for p in prompts]
     generated: list[list[int]] = [[] for _ in range(b)]
     done = [max_new_tokens <= 0] * b
     result = GenerateResult(generated)
-    hidden = None  # [B, H]: the target's final hidden state at each row's last accepted node
-    rows = torch.arange(b, device=device)
     while not all(done):
-        roots = torch.tensor([seq[-1] for seq in sequences], device=device).unsqueeze(1)
-        if not reads_hidden:
-            drafts = torch.tensor([draft.propose(seq, n - 1) for seq in sequences], device=device)
-        elif hidden is None:  # nothing to read yet: the first step's drafts are placeholders
-            drafts = roots.expand(b, n - 1)
-        else:
-            drafts = draft.propose_tree(hidden, tree)
-        tokens = torch.cat([roots, drafts.to(torch.long)], 1)
-        out = step(tokens, cache_len.unsqueeze(1) + positions_in_tree, cache_len, topology.mask)
-        logits, taps = out if reads_hidden else (out, None)
+        roots = torch.tensor([seq[-1] for seq in sequences], device=device)
+        topology = session.propose(sequences, roots)
+        out = step(topology.tokens, topology.positions(cache_len), cache_len, topology.mask)
+        logits, features = (out[0], features_of(out[1])) if taps is not None else (out, None)
         if sampling is None:
-            acc = verify_greedy(tokens, topology.parents, topology.mask, logits.argmax(-1), tree.max_depth)
+            acc = verify_greedy(topology.tokens, topology.parents, topology.mask, logits.argmax(-1), tree.max_depth)
         else:
             probs = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            acc = verify_sample(tokens, topology.parents, topology.mask, probs, tree.max_depth)
-        if reads_hidden:
-            last = acc.path.gather(1, (acc.accept_len - 1).unsqueeze(1)).squeeze(1)
-            hidden = taps[0][rows, last]
+            acc = verify_sample(topology.tokens, topology.parents, topology.mask, probs, tree.max_depth)
         active = torch.tensor([not d for d in done], device=device)
         accept_len = torch.where(active, acc.accept_len, 0)
         torch.ops.specgraph.compact_kv(capture.kv(b), cache_len, acc.path, accept_len)
+        session.commit(topology, acc, features, accept_len)
         cache_len = cache_len + accept_len
         emitted, lens = acc.emitted.tolist(), accept_len.tolist()  # the one host read per step
         result.accept_lens.append(lens)

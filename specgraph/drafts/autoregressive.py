@@ -1,0 +1,178 @@
+"""Autoregressive feature drafts (EAGLE-1/2, EAGLE-3): the shared drafting machinery.
+
+The draft keeps its own KV cache in the target's layout. Slot p holds the
+pair (target feature f_p, token x_{p+1}), so the draft's committed length
+equals the target's ``cache_len`` and the draft's output at the last
+committed slot predicts the children of the next tree's root.
+
+One generate step of a session:
+  propose  grow the tree from that output: a Chain / StaticTree level by
+           level (the nodes of one depth are the rows of one call), or an
+           EAGLE-2 DynamicTree as ``steps - 1`` calls of ``topk`` lanes and
+           ``select_tree``. Node rows live in the draft cache's window.
+  commit   after verify, run the accepted path as a chain of pairs
+           (f[path[i]], emitted[i]) at the committed end: D+1 rows per row of
+           the batch, the rows past accept_len write window garbage that is
+           never read as committed. Nothing needs compaction.
+Scores are log-probabilities of the draft's own vocabulary; tokens are
+mapped to the target's with ``to_target``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.bitmask import MAX_NODES
+from ..trees import Chain, DynamicTree, StaticTree, Tree, expand_frontier, seed_frontier, select_tree
+
+CHAIN_CHUNK = 32  # rows per call when the draft reads a prompt
+_LOW63 = (1 << 63) - 1
+
+
+def chain_mask(n: int, device) -> torch.Tensor:
+    """[n] int64: row i names window slots 0..i."""
+    return torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(n)], device=device)
+
+
+class AutoregressiveDraft(nn.Module):
+    """Base of drafts that run a decoder layer autoregressively over their own cache.
+
+    Subclasses provide ``forward(tokens, features, from_target, positions, kv,
+    cache_len, slots, tree_mask) -> hidden [B, R, H]``, ``draft_logits(hidden)``,
+    ``to_target(draft_ids)``, ``kv_shape`` and ``taps``.
+    """
+
+    reads_hidden = True
+
+    def tree_problems(self, tree) -> list[str]:
+        if isinstance(tree, DynamicTree) and (tree.steps - 1) * tree.topk > MAX_NODES:
+            return [f"tree={tree}: (steps-1)*topk = {(tree.steps - 1) * tree.topk} draft lanes > the "
+                    f"{MAX_NODES}-slot draft window; lower steps or topk"]
+        return []
+
+    def session(self, tree, batch: int, max_length: int, device) -> "ARSession":
+        return ARSession(self, tree, batch, max_length, device)
+
+
+class ARSession:
+    """One generate call's draft state: the draft cache, its length, the last output."""
+
+    def __init__(self, draft: AutoregressiveDraft, tree, batch: int, max_length: int, device):
+        self.draft, self.tree, self.batch = draft, tree, batch
+        dtype = next(draft.parameters()).dtype
+        layers, h_kv, d = draft.kv_shape
+        self.kv = torch.zeros(2 * layers, batch, h_kv, max_length + MAX_NODES, d, dtype=dtype, device=device)
+        self.taps = draft.taps
+        self.length = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.last: torch.Tensor | None = None  # [B, H] draft output at the last committed pair
+        self.device = device
+        if not isinstance(tree, DynamicTree):
+            parents = tree.parents()
+            self.parents = parents
+            self.depth = [0] * len(parents)
+            for i in range(1, len(parents)):
+                self.depth[i] = self.depth[parents[i]] + 1
+            self.ranks = tree.ranks() if isinstance(tree, StaticTree) else [-1] + [0] * (len(parents) - 1)
+
+    def _run(self, tokens, features, from_target, cache_len, slots, mask, depth):
+        """One call; positions follow depth in the window: cache_len + depth."""
+        positions = cache_len.view(-1, 1) + depth
+        return self.draft(tokens, features, from_target, positions, self.kv, cache_len, slots, mask)
+
+    def _chain(self, tokens, features, start):
+        """Pairs as a chain at the committed end ``start [B]``: tokens [B, R], features [B, R, F]."""
+        r = tokens.shape[1]
+        idx = torch.arange(r, device=self.device).expand(self.batch, r)
+        mask = chain_mask(r, self.device).expand(self.batch, r)
+        return self._run(tokens, features, True, start, idx, mask, idx)
+
+    # ------------------------------------------------------------------ generate protocol
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], features: torch.Tensor) -> None:
+        """features [B, T-1, F]: the target's features of every prefilled token."""
+        lengths = [len(p) - 1 for p in prompts]
+        hidden = self.draft.config.hidden_size
+        self.last = torch.zeros(self.batch, hidden, dtype=self.kv.dtype, device=self.device)
+        for start in range(0, max(lengths), CHAIN_CHUNK):
+            stop = min(start + CHAIN_CHUNK, max(lengths))
+            tokens = torch.tensor([(p[1:] + [0] * stop)[start:stop] for p in prompts], device=self.device)
+            begin = torch.full((self.batch,), start, device=self.device)
+            out = self._chain(tokens, features[:, start:stop], begin)  # [B, R, H]
+            for row, n in enumerate(lengths):
+                if start < n <= stop:
+                    self.last[row] = out[row, n - 1 - start]
+        self.length = torch.tensor(lengths, device=self.device)
+
+    @torch.no_grad()
+    def propose(self, sequences, roots: torch.Tensor) -> Tree:
+        """roots [B] -> the next tree (tokens in the target's vocabulary)."""
+        if isinstance(self.tree, DynamicTree):
+            return self._propose_dynamic(roots)
+        return self._propose_static(roots)
+
+    @torch.no_grad()
+    def commit(self, tree: Tree, acc, features: torch.Tensor, accept_len: torch.Tensor) -> None:
+        """Extend the draft context by each row's accepted pairs (accept_len 0: row finished)."""
+        path = acc.path.clamp(min=0)  # [B, D+1]; entries past accept_len (-1) become garbage rows
+        feats = features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+        out = self._chain(acc.emitted.to(torch.int64).clamp(min=0), feats, self.length)  # [B, D+1, H]
+        last = out.gather(1, (accept_len - 1).clamp(min=0).view(-1, 1, 1).expand(-1, 1, out.shape[-1])).squeeze(1)
+        self.last = torch.where((accept_len > 0).view(-1, 1), last, self.last)
+        self.length = self.length + accept_len
+
+    # ------------------------------------------------------------------ tree growth
+    def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [..., H] -> (log-probs, target tokens) of the k best, [..., k]."""
+        logprobs = torch.log_softmax(self.draft.draft_logits(hidden).float(), -1)
+        top = logprobs.topk(k, dim=-1)
+        return top.values, self.draft.to_target(top.indices)
+
+    def _propose_static(self, roots: torch.Tensor) -> Tree:
+        b, n = self.batch, len(self.parents)
+        tokens = torch.zeros(b, n, dtype=torch.int64, device=self.device)
+        tokens[:, 0] = roots
+        k = max(self.ranks[1:], default=0) + 1
+        hidden = self.last.new_zeros(b, n, self.last.shape[-1])
+        hidden[:, 0] = self.last
+        tree = Tree.from_spec(self.tree, tokens)
+        window_mask = (tree.mask >> 1) & _LOW63  # node i >= 1 sits at window slot i - 1
+        for d in range(max(self.depth) if n > 1 else 0):
+            expanding = sorted({self.parents[i] for i in range(1, n) if self.depth[i] == d + 1})
+            if d > 0:  # run this level's nodes (their tokens are known now) to get their outputs
+                rows = torch.tensor(expanding, device=self.device)
+                parent_rows = torch.tensor([self.parents[i] for i in expanding], device=self.device)
+                hidden[:, rows] = self._run(tokens[:, rows], hidden[:, parent_rows], False, self.length,
+                                            (rows - 1).expand(b, -1), window_mask[:, rows],
+                                            torch.full_like(rows, d - 1).expand(b, -1))
+            _, top = self._top(hidden[:, expanding], k)  # [B, P, k]
+            children = [i for i in range(1, n) if self.depth[i] == d + 1]
+            slot = torch.tensor([expanding.index(self.parents[i]) for i in children], device=self.device)
+            rank = torch.tensor([self.ranks[i] for i in children], device=self.device)
+            tokens[:, children] = top[:, slot, rank]
+        return Tree.from_spec(self.tree, tokens)
+
+    def _propose_dynamic(self, roots: torch.Tensor) -> Tree:
+        spec, b = self.tree, self.batch
+        k = spec.topk
+        logprobs, top = self._top(self.last, k)  # [B, K]
+        frontier = seed_frontier(logprobs, top)
+        scores, tokens, parents = [frontier.scores], [frontier.tokens], [frontier.parents]
+        lane_hidden = self.last.unsqueeze(1).expand(b, k, -1)  # the lanes' parents' outputs
+        lane_mask = torch.zeros(b, k, dtype=torch.int64, device=self.device)
+        lanes = torch.arange(k, device=self.device)
+        for step in range(1, spec.steps):
+            own = torch.ones_like(lanes) << ((step - 1) * k + lanes)  # window slot of lane j
+            if step > 1:
+                parent_lane = frontier.lane_rows // k  # [B, K]: which previous lane each lane came from
+                lane_hidden = out.gather(1, parent_lane.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+                lane_mask = lane_mask.gather(1, parent_lane)
+            lane_mask = lane_mask | own
+            lane_tokens = frontier.tokens.gather(1, frontier.lane_rows)
+            out = self._run(lane_tokens, lane_hidden, False, self.length, ((step - 1) * k + lanes).expand(b, k),
+                            lane_mask, torch.full((b, k), step - 1, device=self.device))
+            logprobs, top = self._top(out, k)  # [B, K, K]
+            frontier = expand_frontier(frontier, logprobs, top, step)
+            scores.append(frontier.scores)
+            tokens.append(frontier.tokens)
+            parents.append(frontier.parents)
+        return select_tree(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), roots, spec)

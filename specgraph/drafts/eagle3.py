@@ -1,0 +1,196 @@
+"""EAGLE-3 draft head (SafeAILab / SpecForge ``LlamaForCausalLMEagle3`` layout).
+
+    g = fc([f_low, f_mid, f_high])              first step only: 3 target taps -> H
+    a = [midlayer.input_layernorm(embed(x)), midlayer.hidden_norm(g)]   2H into attention
+    h = midlayer(a, residual=g)                 (norm_before_residual: residual = hidden_norm(g))
+    logits = lm_head(norm(h))                   over the draft vocabulary; target id = d + d2t[d]
+Later steps feed back h itself (no fc).
+
+Taps: the states entering target layers (2, L//2, L-3) by default ("layer_input",
+= the outputs of layers 1, L//2-1, L-4). Explicit ids from a config
+(``eagle_config.eagle_aux_hidden_state_layer_ids``) are read in the
+output-of-layer convention (ModelOpt, SpecForge and SGLang write them so) unless
+the config names its convention (``specgraph_aux_convention``, which
+``save_pretrained`` writes) or the caller does.
+
+Keys: ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (q/k/v take 2H),
+``midlayer.{mlp.*, hidden_norm, input_layernorm, post_attention_layernorm}``,
+``fc.weight`` [H, 3·H_target], ``norm.weight``, ``lm_head.weight`` [V_draft, H],
+``d2t`` [V_draft] int64, ``t2d`` [V] bool (both absent when the vocabularies
+are equal), ``embed_tokens.weight`` (usually absent: the target's is used).
+ModelOpt / vLLM names (``layers.0.`` for ``midlayer.``, a ``model.`` prefix)
+are accepted. Variants, with vLLM's semantics (config top level or
+``eagle_config``): ``norm_before_residual`` (residual = hidden_norm(g));
+``norm_before_fc`` (``input_norm.weight`` [3·H_target], one RMSNorm over the
+concatenation, before fc); ``fc_norm`` (``fc_norm.{0,1,2}.weight``
+[H_target], one RMSNorm per tap, after input_norm); ``norm_output`` (the
+state fed back to the next step is norm(h); logits always read norm(h)).
+Other variant flags are refused by name rather than silently ignored.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from ..passes import HiddenTaps
+from .checkpoint import check_keys, read_checkpoint, write_checkpoint
+from .eagle import WEIGHT_FILES, FeatureDraft, draft_config_for
+from .layer import DraftLayer
+
+SUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+REFUSED_FLAGS = ("use_mtp_layernorm", "add_para_norm", "mlp_bias")
+_NOT_LLAMA = ("draft_vocab_size", "target_hidden_size", "eagle_config", "architectures", "specgraph_aux_convention",
+              "bias") + SUPPORTED_FLAGS
+
+
+class Eagle3(FeatureDraft):
+    kind = "eagle3"
+
+    def __init__(self, config: LlamaConfig, aux_layer_ids: tuple[int, ...] | None = None,
+                 aux_convention: str = "layer_input", norm_before_residual: bool = False,
+                 norm_before_fc: bool = False, fc_norm: bool = False, norm_output: bool = False):
+        super().__init__(config)
+        h = config.hidden_size
+        target_h = getattr(config, "target_hidden_size", None) or h
+        self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        self.aux_layer_ids, self.aux_convention = aux_layer_ids, aux_convention
+        self.norm_before_residual, self.norm_output = norm_before_residual, norm_output
+        self.input_norm = LlamaRMSNorm(3 * target_h, eps=config.rms_norm_eps) if norm_before_fc else None
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(target_h, eps=config.rms_norm_eps) for _ in range(3)) \
+            if fc_norm else None
+        self.fc = nn.Linear(3 * target_h, h, bias=bool(getattr(config, "bias", False)))
+        self.midlayer = DraftLayer(config, 2 * h)
+        self.midlayer.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.midlayer.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        if self.draft_vocab_size != config.vocab_size:
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = self.t2d = None
+
+    @classmethod
+    def for_target(cls, model, draft_vocab: torch.Tensor | None = None, **kwargs) -> "Eagle3":
+        """A new (untrained) head for ``model``; ``draft_vocab`` (sorted target ids) makes a reduced vocabulary."""
+        config = draft_config_for(model, draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
+        draft = cls(config, **kwargs)
+        if draft_vocab is not None:
+            draft.set_vocab(draft_vocab)
+        draft.embed_from_target = True
+        return draft
+
+    def set_vocab(self, used: torch.Tensor) -> None:
+        """The reference trainer's map: ``d2t[i] = used[i] - i``, ``t2d[t] = t in used``."""
+        used = used.to(torch.int64).sort().values
+        self.d2t.copy_(used - torch.arange(len(used)))
+        self.t2d.zero_()
+        self.t2d[used] = True
+
+    @property
+    def layer(self) -> DraftLayer:
+        return self.midlayer
+
+    @property
+    def taps(self) -> HiddenTaps:
+        return HiddenTaps(layer_ids=tuple(self.aux_layer_ids), convention=self.aux_convention)
+
+    def forward(self, tokens, features, from_target, positions, kv, cache_len, slots, tree_mask):
+        """tokens [B, R]; features [B, R, 3·H_target] (from_target) or [B, R, H] (own outputs) -> h [B, R, H]."""
+        g = features.to(self.fc.weight.dtype)
+        if from_target:
+            if self.input_norm is not None:
+                g = self.input_norm(g)
+            if self.fc_norm is not None:
+                g = torch.cat([norm(part) for norm, part in zip(self.fc_norm, g.chunk(3, -1))], -1)
+            g = self.fc(g)
+        normed = self.midlayer.hidden_norm(g)
+        attn_in = torch.cat([self.midlayer.input_layernorm(self.embed_tokens(tokens)), normed], -1)
+        cos, sin = self.rope(g, positions)
+        h = self.midlayer(attn_in, normed if self.norm_before_residual else g, cos, sin, (kv[0], kv[1]),
+                          cache_len, slots, tree_mask)
+        return self.norm(h) if self.norm_output else h
+
+    def draft_logits(self, hidden):
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
+
+    def to_target(self, draft_ids):
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def bind(self, model) -> list[str]:
+        t = model.config.get_text_config()
+        if self.aux_layer_ids is None:
+            layers = t.num_hidden_layers
+            self.aux_layer_ids, self.aux_convention = (2, layers // 2, layers - 3), "layer_input"
+        return super().bind(model)
+
+    def _bind_problems(self, t) -> list[str]:
+        problems = super()._bind_problems(t)
+        target_h = self.fc.in_features // 3
+        if t.hidden_size != target_h:
+            problems.append(f"EAGLE-3 fc reads 3 x {target_h} target features; the target's hidden size is "
+                            f"{t.hidden_size}")
+        if self.embed_from_target and t.hidden_size != self.config.hidden_size:
+            problems.append(f"the checkpoint has no embed_tokens and its width {self.config.hidden_size} != the "
+                            f"target's {t.hidden_size}, so the target's embedding cannot be borrowed")
+        ids = self.aux_layer_ids or ()
+        bad = [i for i in ids if not 0 <= i < t.num_hidden_layers]
+        if len(ids) != 3 or bad:
+            problems.append(f"EAGLE-3 aux layer ids {list(ids)} ({self.aux_convention}) must be 3 ids of the "
+                            f"target's {t.num_hidden_layers} layers")
+        return problems
+
+    # ------------------------------------------------------------------ formats
+    @classmethod
+    def from_pretrained(cls, path: str | Path, aux_convention: str | None = None) -> "Eagle3":
+        state, config = read_checkpoint(path, WEIGHT_FILES, "EAGLE-3")
+        if not config:
+            raise FileNotFoundError(f"{path}: EAGLE-3 checkpoints carry a config.json")
+        eagle_config = config.get("eagle_config") or {}
+        flags = {**config, **eagle_config}
+        refused = [f"{f}={flags[f]!r}" for f in REFUSED_FLAGS if flags.get(f)]
+        if config.get("num_hidden_layers", 1) != 1:
+            refused.append(f"num_hidden_layers={config['num_hidden_layers']} (multi-layer EAGLE-3 heads)")
+        if refused:
+            raise ValueError(f"{path}: EAGLE-3 variant not supported yet: {', '.join(refused)}")
+        ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        convention = aux_convention or config.get("specgraph_aux_convention") or "layer_output"
+        state = {_rename(k): v for k, v in state.items()}
+        llama = LlamaConfig(**{k: v for k, v in config.items() if k not in _NOT_LLAMA})
+        llama.draft_vocab_size = config.get("draft_vocab_size")
+        llama.target_hidden_size = config.get("target_hidden_size")
+        llama.bias = bool(config.get("bias", False))
+        draft = cls(llama, tuple(ids) if ids else None, convention,
+                    norm_before_residual=bool(flags.get("norm_before_residual")),
+                    norm_before_fc=bool(flags.get("norm_before_fc")), fc_norm=bool(flags.get("fc_norm")),
+                    norm_output=bool(flags.get("norm_output")))
+        check_keys(state, draft.state_dict(), {"embed_tokens.weight"}, "EAGLE-3", path)
+        draft.load_state_dict(state, strict=False)
+        draft.embed_from_target = "embed_tokens.weight" not in state
+        return draft.eval()
+
+    def save_pretrained(self, path: str | Path) -> None:
+        config = self.config.to_dict()
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=self.draft_vocab_size,
+                      target_hidden_size=self.fc.in_features // 3, norm_before_residual=self.norm_before_residual,
+                      norm_before_fc=self.input_norm is not None, fc_norm=self.fc_norm is not None,
+                      norm_output=self.norm_output, specgraph_aux_convention=self.aux_convention)
+        if self.aux_layer_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+        state = {k: v for k, v in self.state_dict().items() if not (self.embed_from_target and k.startswith("embed"))}
+        write_checkpoint(path, state, config)
+
+
+def _rename(key: str) -> str:
+    key = key.removeprefix("model.")
+    for old, new in (("layers.0.", "midlayer."), ("input_embeds_norm.", "midlayer.input_layernorm."),
+                     ("eagle_lm_head.", "lm_head.")):
+        if key.startswith(old):
+            return new + key[len(old):]
+    if key.startswith("hidden_norm."):
+        return "midlayer." + key
+    return key

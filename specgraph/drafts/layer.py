@@ -1,0 +1,61 @@
+"""The decoder layer of EAGLE-style drafts, attending through ``specgraph::tree_attention``.
+
+A draft layer is a Llama decoder layer whose attention reads and writes a
+draft KV cache with the target's contract (``[B, H_kv, S_max, D]``, slots
+``0 .. cache_len-1`` committed, a 64-slot window after them). Row r of a call
+writes its K/V at slot ``cache_len + slots[r]`` and attends to the committed
+prefix plus the window slots its ``tree_mask`` row names — so a chain of new
+context, the K lanes of one EAGLE-2 step and one level of a static tree are
+all the same call. RoPE, RMSNorm and the MLP are transformers' own modules,
+so rope scaling and activations follow the draft's config exactly.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+
+from .. import kernels  # noqa: F401  (registers specgraph::tree_attention)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config, in_features: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(self, x, cos, sin, kv, cache_len, slots, tree_mask):
+        """x [B, R, F]; kv (k_cache, v_cache) [B, H_kv, S, D], written in place; slots, tree_mask [B, R]."""
+        b, r, _ = x.shape
+        q = self.q_proj(x).view(b, r, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, R, D]
+        k = self.k_proj(x).view(b, r, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, R, D]
+        v = self.v_proj(x).view(b, r, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k_cache, v_cache = kv
+        index = (cache_len.view(b, 1) + slots).view(b, 1, r, 1).expand_as(k)
+        k_cache.scatter_(2, index, k.to(k_cache.dtype))
+        v_cache.scatter_(2, index, v.to(v_cache.dtype))
+        out = torch.ops.specgraph.tree_attention(q.contiguous(), k_cache, v_cache, cache_len, tree_mask,
+                                                 self.head_dim ** -0.5, 0)  # [B, H, R, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, r, self.num_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    """``out = h + attn(a); out = out + mlp(post_norm(out))`` with the attention input
+    ``a`` and the residual ``h`` prepared by the draft (EAGLE-1: both the fc
+    output; EAGLE-3: ``a = [norm(emb), norm(h)]``, 2H wide)."""
+
+    def __init__(self, config, attention_in: int):
+        super().__init__()
+        self.self_attn = DraftAttention(config, attention_in)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, attn_in, residual, cos, sin, kv, cache_len, slots, tree_mask):
+        h = residual + self.self_attn(attn_in, cos, sin, kv, cache_len, slots, tree_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,182 @@
+"""EAGLE-1/2 and EAGLE-3 drafts in generate.
+
+Oracle for the drafting itself: every node the session proposes (its lanes
+run in the draft cache's 64-slot window under ancestor masks) carries the
+token the draft picks when run on that node's root path alone, one committed
+row at a time. Oracle for the output: the target's own greedy
+``model.generate`` (token-exact with random heads, on three architectures,
+batch 1 and 3) and plain sampling (chi-square)."""
+import pytest
+import torch
+
+import specgraph
+from specgraph import Chain, DynamicTree, StaticTree
+from specgraph.capture import Capture
+from specgraph.drafts import Eagle, Eagle3
+from specgraph.drafts.autoregressive import chain_mask
+from specgraph.runtime.generate import prefill
+from specgraph.trees import expand_frontier, seed_frontier, select_tree
+from test_capture import tiny_model
+from test_generate import _homogeneity_p, _marginals, _small_vocab_model, generated_rows, hf_greedy, left_pad, prompts
+
+SMALL_STATIC = StaticTree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)))
+TREES = [Chain(3), SMALL_STATIC, DynamicTree(steps=3, topk=3, nodes=8)]
+TREE_IDS = ["chain", "static", "dynamic"]
+
+
+def make_draft(kind: str, model, **kwargs):
+    torch.manual_seed(7)
+    if kind == "eagle":
+        draft = Eagle.for_target(model, **kwargs)
+    else:
+        layers = model.config.num_hidden_layers
+        draft = Eagle3.for_target(model, aux_layer_ids=(0, layers // 2, layers - 1), aux_convention="layer_output",
+                                  **kwargs)
+    with torch.no_grad():  # random init attends almost uniformly: sharpen, so positions and masks matter
+        for proj in (draft.layer.self_attn.q_proj, draft.layer.self_attn.k_proj):
+            proj.weight.mul_(12.0)
+        draft.fc.weight.mul_(5.0)  # EAGLE-1 has no norm before attention: its input scale sets the sharpness
+    return draft
+
+
+@torch.no_grad()
+def oracle_logprobs(draft, features: torch.Tensor, prompt: list[int], path_tokens: list[int]) -> torch.Tensor:
+    """The draft's log-probs after the prompt and ``path_tokens``, each row committed in turn. features [T-1, F]."""
+    layers, h_kv, d = draft.kv_shape
+    kv = torch.zeros(2 * layers, 1, h_kv, 160, d)
+    t = len(prompt) - 1
+    pairs = torch.arange(t).unsqueeze(0)
+    h = draft(torch.tensor([prompt[1:]]), features[None, :t], True, pairs, kv, torch.zeros(1, dtype=torch.long), pairs,
+              chain_mask(t, "cpu").unsqueeze(0))[:, -1:]
+    for j, token in enumerate(path_tokens):
+        at = torch.tensor([t + j])
+        h = draft(torch.tensor([[token]]), h, False, at.view(1, 1), kv, at, torch.zeros(1, 1, dtype=torch.long),
+                  torch.ones(1, 1, dtype=torch.long))
+    return torch.log_softmax(draft.draft_logits(h[0, -1]).float(), -1)
+
+
+def oracle_dynamic_tree(draft, features, prompt: list[int], spec: DynamicTree):
+    """EAGLE-2 expansion with every lane's distribution from ``oracle_logprobs`` on its path."""
+    k = spec.topk
+
+    def top(path):
+        best = oracle_logprobs(draft, features, prompt, path).topk(k)
+        return best.values, draft.to_target(best.indices)
+
+    values, tokens = top([])
+    frontier = seed_frontier(values[None], tokens[None])
+    paths = {c: [t] for c, t in enumerate(tokens.tolist())}
+    parts, logprobs = [frontier], [values]
+    for step in range(1, spec.steps):
+        lanes = [top(paths[c]) for c in frontier.lane_ids[0].tolist()]
+        logprobs.append(torch.stack([v for v, _ in lanes]))
+        frontier = expand_frontier(frontier, torch.stack([v for v, _ in lanes])[None],
+                                   torch.stack([t for _, t in lanes])[None], step)
+        first = k + (step - 1) * k * k
+        for j, (parent, token) in enumerate(zip(frontier.parents[0].tolist(), frontier.tokens[0].tolist())):
+            paths[first + j] = paths[parent] + [token]
+        parts.append(frontier)
+    tree = select_tree(*(torch.cat([getattr(f, name) for f in parts], 1) for name in ("scores", "tokens", "parents")),
+                       torch.tensor([prompt[-1]]), spec)
+    return tree, logprobs
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("tree", [SMALL_STATIC, DynamicTree(steps=4, topk=3, nodes=10)], ids=["static", "dynamic"])
+def test_every_proposed_node_is_what_the_draft_picks_on_its_root_path(kind, tree):
+    model = tiny_model("llama")
+    draft = make_draft(kind, model)
+    assert draft.bind(model) == []
+    rows = prompts(3, [6, 19])
+    capture = Capture(model, 160)
+    session = draft.session(tree, 2, 160, torch.device("cpu"))
+    _, features = prefill(capture, rows, torch.device("cpu"), session.taps)
+    session.prefill(rows, features)
+    seen = []  # the log-probs of every draft call the session makes (root first, then each step's lanes)
+    session_top = session._top
+    session._top = lambda hidden, k: seen.append(session_top(hidden, k)) or seen[-1]
+    proposed = session.propose(None, torch.tensor([r[-1] for r in rows]))
+    proposed.validate()
+    for b, prompt in enumerate(rows):
+        if isinstance(tree, DynamicTree):  # the same tree as the expansion computed path by path
+            want, logprobs = oracle_dynamic_tree(draft, features[b], prompt, tree)
+            for step, values in enumerate(logprobs):
+                torch.testing.assert_close(seen[step][0][b], values, atol=1e-5, rtol=1e-5)  # fp32, other summation order
+            assert proposed.tokens[b].tolist() == want.tokens[0].tolist(), b
+            assert proposed.parents[b].tolist() == want.parents[0].tolist(), b
+            continue
+        parents, tokens = proposed.parents[b].tolist(), proposed.tokens[b].tolist()
+        for i in range(1, len(tokens)):  # node i is its parent's rank-r pick
+            path, node = [], parents[i]
+            while node > 0:
+                path.append(tokens[node])
+                node = parents[node]
+            logprobs = oracle_logprobs(draft, features[b], prompt, path[::-1])
+            target_ids = draft.to_target(torch.arange(logprobs.numel()))
+            token_logprob = logprobs[target_ids == tokens[i]].max()
+            assert torch.isclose(token_logprob, logprobs.topk(tree.topk).values[tree.ranks()[i]], atol=1e-5), (b, i)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
+def test_greedy_with_random_heads_is_token_exact(arch, kind, tree):
+    model = tiny_model(arch)
+    spec = specgraph.compile(model, make_draft(kind, model), tree=tree, max_batch=3, max_length=200)
+    rows = prompts(4, [5, 17, 11])
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
+    for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=24, eos_token_id=None)
+    single = spec.generate(torch.tensor([rows[0]]), max_new_tokens=24, eos_token_id=None)
+    assert single[0, len(rows[0]):].tolist() == hf_greedy(model, rows[0], max_new_tokens=24, eos_token_id=None)
+
+
+def test_reduced_draft_vocabulary_maps_to_target_ids():
+    model = tiny_model("llama")
+    used = torch.tensor([2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71])
+    draft = make_draft("eagle3", model, draft_vocab=used)
+    assert torch.equal(draft.to_target(torch.arange(len(used))), used)
+    assert draft.t2d.sum() == len(used) and bool(draft.t2d[used].all())
+    spec = specgraph.compile(model, draft, tree=DynamicTree(steps=3, topk=2, nodes=6), max_batch=1, max_length=128)
+    row = prompts(5, [9])[0]
+    out = spec.generate(torch.tensor([row]), max_new_tokens=20, eos_token_id=None)
+    assert out[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
+
+
+def test_eos_and_rows_finishing_apart_with_a_dynamic_tree():
+    model = tiny_model("qwen3")
+    spec = specgraph.compile(model, make_draft("eagle3", model), tree=DynamicTree(steps=3, topk=2, nodes=6),
+                             max_batch=3, max_length=200)
+    rows = prompts(6, [8, 15, 4])
+    free = [hf_greedy(model, r, max_new_tokens=30, eos_token_id=None) for r in rows]
+    eos = free[0][len(free[0]) // 2]
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1], eos=eos)):
+        assert got == hf_greedy(model, row, max_new_tokens=30, eos_token_id=eos)
+
+
+def test_trees_the_draft_window_cannot_hold_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(specgraph.CompileError, match="draft lanes"):
+        specgraph.compile(model, make_draft("eagle", model), tree=DynamicTree(steps=9, topk=9, nodes=60))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_sampling_with_a_dynamic_tree_matches_plain_sampling(kind):
+    model = _small_vocab_model()
+    rows, positions, prompt = 1500, 4, [3, 4, 5, 3, 4, 5, 3, 4]
+    spec = specgraph.compile(model, make_draft(kind, model), tree=DynamicTree(steps=2, topk=3, nodes=6),
+                             max_batch=rows, max_length=64)
+    ids = torch.tensor([prompt] * rows)
+    torch.manual_seed(20)
+    out = spec.generate(ids, do_sample=True, temperature=0.8, max_new_tokens=positions, eos_token_id=None,
+                        return_dict_in_generate=True)
+    torch.manual_seed(21)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.8,
+                           max_new_tokens=positions, eos_token_id=None, pad_token_id=0)
+    ours, theirs = _marginals(out["sequences"], len(prompt), positions, 12), _marginals(plain, len(prompt), positions, 12)
+    for i in range(positions):
+        assert _homogeneity_p(ours[i], theirs[i]) > 0.01, (i, ours[i], theirs[i])
+    assert max(max(step) for step in out["accept_lens"]) > 1  # some drafts were accepted: verification mattered
