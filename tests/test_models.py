@@ -74,8 +74,9 @@ def test_quickstart_example_runs_and_is_exact():
     assert "token-exact with model.generate: True" in out
 
 
+@pytest.mark.parametrize("draft_kind", ["ngram", "eagle3"])
 @torch.no_grad()
-def test_compiled_smollm2_generate_is_token_exact_batched(smollm2):
+def test_compiled_smollm2_generate_is_token_exact_batched(smollm2, draft_kind):
     import specgraph
 
     model, tokenizer = smollm2
@@ -85,13 +86,19 @@ def test_compiled_smollm2_generate_is_token_exact_batched(smollm2):
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(4), max_batch=2, max_length=512)
-    out = spec.generate(ids, attention_mask=mask, max_new_tokens=32, eos_token_id=None, return_dict_in_generate=True)
+    if draft_kind == "ngram":
+        draft, tree = specgraph.drafts.NGram(), specgraph.Chain(4)
+    else:  # an untrained head on SmolLM2's taps (2, 15, 27), EAGLE-2 tree: exactness must hold anyway
+        torch.manual_seed(0)
+        draft, tree = specgraph.drafts.Eagle3.for_target(model), specgraph.DynamicTree(steps=3, topk=3, nodes=8)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=512)
+    new = 32 if draft_kind == "ngram" else 12
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None, return_dict_in_generate=True)
     for i, row in enumerate(rows):
         # an explicit all-ones mask: otherwise generate() masks the prompt's own <|im_end|> tokens (id 2 is
         # also the pad id) once eos_token_id=None, and stops being the model's greedy continuation
         ids_row = torch.tensor([row])
-        want = model.generate(ids_row, attention_mask=torch.ones_like(ids_row), max_new_tokens=32, do_sample=False,
+        want = model.generate(ids_row, attention_mask=torch.ones_like(ids_row), max_new_tokens=new, do_sample=False,
                               eos_token_id=None)
         assert out["sequences"][i, width:].tolist() == want[0, len(row):].tolist()
 

@@ -53,15 +53,20 @@ class AutoregressiveDraft(nn.Module):
     def session(self, tree, batch: int, max_length: int, device) -> "ARSession":
         return ARSession(self, tree, batch, max_length, device)
 
+    def new_cache(self, batch: int, slots: int, device):
+        """The draft's KV cache, passed back to ``forward`` as ``kv``: by default one
+        ``[2 * layers, B, H_kv, slots, D]`` tensor (K of layer l at 2l, V at 2l+1)."""
+        layers, h_kv, d = self.kv_shape
+        dtype = next(self.parameters()).dtype
+        return torch.zeros(2 * layers, batch, h_kv, slots, d, dtype=dtype, device=device)
+
 
 class ARSession:
     """One generate call's draft state: the draft cache, its length, the last output."""
 
     def __init__(self, draft: AutoregressiveDraft, tree, batch: int, max_length: int, device):
         self.draft, self.tree, self.batch = draft, tree, batch
-        dtype = next(draft.parameters()).dtype
-        layers, h_kv, d = draft.kv_shape
-        self.kv = torch.zeros(2 * layers, batch, h_kv, max_length + MAX_NODES, d, dtype=dtype, device=device)
+        self.kv = draft.new_cache(batch, max_length + MAX_NODES, device)
         self.taps = draft.taps
         self.length = torch.zeros(batch, dtype=torch.int64, device=device)
         self.last: torch.Tensor | None = None  # [B, H] draft output at the last committed pair
@@ -92,7 +97,7 @@ class ARSession:
         """features [B, T-1, F]: the target's features of every prefilled token."""
         lengths = [len(p) - 1 for p in prompts]
         hidden = self.draft.config.hidden_size
-        self.last = torch.zeros(self.batch, hidden, dtype=self.kv.dtype, device=self.device)
+        self.last = torch.zeros(self.batch, hidden, dtype=next(self.draft.parameters()).dtype, device=self.device)
         for start in range(0, max(lengths), CHAIN_CHUNK):
             stop = min(start + CHAIN_CHUNK, max(lengths))
             tokens = torch.tensor([(p[1:] + [0] * stop)[start:stop] for p in prompts], device=self.device)
