@@ -10,7 +10,7 @@ from .errors import CompileError
 from .runtime.generate import Sampling, speculative_generate
 from .trees import Chain, DynamicTree, StaticTree
 
-BACKENDS = ("eager",)  # "inductor" and "tensorrt" arrive with the compiled-backends issue
+BACKENDS = ("eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
                  "do_sample", "temperature", "top_k", "top_p", "generation_config", "return_dict_in_generate",
                  "stopping_criteria", "streamer"}
@@ -62,7 +62,7 @@ class SpecModel:
 
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
-        self.capture = Capture(model.eval(), config.max_length)
+        self.capture = Capture(model.eval(), config.max_length, backend=config.backend)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         unknown = sorted(set(kwargs) - GENERATE_ARGS)

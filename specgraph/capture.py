@@ -55,6 +55,9 @@ class TargetInfo:
             if value not in (None, False, "rope", "rotary"):
                 blockers.append(f"config.{flag}={value!r}: attention with logit soft-capping, ALiBi or absolute-"
                                 f"position variants is not tree_attention's contract")
+        if getattr(config, "kv_lora_rank", None):
+            blockers.append(f"config.kv_lora_rank={config.kv_lora_rank}: multi-head latent attention (DeepSeek-V2/V3) "
+                            f"caches keys and values of different widths; tree_attention's cache has one head_dim")
         windows_on = getattr(config, "use_sliding_window", True) is not False  # Qwen2 carries a window it does not use
         layers = config.num_hidden_layers
         types = getattr(config, "layer_types", None) or ["full_attention"] * layers
@@ -188,21 +191,29 @@ class CapturedStep:
             self._state[self._kv_index] = kv
         self.batch, self.nodes, self.max_length = batch, nodes, max_length
         self.tapped = taps is not None and (bool(taps.layer_ids) or taps.final)
+        self.run = self.graph  # what __call__ executes: the graph itself, or its torch.compile'd form
 
     @property
     def kv(self) -> torch.Tensor:
         return self._state[self._kv_index]
 
     def __call__(self, input_ids, positions, cache_len, tree_mask):
-        out = self.graph(*self._state, input_ids, positions, cache_len, tree_mask)
+        out = self.run(*self._state, input_ids, positions, cache_len, tree_mask)
         return (out[0], list(out[1:])) if self.tapped else out[0]
 
 
 class Capture:
-    """Captured steps of one target, cached per bucket, one KV buffer per batch size."""
+    """Captured steps of one target, cached per bucket, one KV buffer per batch size.
 
-    def __init__(self, model, max_length: int, debug: bool | None = None):
-        self.model, self.max_length, self.debug = model, max_length, debug
+    ``backend="inductor"`` runs every bucket's rewritten graph through
+    ``torch.compile(fullgraph=True, dynamic=False)`` (one compile per bucket;
+    the specgraph ops stay custom-op calls inside the compiled graph).
+    """
+
+    def __init__(self, model, max_length: int, debug: bool | None = None, backend: str = "eager"):
+        if backend not in ("eager", "inductor"):
+            raise ValueError(f"backend={backend!r}: 'eager' or 'inductor'")
+        self.model, self.max_length, self.debug, self.backend = model, max_length, debug, backend
         self.kv_device = next(model.parameters()).device
         self.info = TargetInfo.from_model(model)
         self._steps: dict[tuple, CapturedStep] = {}
@@ -214,6 +225,8 @@ class Capture:
             step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug,
                                 taps, logits_rows)
             self._kv.setdefault(batch, step.kv)
+            if self.backend == "inductor":
+                step.run = torch.compile(step.graph, backend="inductor", fullgraph=True, dynamic=False)
             self._steps[key] = step
         return self._steps[key]
 

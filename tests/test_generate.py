@@ -200,3 +200,15 @@ def test_streamer_and_stopping_criteria_match_model_generate():
     assert out[0, len(row):].tolist() == want
     assert streamer.calls[0] == row and streamer.calls[-1] == "end"
     assert [c[0] for c in streamer.calls[1:-1]] == want  # one put per accepted token, in order
+
+
+def test_inductor_backend_is_token_exact():
+    """backend="inductor": every bucket's graph through torch.compile; same tokens as model.generate."""
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=2, max_length=128, backend="inductor")
+    rows = prompts(9, [6, 19])
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
+    assert all(step.run is not step.graph for step in spec.capture._steps.values())  # compiled, not the raw graph

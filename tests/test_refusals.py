@@ -99,6 +99,19 @@ def test_config_refusals_are_listed_at_capture():
         TargetInfo.from_model(model)
 
 
+def test_multi_head_latent_attention_is_refused_at_compile():
+    import specgraph
+
+    config = transformers.DeepseekV3Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                           vocab_size=64, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                           qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                           first_k_dense_replace=1, pad_token_id=0)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with pytest.raises(CompileError, match="kv_lora_rank=16: multi-head latent attention"):
+        specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(2))
+
+
 def test_window_narrower_than_the_tree_is_refused():
     config = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                         num_key_value_heads=1, vocab_size=64, sliding_window=4)

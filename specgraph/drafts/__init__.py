@@ -7,6 +7,7 @@ reads the target, ``bind(model) -> blockers``.
 from .eagle import Eagle
 from .eagle3 import Eagle3
 from .medusa import Medusa
+from .mtp import MTP
 from .ngram import NGram
 
-__all__ = ["Eagle", "Eagle3", "Medusa", "NGram"]
+__all__ = ["Eagle", "Eagle3", "Medusa", "MTP", "NGram"]

@@ -180,3 +180,22 @@ def test_sampling_with_a_dynamic_tree_matches_plain_sampling(kind):
     for i in range(positions):
         assert _homogeneity_p(ours[i], theirs[i]) > 0.01, (i, ours[i], theirs[i])
     assert max(max(step) for step in out["accept_lens"]) > 1  # some drafts were accepted: verification mattered
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_one_token_prompts_start_from_an_empty_cache(kind):
+    """A 1-token prompt prefills nothing: the draft has no context for its first tree, output stays exact."""
+    model = tiny_model("llama")
+    if kind == "medusa":
+        torch.manual_seed(7)
+        draft, tree = specgraph.drafts.Medusa(64, 101, num_heads=3), SMALL_STATIC
+    else:
+        draft, tree = make_draft(kind, model), DynamicTree(steps=3, topk=2, nodes=6)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=128)
+    rows = [[7], prompts(8, [12])[0]]
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=15, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=15, eos_token_id=None)
+    alone = spec.generate(torch.tensor([[7]]), max_new_tokens=15, eos_token_id=None)
+    assert alone[0, 1:].tolist() == hf_greedy(model, [7], max_new_tokens=15, eos_token_id=None)

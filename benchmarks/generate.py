@@ -1,0 +1,153 @@
+"""End-to-end generate benchmark (GPU): specgraph against HF decoding, measured in one run.
+
+    python benchmarks/generate.py [--prompts 8] [--max-new-tokens 128] [--methods ...] [--out DIR]
+
+Target: the embedded SmolLM2-135M-Instruct (SPECGRAPH_GGUF=path where the
+package is not installed), bf16, batch 1, greedy, on the first turn of
+MT-bench questions (benchmarks/data/mt_bench_questions.jsonl). Methods:
+  hf_eager        model.generate, dynamic cache
+  hf_static       model.generate with cache_implementation="static" (transformers compiles the decode step)
+  hf_lookup       model.generate with prompt_lookup_num_tokens=4 (HF's n-gram speculation)
+  sg_eager        specgraph.compile(NGram, Chain(4), backend="eager")
+  sg_inductor     the same with backend="inductor"
+For every specgraph method: tokens/s, tau (tokens per target step), the
+ratio to hf_eager, and the match rate with hf_eager's tokens. A prompt that
+diverges is classified by the target's own top-2 logit gap at the first
+divergent position: bf16 tree verification computes logits in another
+order than HF's decoding, so near-ties may flip. The physical floor is the
+target's weight bytes / the copy bandwidth measured in this run, per step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import specgraph  # noqa: E402
+from specgraph.models import load_gguf  # noqa: E402
+
+DATA = Path(__file__).parent / "data" / "mt_bench_questions.jsonl"
+METHODS = ("hf_eager", "sg_eager", "sg_inductor", "hf_lookup", "hf_static")
+NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitudes
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - start)  # read + write bytes per second
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:n]]
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
+                                                    add_generation_prompt=True)).input_ids for r in rows]
+
+
+def run_hf(model, rows, max_new, **kwargs) -> tuple[list[list[int]], float]:
+    outs, elapsed = [], 0.0
+    for row in tqdm(rows, leave=False):
+        ids = torch.tensor([row], device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, **kwargs)
+        torch.cuda.synchronize()
+        elapsed += time.perf_counter() - start
+        outs.append(out[0, len(row):].tolist())
+    return outs, elapsed
+
+
+def run_specgraph(spec, rows, max_new) -> tuple[list[list[int]], float, float]:
+    outs, elapsed, steps = [], 0.0, 0
+    for row in tqdm(rows, leave=False):
+        ids = torch.tensor([row], device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = spec.generate(ids, max_new_tokens=max_new, eos_token_id=None, return_dict_in_generate=True)
+        torch.cuda.synchronize()
+        elapsed += time.perf_counter() - start
+        outs.append(out["sequences"][0, len(row):].tolist())
+        steps += len(out["accept_lens"])
+    return outs, elapsed, sum(map(len, outs)) / max(steps, 1)
+
+
+@torch.no_grad()
+def divergence(model, row, want, got) -> dict | None:
+    """First position where ``got`` leaves ``want``, and the target's top-2 gap there."""
+    at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if at is None:
+        return None
+    logits = model(torch.tensor([row + want[:at]], device="cuda")).logits[0, -1].float()
+    return dict(position=at, gap=float(logits[want[at]] - logits[got[at]]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    model, tokenizer = load_gguf(dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    rows = prompts(tokenizer, args.prompts)
+    bandwidth = copy_bandwidth()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    result = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  prompts=len(rows), max_new_tokens=args.max_new_tokens, copy_bandwidth_gbs=bandwidth / 1e9,
+                  floor_ms_per_step=weight_bytes / bandwidth * 1e3, methods={})
+    reference = None
+    for method in tqdm(args.methods, desc="methods"):
+        start = time.perf_counter()
+        if method.startswith("hf"):
+            # hf_static: a static cache makes generate compile the decode step itself (transformers' auto-compile)
+            kwargs = {"hf_lookup": dict(prompt_lookup_num_tokens=4),
+                      "hf_static": dict(cache_implementation="static")}.get(method, {})
+            run_hf(model, rows[:1], args.max_new_tokens, **kwargs)  # warm-up (and compile)
+            outs, elapsed = run_hf(model, rows, args.max_new_tokens, **kwargs)
+            tau = None
+        else:
+            spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(4),
+                                     backend=method.removeprefix("sg_"), max_length=1024)
+            run_specgraph(spec, rows[:1], args.max_new_tokens)  # warm-up (and compile)
+            outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens)
+        tokens = sum(map(len, outs))
+        entry = dict(tokens_per_s=tokens / elapsed, tau=tau, setup_s=time.perf_counter() - start - elapsed)
+        if method == "hf_eager":
+            reference = outs
+        elif reference is not None:
+            flips = [d for d in (divergence(model, r, w, g) for r, w, g in zip(rows, reference, outs)) if d]
+            entry.update(match_rate=1 - len(flips) / len(rows), divergences=flips,
+                         near_tie_divergences=sum(abs(d["gap"]) <= NEAR_TIE for d in flips))
+        result["methods"][method] = entry
+        tqdm.write(f"{method}: {json.dumps(entry)}")
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"generate-{result['date']}.json").write_text(json.dumps(result, indent=2))
+    base = result["methods"].get("hf_eager", {}).get("tokens_per_s")
+    print(f"{result['gpu']}, torch {result['torch']}, {len(rows)} MT-bench prompts x {args.max_new_tokens} tokens, "
+          f"bf16, batch 1; copy bandwidth {bandwidth / 1e9:.0f} GB/s; floor {result['floor_ms_per_step']:.3f} ms/step")
+    print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8}")
+    for method, e in result["methods"].items():
+        ratio = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
+        match = f"{e['match_rate']:.2f}" if "match_rate" in e else "-"
+        ties = f"{e['near_tie_divergences']}/{len(e['divergences'])}" if "divergences" in e else "-"
+        tau = f"{e['tau']:.2f}" if e["tau"] else "-"
+        print(f"{method:<12} {e['tokens_per_s']:>8.1f} {ratio:>10} {tau:>5} {match:>6} {ties:>8}")
+
+
+if __name__ == "__main__":
+    main()
