@@ -62,6 +62,7 @@ class SpecModel:
 
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
+        # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
         self.capture = Capture(model.eval(), config.max_length, backend=config.backend)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
@@ -107,7 +108,8 @@ class SpecModel:
                 raise ValueError("streamer: only batch size 1 can be streamed (as in model.generate)")
             streamer.put(input_ids.cpu())  # the prompt first, as model.generate does (TextStreamer may skip it)
         result = speculative_generate(self.capture, self.draft, self.config.tree, prompts, max_new, eos,
-                                 self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer)
+                                 self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,
+                                 compiled=self.config.backend == "inductor")
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):

@@ -64,6 +64,8 @@ class AutoregressiveDraft(nn.Module):
 class ARSession:
     """One generate call's draft state: the draft cache, its length, the last output."""
 
+    proposes_on_device = True  # the next tree comes from device state: it is part of the decode step
+
     def __init__(self, draft: AutoregressiveDraft, tree, batch: int, max_length: int, device):
         self.draft, self.tree, self.batch = draft, tree, batch
         self.kv = draft.new_cache(batch, max_length + MAX_NODES, device)
@@ -78,6 +80,10 @@ class ARSession:
             for i in range(1, len(parents)):
                 self.depth[i] = self.depth[parents[i]] + 1
             self.ranks = tree.ranks() if isinstance(tree, StaticTree) else [-1] + [0] * (len(parents) - 1)
+
+    def caches(self) -> list[torch.Tensor]:
+        """The tensors this session mutates in place (the draft KV cache)."""
+        return list(self.kv) if isinstance(self.kv, (list, tuple)) else [self.kv]
 
     def _run(self, tokens, features, from_target, cache_len, slots, mask, depth):
         """One call; positions follow depth in the window: cache_len + depth."""

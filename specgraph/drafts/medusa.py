@@ -163,11 +163,16 @@ def _normalise(state: dict) -> dict[int, dict]:
 class MedusaSession:
     """Per generate call: the target's final hidden state at each row's last committed token."""
 
+    proposes_on_device = True  # the next tree comes from device state: it is part of the decode step
+
     taps = HiddenTaps(final=True)
 
     def __init__(self, draft: Medusa, tree, batch: int, device):
         self.draft, self.tree = draft, tree
         self.hidden = torch.zeros(batch, draft.hidden_size, dtype=next(draft.parameters()).dtype, device=device)
+
+    def caches(self) -> list:
+        return []
 
     def prefill(self, prompts, features) -> None:
         for row, prompt in enumerate(prompts):

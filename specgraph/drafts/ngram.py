@@ -49,6 +49,9 @@ class NGramSession:
     def __init__(self, draft: NGram, tree, device):
         self.draft, self.tree, self.device = draft, tree, device
 
+    def caches(self) -> list:
+        return []
+
     def prefill(self, prompts, features) -> None:
         pass
 

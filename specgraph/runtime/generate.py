@@ -11,11 +11,12 @@ row yields the first new token).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.verify import sampling_probs, verify_greedy, verify_sample
+from .step import DecodeStep, features_of
 
 PREFILL_NODES = 32
 
@@ -28,11 +29,6 @@ class GenerateResult:
 
 def _chain_mask(n: int, device) -> torch.Tensor:
     return torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(n)], device=device)
-
-
-def features_of(taps: list[torch.Tensor]) -> torch.Tensor:
-    """The draft's view of the tapped states: [B, N, sum of widths] (EAGLE-3: low, mid, high)."""
-    return taps[0] if len(taps) == 1 else torch.cat(taps, -1)
 
 
 @torch.no_grad()
@@ -72,7 +68,7 @@ class Sampling:
 @torch.no_grad()
 def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                          eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
-                         stopping_criteria=None, streamer=None) -> GenerateResult:
+                         stopping_criteria=None, streamer=None, compiled: bool = False) -> GenerateResult:
     """Speculative decoding of ``prompts`` over ``tree``: greedy (token-exact), or with
     ``sampling`` exact in distribution (the drafts are deterministic, so each node
     draws its own target sample and a draft is accepted iff it equals its
@@ -80,38 +76,48 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
 
     The draft works through a session (``draft.session(...)``): ``prefill``
     sees the prompt's tapped features, ``propose`` returns each step's Tree,
-    ``commit`` sees the acceptance and the step's features.
-    ``stopping_criteria`` (transformers' StoppingCriteriaList) is asked after
-    every accepted token, as plain decoding would (scores are not available:
-    None is passed); ``streamer`` receives each row-0 token as it is accepted.
+    ``commit`` sees the acceptance and the step's features. One iteration's
+    device work is ``DecodeStep`` (``compiled``: through
+    ``torch.compile(fullgraph=True)``, one graph, replayed as a CUDA graph
+    unless SPECGRAPH_CUDA_GRAPHS=0; see ``whole_step`` for the CUDA caveat);
+    the host reads the emitted
+    tokens and accept lengths, applies eos / ``max_new_tokens`` /
+    ``stopping_criteria`` (transformers' StoppingCriteriaList, asked after
+    every accepted token with scores None) and feeds ``streamer`` each row-0
+    token as it is accepted.
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
     session = draft.session(tree, b, max_length, device)
-    taps = session.taps
-    cache_len, features = prefill(capture, prompts, device, taps)
+    cache_len, features = prefill(capture, prompts, device, session.taps)
     session.prefill(prompts, features)
-    step = capture.step(b, n, taps=taps)
+    # The whole step compiles as one graph on CPU; on CUDA, torch 2.11's inductor fails on it (KeyError
+    # 'opNNN' in the scheduler), so there only the target bucket is compiled. SPECGRAPH_WHOLE_STEP=1/0 overrides.
+    default = "0" if device.type == "cuda" else "1"
+    whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", default) == "1"
+    step = DecodeStep(capture, session, tree, b, sampling, compiled_target=compiled and not whole_step)
+    run = step
+    if whole_step:
+        cuda_graphs = device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "1") == "1"
+        if cuda_graphs:  # the caches are mutated in place: fixed addresses let the replay own them
+            for cache in (step.kv, *session.caches()):
+                torch._dynamo.mark_static_address(cache)
+        compiled_step = torch.compile(step.__call__, fullgraph=True, dynamic=False,
+                                      mode="reduce-overhead" if cuda_graphs else None)
+
+        def run(*args):
+            if cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled_step(*args)
     sequences = [list(p) for p in prompts]
     generated: list[list[int]] = [[] for _ in range(b)]
     done = [max_new_tokens <= 0] * b
     result = GenerateResult(generated)
+    topology = session.propose(sequences, torch.tensor([seq[-1] for seq in sequences], device=device))
     while not all(done):
-        roots = torch.tensor([seq[-1] for seq in sequences], device=device)
-        topology = session.propose(sequences, roots)
-        out = step(topology.tokens, topology.positions(cache_len), cache_len, topology.mask)
-        logits, features = (out[0], features_of(out[1])) if taps is not None else (out, None)
-        if sampling is None:
-            acc = verify_greedy(topology.tokens, topology.parents, topology.mask, logits.argmax(-1), tree.max_depth)
-        else:
-            probs = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            acc = verify_sample(topology.tokens, topology.parents, topology.mask, probs, tree.max_depth)
-        active = torch.tensor([not d for d in done], device=device)
-        accept_len = torch.where(active, acc.accept_len, 0)
-        torch.ops.specgraph.compact_kv(capture.kv(b), cache_len, acc.path, accept_len)
-        session.commit(topology, acc, features, accept_len)
-        cache_len = cache_len + accept_len
-        emitted, lens = acc.emitted.tolist(), accept_len.tolist()  # the one host read per step
+        out = run(topology, cache_len, torch.tensor([not d for d in done], device=device))
+        cache_len = out.cache_len
+        emitted, lens = out.emitted.tolist(), out.accept_len.tolist()  # the one host read per step
         result.accept_lens.append(lens)
         for row in range(b):
             if done[row]:
@@ -128,6 +134,10 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
                     done[row] = True
                     break
         assert all(d or int(c) + n <= max_length for d, c in zip(done, cache_len.tolist())), "cache overflow"
+        if out.next_tree is not None:
+            topology = out.next_tree
+        elif not all(done):
+            topology = session.propose(sequences, torch.tensor([seq[-1] for seq in sequences], device=device))
     if streamer is not None:
         streamer.end()
     return result

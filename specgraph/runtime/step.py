@@ -1,0 +1,61 @@
+"""The decode step: one iteration's device work as one function (one graph under torch.compile).
+
+    verify the current tree with the target -> accept a path (greedy or sampled)
+    -> compact the target cache -> the draft commits the accepted pairs
+    -> the draft proposes the next tree (drafts that read the target; an NGram
+       draft proposes on the host between steps)
+
+Nothing in it reads a value back to the host and every shape is static per
+(B, N) bucket, so ``torch.compile(step, fullgraph=True)`` turns the whole
+iteration into one graph (and, with CUDA graphs, one replay). The host loop
+reads ``emitted`` and ``accept_len`` only.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..kernels.verify import sampling_probs, verify_greedy, verify_sample
+from ..trees import Tree
+
+
+class StepOut(NamedTuple):
+    emitted: torch.Tensor  # [B, D+1] tokens committed this step (first accept_len of each row)
+    accept_len: torch.Tensor  # [B], 0 for rows that were already done
+    cache_len: torch.Tensor  # [B] after the step
+    next_tree: Tree | None  # the draft's next tree (None for host-side drafts)
+
+
+def features_of(taps: list[torch.Tensor]) -> torch.Tensor:
+    """The draft's view of the tapped states: [B, N, sum of widths] (EAGLE-3: low, mid, high)."""
+    return taps[0] if len(taps) == 1 else torch.cat(taps, -1)
+
+
+class DecodeStep:
+    """``step(tree, cache_len, active) -> StepOut`` for one batch size and tree spec."""
+
+    def __init__(self, capture, session, spec, batch: int, sampling=None, compiled_target: bool = False):
+        """``compiled_target``: call the bucket's own compiled graph (the rest of the step stays eager);
+        otherwise the raw graph, so that compiling this whole step traces the target into it."""
+        self.capture, self.session, self.spec, self.sampling = capture, session, spec, sampling
+        self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
+        self.target_fn = self.target.run if compiled_target else self.target.graph
+        self.kv = capture.kv(batch)
+        self.proposes_on_device = getattr(session, "proposes_on_device", False)
+
+    def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
+        out = self.target_fn(*self.target._state, tree.tokens, tree.positions(cache_len), cache_len, tree.mask)
+        logits = out[0]
+        features = features_of(list(out[1:])) if self.target.tapped else None
+        if self.sampling is None:
+            acc = verify_greedy(tree.tokens, tree.parents, tree.mask, logits.argmax(-1), self.spec.max_depth)
+        else:
+            s = self.sampling
+            probs = sampling_probs(logits, s.temperature, s.top_k, s.top_p)
+            acc = verify_sample(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth)
+        accept_len = torch.where(active, acc.accept_len, 0)
+        torch.ops.specgraph.compact_kv(self.kv, cache_len, acc.path, accept_len)
+        self.session.commit(tree, acc, features, accept_len)
+        next_tree = self.session.propose(None, acc.bonus) if self.proposes_on_device else None
+        return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree)
