@@ -74,7 +74,7 @@ def test_quickstart_example_runs_and_is_exact():
     assert "token-exact with model.generate: True" in out
 
 
-@pytest.mark.parametrize("draft_kind", ["ngram", "eagle3"])
+@pytest.mark.parametrize("draft_kind", ["ngram", "eagle3", "eagle", "medusa"])
 @torch.no_grad()
 def test_compiled_smollm2_generate_is_token_exact_batched(smollm2, draft_kind):
     import specgraph
@@ -88,9 +88,13 @@ def test_compiled_smollm2_generate_is_token_exact_batched(smollm2, draft_kind):
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     if draft_kind == "ngram":
         draft, tree = specgraph.drafts.NGram(), specgraph.Chain(4)
-    else:  # an untrained head on SmolLM2's taps (2, 15, 27), EAGLE-2 tree: exactness must hold anyway
+    else:  # untrained heads (EAGLE-3 on SmolLM2's taps 2, 15, 27): exactness must hold anyway
         torch.manual_seed(0)
-        draft, tree = specgraph.drafts.Eagle3.for_target(model), specgraph.DynamicTree(steps=3, topk=3, nodes=8)
+        draft, tree = {
+            "eagle3": lambda: (specgraph.drafts.Eagle3.for_target(model), specgraph.DynamicTree(3, 3, 8)),
+            "eagle": lambda: (specgraph.drafts.Eagle.for_target(model), specgraph.EAGLE1_MC_SIM_7B_63),
+            "medusa": lambda: (specgraph.drafts.Medusa(576, 49152, num_heads=4), specgraph.Chain(4)),
+        }[draft_kind]()
     spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=512)
     new = 32 if draft_kind == "ngram" else 12
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None, return_dict_in_generate=True)

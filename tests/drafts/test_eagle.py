@@ -5,7 +5,7 @@ run in the draft cache's 64-slot window under ancestor masks) carries the
 token the draft picks when run on that node's root path alone, one committed
 row at a time. Oracle for the output: the target's own greedy
 ``model.generate`` (token-exact with random heads, on three architectures,
-batch 1 and 3) and plain sampling (chi-square)."""
+batch 1 and 4) and plain sampling (chi-square)."""
 import pytest
 import torch
 
@@ -122,8 +122,8 @@ def test_every_proposed_node_is_what_the_draft_picks_on_its_root_path(kind, tree
 @pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
 def test_greedy_with_random_heads_is_token_exact(arch, kind, tree):
     model = tiny_model(arch)
-    spec = specgraph.compile(model, make_draft(kind, model), tree=tree, max_batch=3, max_length=200)
-    rows = prompts(4, [5, 17, 11])
+    spec = specgraph.compile(model, make_draft(kind, model), tree=tree, max_batch=4, max_length=200)
+    rows = prompts(4, [5, 17, 11, 8])
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
     for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
