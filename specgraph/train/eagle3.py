@@ -1,0 +1,143 @@
+"""EAGLE-3 training with training-time test (TTT), as SafeAILab's and SpecForge's trainers do
+(docs/research/eagle3-training.md).
+
+Step 0 at row t reads the pair (f_t, x_{t+1}) (f: the target's three taps)
+and predicts x_{t+2}; step j ≥ 1 at row t feeds back the draft's own
+step-(j-1) output at row t with token x_{t+1+j}, at position t + j, and
+attends to the step-0 keys of rows ≤ t plus its own chain (the "diagonal"
+keys of steps 1..j at row t) — what a depth-j tree node sees at inference
+(the committed prefix and its ancestors). Teacher: the target's
+distribution at the predicted position restricted to the draft vocabulary;
+soft cross-entropy, steps weighted 0.8^j.
+
+One deliberate difference: a row carries loss when the token it predicts
+is an assistant token (the reference trainers gate row t of step j by the
+mask of x_{t+j}); the loss is the mean over such rows.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..drafts.eagle3 import Eagle3
+
+STEP_DECAY = 0.8
+
+
+def select_vocab(examples: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent assistant tokens, sorted (padded with the lowest unused ids)."""
+    counts = Counter()
+    for e in examples:
+        counts.update(e["input_ids"][e["loss_mask"]].tolist())
+    used = [t for t, _ in counts.most_common(size)]
+    if len(used) < size:
+        seen = set(used)
+        used += [t for t in range(vocab_size) if t not in seen][: size - len(used)]
+    return torch.tensor(sorted(used))
+
+
+def tap_states(hidden_states: tuple, ids: tuple[int, ...], convention: str) -> torch.Tensor:
+    """HF ``hidden_states`` (entry i = the input of layer i) -> the draft's features [B, T, 3H]."""
+    return torch.cat([hidden_states[i if convention == "layer_input" else i + 1] for i in ids], -1)
+
+
+def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
+    """x[:, t] <- x[:, t + by] (tail filled)."""
+    if by == 0:
+        return x
+    pad = x.new_full((x.shape[0], by, *x.shape[2:]), fill)
+    return torch.cat([x[:, by:], pad], 1)
+
+
+def ttt_forward(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Draft logits of every TTT step: ``steps`` tensors [B, T, V_draft]; step j row t predicts x_{t+2+j}."""
+    b, t = ids.shape
+    attn, layer = draft.midlayer.self_attn, draft.midlayer
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    group = heads // kv_heads
+    g = features.to(draft.fc.weight.dtype)
+    if draft.input_norm is not None:
+        g = draft.input_norm(g)
+    if draft.fc_norm is not None:
+        g = torch.cat([norm(part) for norm, part in zip(draft.fc_norm, g.chunk(3, -1))], -1)
+    hidden = draft.fc(g)  # [B, T, H]
+    rows = torch.arange(t, device=ids.device)
+    causal = rows.view(1, t) <= rows.view(t, 1)  # [T, T]: key s <= query t
+    keys0 = values0 = None
+    diag_k, diag_v, logits = [], [], []
+    for j in range(steps):
+        tokens = _shift(ids, 1 + j)  # x_{t+1+j}
+        normed = layer.hidden_norm(hidden)
+        a = torch.cat([layer.input_layernorm(draft.embed_tokens(tokens)), normed], -1)
+        q = attn.q_proj(a).view(b, t, heads, d).transpose(1, 2)  # [B, H, T, D]
+        k = attn.k_proj(a).view(b, t, kv_heads, d).transpose(1, 2).repeat_interleave(group, 1)
+        v = attn.v_proj(a).view(b, t, kv_heads, d).transpose(1, 2).repeat_interleave(group, 1)
+        cos, sin = draft.rotary_emb(a, (rows + j).expand(b, t))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if j == 0:
+            keys0, values0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        scores = (q @ keys0.transpose(-1, -2)).float() * d ** -0.5  # [B, H, T, T]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [((q * dk).sum(-1, keepdim=True)).float() * d ** -0.5 for dk in diag_k]  # [B, H, T, 1] each
+        probs = torch.softmax(torch.cat([scores, *diag], -1), -1)
+        out = probs[..., :t].to(values0.dtype) @ values0
+        for i, dv in enumerate(diag_v):
+            out = out + probs[..., t + i: t + i + 1].to(dv.dtype) * dv
+        out = attn.o_proj(out.transpose(1, 2).reshape(b, t, heads * d))
+        h = (normed if draft.norm_before_residual else hidden) + out
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = draft.norm(h) if draft.norm_output else h
+        logits.append(draft.draft_logits(hidden))
+    return logits
+
+
+def eagle3_loss(model, draft: Eagle3, steps: int = 7):
+    """``loss_fn(batch) -> (loss, metrics)`` for ``specgraph.train.loop.train``; the target is frozen."""
+
+    def loss_fn(batch):
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+            features = tap_states(out.hidden_states, draft.aux_layer_ids, draft.aux_convention)
+            target_logits = out.logits.float()  # z_t predicts x_{t+1}
+            in_vocab = draft.t2d if draft.t2d is not None else None
+        total, metrics = 0.0, {}
+        for j, logits in enumerate(ttt_forward(draft, ids, features, steps)):
+            z = _shift(target_logits, 1 + j)  # the target's distribution of x_{t+2+j}
+            keep = _shift(mask, 2 + j, False)
+            if in_vocab is not None:
+                keep = keep & in_vocab[z.argmax(-1)]
+                z = z[..., in_vocab]
+            p = torch.softmax(z, -1)
+            logp = torch.log_softmax(logits.float(), -1)
+            per_row = -(p * logp).sum(-1)  # [B, T]
+            count = keep.sum().clamp(min=1)
+            total = total + STEP_DECAY ** j * (per_row * keep).sum() / count
+            with torch.no_grad():
+                metrics[f"acc_step{j}"] = ((logits.argmax(-1) == z.argmax(-1)) & keep).sum() / count
+        return total, metrics
+
+    return loss_fn
+
+
+def new_eagle3_for(model, examples: list[dict] | None = None, draft_vocab_size: int | None = None,
+                   aux_layer_ids=None, aux_convention: str = "layer_input") -> Eagle3:
+    """A head for ``model`` with the target's embedding (frozen) and, with ``draft_vocab_size``,
+    the vocabulary of the most frequent assistant tokens in ``examples``."""
+    vocab = None
+    if draft_vocab_size:
+        vocab = select_vocab(examples, draft_vocab_size, model.config.get_text_config().vocab_size)
+    if aux_layer_ids is None:  # EAGLE's default: the inputs of layers (2, L//2, L-3)
+        layers = model.config.get_text_config().num_hidden_layers
+        aux_layer_ids, aux_convention = (2, layers // 2, layers - 3), "layer_input"
+    draft = Eagle3.for_target(model, draft_vocab=vocab, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention)
+    with torch.no_grad():  # an own frozen copy for training; checkpoints leave it out (embed_from_target)
+        draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft.to(device=next(model.parameters()).device, dtype=torch.float32)
