@@ -4,7 +4,7 @@
 
 Target: the embedded SmolLM2-135M-Instruct (SPECGRAPH_GGUF=path where the
 package is not installed), bf16, batch 1, greedy, on the first turn of
-MT-bench questions (benchmarks/data/mt_bench_questions.jsonl). Methods:
+MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
   hf_eager        model.generate, dynamic cache
   hf_static       model.generate with cache_implementation="static" (transformers compiles the decode step)
   hf_lookup       model.generate with prompt_lookup_num_tokens=4 (HF's n-gram speculation)
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "mt_bench_questions.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "specgraph" / "data" / "mt_bench_questions.jsonl"
 METHODS = ("hf_eager", "sg_eager", "sg_inductor", "hf_lookup", "hf_static")
 NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitudes
 

@@ -99,6 +99,37 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from . import Chain, DynamicTree, compile, drafts
+    from .train.evaluate import acceptance, mt_bench_questions, plot
+
+    model, tokenizer = _load_target(args.target)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    model = model.to(device, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
+    kind, _, path = args.draft.partition("=")
+    draft = {"ngram": lambda: drafts.NGram(), "eagle": lambda: drafts.Eagle.from_pretrained(path),
+             "eagle3": lambda: drafts.Eagle3.from_pretrained(path), "medusa": lambda: drafts.Medusa.from_pretrained(path),
+             "mtp": lambda: drafts.MTP.from_target(path)}[kind]()
+    if args.tree.startswith("chain"):
+        tree = Chain(int(args.tree[5:] or 4))
+    else:
+        tree = DynamicTree(*map(int, args.tree.split(":")[1].split(",")))
+    spec = compile(model, draft, tree=tree, backend=args.backend, max_length=args.max_new_tokens + 1024)
+    report = acceptance(spec, tokenizer, mt_bench_questions(args.questions), args.max_new_tokens, args.temperature)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "acceptance.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "acceptance.png")
+    print(f"{report['draft']} {report['tree']}: tau {report['tau']:.2f}, {report['tokens_per_s']:.1f} tok/s, "
+          f"per-position {[round(r, 2) for r in report['position_rate']]}; wrote {out}/acceptance.{{json,png}}")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     import torch
 
@@ -227,6 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--cache", default=".specgraph-cache", help="where the tokenized data is cached")
     train.add_argument("--cpu", action="store_true")
     train.set_defaults(func=_train)
+    bench = sub.add_parser("bench", help="measure a draft: acceptance on MT-bench turn 1 (tau, per-position rates, plot)")
+    bench.add_argument("what", choices=["acceptance"])
+    bench.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
+    bench.add_argument("--draft", default="ngram", help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
+    bench.add_argument("--tree", default="chain4", help="chainK or dynamic:STEPS,TOPK,NODES")
+    bench.add_argument("--backend", default="eager", choices=["eager", "inductor"])
+    bench.add_argument("--questions", type=int, default=80)
+    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    bench.add_argument("--bf16", action="store_true")
+    bench.add_argument("--cpu", action="store_true")
+    bench.add_argument("--out", default="acceptance")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -1,0 +1,93 @@
+"""Acceptance evaluation: how much a draft buys on MT-bench turn-1 questions.
+
+    report = acceptance(spec, tokenizer, max_new_tokens=256)   # greedy; temperature=1.0 samples
+    plot(report, "acceptance.png")
+
+τ = tokens emitted per target verify step (the bonus token included);
+``accepted_hist[k]`` = steps that accepted exactly k drafted tokens;
+``position_rate[k]`` = fraction of steps whose (k+1)-th drafted token was
+accepted, and ``position_conditional[k]`` the same given the k-th was.
+The prompts use the target's chat template (pinned by the tokenizer that
+ships with the model); generation stops at the tokenizer's eos.
+"""
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+def mt_bench_questions(limit: int | None = None) -> list[dict]:
+    """The 80 MT-bench questions shipped with specgraph (see specgraph/data/NOTICE)."""
+    text = resources.files("specgraph").joinpath("data", "mt_bench_questions.jsonl").read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return rows[:limit]
+
+
+@torch.no_grad()
+def acceptance(spec, tokenizer, questions: list[dict] | None = None, max_new_tokens: int = 256,
+               temperature: float = 0.0, seed: int = 0) -> dict:
+    """Generate turn 1 of each question with ``spec`` (a SpecModel); returns the report dict."""
+    questions = questions if questions is not None else mt_bench_questions()
+    device = spec.capture.kv_device
+    depth = spec.config.tree.max_depth
+    hist = [0] * (depth + 1)
+    tokens = steps = 0
+    elapsed = 0.0
+    torch.manual_seed(seed)
+    for q in tqdm(questions, desc="acceptance", leave=False):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
+        sample = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+        start = time.perf_counter()
+        out = spec.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                            return_dict_in_generate=True, **sample)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed += time.perf_counter() - start
+        emitted = out["sequences"].shape[1] - ids.shape[1]
+        lens = [step[0] for step in out["accept_lens"]]
+        tokens += emitted
+        steps += len(lens)
+        for n in lens:
+            hist[min(max(n - 1, 0), depth)] += 1  # drafted tokens accepted = committed - the bonus
+    reached = [sum(hist[k:]) for k in range(depth + 1)]  # steps that accepted at least k drafts
+    return {
+        "questions": len(questions), "max_new_tokens": max_new_tokens, "temperature": temperature,
+        "tree": str(spec.config.tree), "draft": type(spec.draft).__name__, "backend": spec.config.backend,
+        "tokens": tokens, "steps": steps, "tau": tokens / max(steps, 1), "tokens_per_s": tokens / max(elapsed, 1e-9),
+        "accepted_hist": hist,
+        "position_rate": [reached[k + 1] / max(steps, 1) for k in range(depth)],
+        "position_conditional": [reached[k + 1] / max(reached[k], 1) for k in range(depth)],
+    }
+
+
+def plot(report: dict, path: str | Path) -> None:
+    """Accepted-length histogram and per-position acceptance, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    hist = report["accepted_hist"]
+    left.bar(range(len(hist)), [h / max(sum(hist), 1) for h in hist], color="#4c72b0")
+    left.set_xticks(range(len(hist)))
+    right.set_xticks(range(1, len(hist)))
+    left.set(xlabel="drafted tokens accepted per step", ylabel="fraction of steps",
+             title=f"τ = {report['tau']:.2f} tokens/step")
+    positions = range(1, len(report["position_rate"]) + 1)
+    right.plot(positions, report["position_rate"], "o-", label="accepted at this depth")
+    right.plot(positions, report["position_conditional"], "s--", label="given the previous one")
+    right.set(xlabel="draft position (depth)", ylabel="acceptance rate", ylim=(0, 1.02),
+              title=f"{report['draft']} on {report['tree']}"[:60])
+    right.legend(fontsize=8)
+    fig.suptitle(f"MT-bench turn 1, {report['questions']} questions, T={report['temperature']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

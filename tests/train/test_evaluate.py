@@ -1,0 +1,36 @@
+"""Acceptance evaluation on the real SmolLM2 with the n-gram draft: the report's numbers are
+consistent with each other and with what generate returned, and the plot is written."""
+import json
+
+import pytest
+import torch
+
+import specgraph
+from specgraph.train.evaluate import acceptance, mt_bench_questions, plot
+
+
+def test_the_80_mt_bench_questions_ship_with_the_package():
+    questions = mt_bench_questions()
+    assert len(questions) == 80 and all(len(q["turns"]) == 2 for q in questions)
+    assert {q["category"] for q in questions} >= {"writing", "coding", "math", "reasoning"}
+
+
+@pytest.mark.model
+def test_acceptance_report_is_consistent(tmp_path):
+    from specgraph.models import load_gguf
+
+    model, tokenizer = load_gguf()
+    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(3), max_length=1024)
+    questions = mt_bench_questions(2)
+    report = acceptance(spec, tokenizer, questions, max_new_tokens=20)
+    assert report["steps"] == sum(report["accepted_hist"])
+    assert report["tau"] == pytest.approx(report["tokens"] / report["steps"])
+    # tokens = one bonus per step + every accepted draft (generation may stop mid-chunk at eos or the cap)
+    accepted = sum(k * n for k, n in enumerate(report["accepted_hist"]))
+    assert report["tokens"] <= report["steps"] + accepted and report["tokens"] >= report["steps"]
+    rates = report["position_rate"]
+    assert all(a >= b for a, b in zip(rates, rates[1:])) and all(0 <= r <= 1 for r in rates)
+    assert report["position_rate"][0] == pytest.approx(1 - report["accepted_hist"][0] / report["steps"])
+    json.dumps(report)
+    plot(report, tmp_path / "acceptance.png")
+    assert (tmp_path / "acceptance.png").stat().st_size > 10_000
