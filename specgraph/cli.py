@@ -86,7 +86,7 @@ def _train(args: argparse.Namespace) -> int:
                      max_length=args.max_length, max_new_tokens=args.max_new_tokens)
     held_out = max(1, len(examples) // 50)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                         eval_every=args.eval_every, save_every=args.save_every)
+                         eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype)
     if args.draft == "medusa":
         draft = new_medusa_for(model, num_heads=args.heads)
         loss_fn = medusa_loss(model, draft)
@@ -256,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-regenerate", dest="regenerate", action="store_false",
                        help="train on ShareGPT's answers instead of the target's own (not self-distilled)")
     train.add_argument("--cache", default=".specgraph-cache", help="where the tokenized data is cached")
+    train.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                       help="dtype of the saved head (the trainer state keeps fp32)")
     train.add_argument("--cpu", action="store_true")
     train.set_defaults(func=_train)
     bench = sub.add_parser("bench", help="measure a draft: acceptance on MT-bench turn 1 (tau, per-position rates, plot)")

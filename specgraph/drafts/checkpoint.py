@@ -34,12 +34,35 @@ def read_checkpoint(path: str | Path, weight_files: tuple[str, ...], what: str) 
     return state, config
 
 
-def write_checkpoint(path: str | Path, state: dict, config: dict, weights: str = "model.safetensors") -> None:
+def write_checkpoint(path: str | Path, state: dict, config: dict, weights: str = "model.safetensors",
+                     dtype: torch.dtype | None = None, max_shard_bytes: int | None = None) -> None:
+    """Safetensors + config.json. ``dtype`` casts floating tensors (e.g. bf16 to ship a head);
+    ``max_shard_bytes`` splits the weights into ``model-0000i-of-0000n.safetensors`` shards with
+    transformers' ``model.safetensors.index.json``."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / weights))
+    tensors = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
+               for k, v in state.items()}
+    shards: list[dict] = [{}]
+    for key, value in tensors.items():
+        size = value.numel() * value.element_size()
+        if max_shard_bytes and shards[-1] and sum(t.numel() * t.element_size() for t in shards[-1].values()) + size \
+                > max_shard_bytes:
+            shards.append({})
+        shards[-1][key] = value
+    if len(shards) == 1:
+        save_file(shards[0], str(path / weights))
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / name))
+            weight_map.update(dict.fromkeys(shard, name))
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

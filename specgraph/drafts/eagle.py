@@ -151,7 +151,8 @@ class Eagle(FeatureDraft):
         draft.embed_from_target = "embed_tokens.weight" not in state
         return draft.eval()
 
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None,
+                        max_shard_bytes: int | None = None) -> None:
         config = self.config.to_dict()
         config.update(architectures=["LlamaForCausalLM"], bias=self.fc.bias is not None)
-        write_checkpoint(path, dict(self.state_dict()), config)
+        write_checkpoint(path, dict(self.state_dict()), config, dtype=dtype, max_shard_bytes=max_shard_bytes)

@@ -173,7 +173,9 @@ class Eagle3(FeatureDraft):
         draft.embed_from_target = "embed_tokens.weight" not in state
         return draft.eval()
 
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None,
+                        max_shard_bytes: int | None = None) -> None:
+        """The SpecForge/SGLang layout; ``dtype`` (e.g. bf16) and ``max_shard_bytes`` as in write_checkpoint."""
         config = self.config.to_dict()
         config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=self.draft_vocab_size,
                       target_hidden_size=self.fc.in_features // 3, norm_before_residual=self.norm_before_residual,
@@ -182,7 +184,7 @@ class Eagle3(FeatureDraft):
         if self.aux_layer_ids is not None:
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
         state = {k: v for k, v in self.state_dict().items() if not (self.embed_from_target and k.startswith("embed"))}
-        write_checkpoint(path, state, config)
+        write_checkpoint(path, state, config, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
 def _rename(key: str) -> str:

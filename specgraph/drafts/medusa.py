@@ -120,7 +120,8 @@ class Medusa(nn.Module):
                     module.lm_heads[h].weight.copy_(layout[h]["lm_head"])
         return module.eval()
 
-    def save_pretrained(self, path: str | Path, base_model_name_or_path: str = "") -> None:
+    def save_pretrained(self, path: str | Path, base_model_name_or_path: str = "", dtype: torch.dtype | None = None,
+                        max_shard_bytes: int | None = None) -> None:
         """FasterDecoding layout: medusa_lm_head.safetensors + config.json."""
         state = {}
         for h, blocks in enumerate(self.blocks):
@@ -132,7 +133,8 @@ class Medusa(nn.Module):
                 state[f"{h}.{self.num_layers}.weight"] = self.lm_heads[h].weight
         config = dict(medusa_num_heads=self.num_heads, medusa_num_layers=self.num_layers, hidden_size=self.hidden_size,
                       vocab_size=self.vocab_size, base_model_name_or_path=base_model_name_or_path, version="2")
-        write_checkpoint(path, state, config, weights="medusa_lm_head.safetensors")
+        write_checkpoint(path, state, config, weights="medusa_lm_head.safetensors", dtype=dtype,
+                         max_shard_bytes=max_shard_bytes)
 
 
 _FASTER = re.compile(r"^(?:medusa_head\.|medusa_heads\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")

@@ -30,6 +30,7 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 500
     seed: int = 0
+    save_dtype: str | None = None  # e.g. "bfloat16": the checkpoint's weights (trainer.pt keeps full precision)
 
 
 def collate(examples: list[dict], pad_id: int = 0) -> dict:
@@ -110,7 +111,10 @@ def evaluate(draft, loss_fn, examples: list[dict], batch_size: int, device) -> f
 
 def save(draft, optimizer, scheduler, rng, step, history, config, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    draft.save_pretrained(out)
+    if config.save_dtype:
+        draft.save_pretrained(out, dtype=getattr(torch, config.save_dtype))
+    else:
+        draft.save_pretrained(out)
     torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "history": history,
                 "config": asdict(config)}, out / "trainer.pt")

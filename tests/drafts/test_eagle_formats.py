@@ -256,3 +256,20 @@ def test_eagle3_bind_names_every_mismatch(tmp_path):
     assert "vocabulary 99 != target vocabulary 101" in message
     assert "fc reads 3 x 32 target features; the target's hidden size is 64" in message
     assert "aux layer ids [0, 1, 7]" in message
+
+
+def test_eagle3_ships_in_bf16_shards(tmp_path):
+    """A head small enough to move: bf16, split into shards with transformers' index; it loads back."""
+    config = _eagle3_config()
+    state = _eagle3_state(config)
+    _write(tmp_path / "src", state, config)
+    draft = Eagle3.from_pretrained(tmp_path / "src")
+    draft.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, max_shard_bytes=40_000)
+    shards = sorted((tmp_path / "bf16").glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "bf16" / "model.safetensors.index.json").is_file()
+    assert all(f.stat().st_size < 40_000 + 20_000 for f in shards)  # each shard stays near the limit
+    again = Eagle3.from_pretrained(tmp_path / "bf16")
+    for key, value in draft.state_dict().items():
+        if key in state:  # bf16 on disk: the loaded values are the bf16-rounded originals
+            want = value.to(torch.bfloat16).float() if value.is_floating_point() else value
+            assert torch.equal(again.state_dict()[key], want), key
