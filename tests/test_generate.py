@@ -5,6 +5,8 @@ max_new_tokens mid-chunk; bad input is refused by name."""
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import specgraph
 from specgraph import Chain, CompileError
@@ -224,3 +226,19 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     for row, got in zip(rows, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the prefill bucket and the decode step
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=4),
+       st.integers(1, 6), st.integers(1, 4), st.integers(1, 4))
+def test_device_ngram_proposes_what_the_host_search_does(rows, k, max_ngram, min_ngram):
+    """The on-device n-gram matcher (part of the decode step) against the plain Python search."""
+    from specgraph.drafts.ngram import propose_on_device
+
+    min_ngram = min(min_ngram, max_ngram)
+    draft = NGram(max_ngram=max_ngram, min_ngram=min_ngram)
+    seq = torch.zeros(len(rows), 40, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        seq[i, : len(row)] = torch.tensor(row)
+    got = propose_on_device(seq, torch.tensor([len(r) for r in rows]), k, max_ngram, min_ngram)
+    assert got.tolist() == [draft.propose(row, k) for row in rows]

@@ -38,27 +38,64 @@ class NGram:
         return [sequence[-1]] * k
 
     def session(self, tree, batch: int, max_length: int, device) -> "NGramSession":
-        return NGramSession(self, tree, device)
+        return NGramSession(self, tree, batch, max_length, device)
+
+
+def propose_on_device(seq: torch.Tensor, length: torch.Tensor, k: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
+    """``NGram.propose`` for a batch, in tensor ops (no host sync, static shapes).
+
+    seq [B, L] tokens (row b valid up to length[b], its last token the root), length [B] -> [B, k].
+    The longest n with an earlier occurrence wins; among those, the latest occurrence.
+    """
+    b, cap = seq.shape
+    idx = torch.arange(cap, device=seq.device)
+    root = seq.gather(1, (length - 1).clamp(min=0).view(b, 1))
+    out, found = root.expand(b, k).clone(), torch.zeros(b, dtype=torch.bool, device=seq.device)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= cap:
+            continue
+        tail = seq.gather(1, (length.view(b, 1) - n + torch.arange(n, device=seq.device)).clamp(min=0))  # [B, n]
+        windows = seq.unfold(1, n, 1)  # [B, L-n+1, n]: windows[b, s] = seq[b, s:s+n]
+        starts = idx[: windows.shape[1]]
+        match = (windows == tail.unsqueeze(1)).all(-1) & (starts.view(1, -1) <= (length - n - 1).view(b, 1))
+        match &= (length > n).view(b, 1)  # n <= len - 1, as the host version requires
+        start = torch.where(match, starts.view(1, -1), -1).amax(1)  # [B] latest match, -1: none
+        first = start + n  # the continuation: seq[first : min(first + k, length)], its last token repeated
+        pos = torch.minimum(first.view(b, 1) + torch.arange(k, device=seq.device), (length - 1).view(b, 1))
+        follow = seq.gather(1, pos.clamp(min=0, max=cap - 1))
+        take = (start >= 0) & ~found
+        out = torch.where(take.view(b, 1), follow, out)
+        found |= start >= 0
+    return out
 
 
 class NGramSession:
-    """Per generate call: proposes from each row's sequence; keeps no state."""
+    """Per generate call: every row's tokens on the device, so proposing is part of the decode step."""
 
     taps = None
+    proposes_on_device = True
 
-    def __init__(self, draft: NGram, tree, device):
+    def __init__(self, draft: NGram, tree, batch: int, max_length: int, device):
         self.draft, self.tree, self.device = draft, tree, device
+        self.seq = torch.zeros(batch, max_length + 64, dtype=torch.int64, device=device)
+        self.length = torch.zeros(batch, dtype=torch.int64, device=device)
 
     def caches(self) -> list:
-        return []
+        return [self.seq]
 
     def prefill(self, prompts, features) -> None:
-        pass
+        for row, prompt in enumerate(prompts):
+            self.seq[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        self.length = torch.tensor([len(p) for p in prompts], device=self.device)
 
-    def propose(self, sequences: list[list[int]], roots: torch.Tensor) -> Tree:
+    def propose(self, sequences, roots: torch.Tensor) -> Tree:
         k = self.tree.num_nodes - 1
-        drafts = torch.tensor([self.draft.propose(seq, k) for seq in sequences], dtype=torch.int64, device=self.device)
-        return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.view(len(sequences), k)], 1))
+        drafts = propose_on_device(self.seq, self.length, k, self.draft.max_ngram, self.draft.min_ngram)
+        return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts], 1))
 
     def commit(self, tree, acc, features, accept_len) -> None:
-        pass
+        """Append each row's emitted tokens (rows past accept_len write slots later overwritten)."""
+        width = acc.emitted.shape[1]
+        slots = (self.length.view(-1, 1) + torch.arange(width, device=self.device)).clamp(max=self.seq.shape[1] - 1)
+        self.seq.scatter_(1, slots, acc.emitted.to(torch.int64).clamp(min=0))
+        self.length = self.length + accept_len
