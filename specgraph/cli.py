@@ -83,7 +83,7 @@ def _train(args: argparse.Namespace) -> int:
     for p in model.parameters():
         p.requires_grad_(False)
     examples = build(tokenizer, args.cache, model if args.regenerate else None, limit=args.limit,
-                     max_length=args.max_length, max_new_tokens=args.max_new_tokens)
+                     max_length=args.max_length, max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size)
     held_out = max(1, len(examples) // 50)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype)
@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--limit", type=int, default=2000, help="ShareGPT conversations to use")
     train.add_argument("--max-length", type=int, default=1024)
     train.add_argument("--max-new-tokens", type=int, default=512, help="per regenerated assistant turn")
+    train.add_argument("--regen-batch-size", type=int, default=32, help="prompts per batched generate when regenerating")
     train.add_argument("--no-regenerate", dest="regenerate", action="store_false",
                        help="train on ShareGPT's answers instead of the target's own (not self-distilled)")
     train.add_argument("--cache", default=".specgraph-cache", help="where the tokenized data is cached")

@@ -86,3 +86,22 @@ def test_self_distillation_and_the_cache(smollm2, tmp_path):
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again))
     build(tokenizer, tmp_path / "cache", limit=2, max_length=32, source=source)  # another setting, another file
     assert len(list((tmp_path / "cache").glob("examples-*.pt"))) == 2
+
+
+@pytest.mark.model
+def test_regeneration_resumes_from_its_chunks(smollm2, tmp_path, monkeypatch):
+    import specgraph.train.data as data
+
+    model, tokenizer = smollm2
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(RECORDS))
+    calls = []
+    real = data.regenerate
+    monkeypatch.setattr(data, "regenerate", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    first = build(tokenizer, tmp_path / "cache", model, limit=2, max_length=64, max_new_tokens=4, source=source, chunk=1)
+    assert calls == [1, 1] and len(list((tmp_path / "cache").glob("regen-*.pt"))) == 2
+    for f in (tmp_path / "cache").glob("examples-*.pt"):  # as if killed after regenerating, before tokenizing
+        f.unlink()
+    again = build(tokenizer, tmp_path / "cache", model, limit=2, max_length=64, max_new_tokens=4, source=source, chunk=1)
+    assert calls == [1, 1]  # nothing regenerated twice
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again))
