@@ -79,7 +79,17 @@ class ARSession:
             self.depth = [0] * len(parents)
             for i in range(1, len(parents)):
                 self.depth[i] = self.depth[parents[i]] + 1
-            self.ranks = tree.ranks() if isinstance(tree, StaticTree) else [-1] + [0] * (len(parents) - 1)
+            ranks = tree.ranks() if isinstance(tree, StaticTree) else [-1] + [0] * (len(parents) - 1)
+            self.topk = max(ranks[1:], default=0) + 1
+            topology = Tree.from_spec(tree, torch.zeros(batch, len(parents), dtype=torch.int64, device=device))
+            self.window_mask = (topology.mask >> 1) & _LOW63  # node i >= 1 sits at window slot i - 1
+            self.levels = []  # per depth d: (expanding nodes, their parents, children, child's parent slot, rank)
+            t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+            for d in range(max(self.depth)):
+                expanding = sorted({parents[i] for i in range(1, len(parents)) if self.depth[i] == d + 1})
+                children = [i for i in range(1, len(parents)) if self.depth[i] == d + 1]
+                self.levels.append((t(expanding), t([parents[i] for i in expanding]), t(children),
+                                    t([expanding.index(parents[i]) for i in children]), t([ranks[i] for i in children])))
 
     def caches(self) -> list[torch.Tensor]:
         """The tensors this session mutates in place (the draft KV cache)."""
@@ -142,23 +152,14 @@ class ARSession:
         b, n = self.batch, len(self.parents)
         tokens = torch.zeros(b, n, dtype=torch.int64, device=self.device)
         tokens[:, 0] = roots
-        k = max(self.ranks[1:], default=0) + 1
         hidden = self.last.new_zeros(b, n, self.last.shape[-1])
         hidden[:, 0] = self.last
-        tree = Tree.from_spec(self.tree, tokens)
-        window_mask = (tree.mask >> 1) & _LOW63  # node i >= 1 sits at window slot i - 1
-        for d in range(max(self.depth) if n > 1 else 0):
-            expanding = sorted({self.parents[i] for i in range(1, n) if self.depth[i] == d + 1})
+        for d, (rows, parent_rows, children, slot, rank) in enumerate(self.levels):
             if d > 0:  # run this level's nodes (their tokens are known now) to get their outputs
-                rows = torch.tensor(expanding, device=self.device)
-                parent_rows = torch.tensor([self.parents[i] for i in expanding], device=self.device)
                 hidden[:, rows] = self._run(tokens[:, rows], hidden[:, parent_rows], False, self.length,
-                                            (rows - 1).expand(b, -1), window_mask[:, rows],
+                                            (rows - 1).expand(b, -1), self.window_mask[:, rows],
                                             torch.full_like(rows, d - 1).expand(b, -1))
-            _, top = self._top(hidden[:, expanding], k)  # [B, P, k]
-            children = [i for i in range(1, n) if self.depth[i] == d + 1]
-            slot = torch.tensor([expanding.index(self.parents[i]) for i in children], device=self.device)
-            rank = torch.tensor([self.ranks[i] for i in children], device=self.device)
+            _, top = self._top(hidden[:, rows], self.topk)  # [B, P, k]
             tokens[:, children] = top[:, slot, rank]
         return Tree.from_spec(self.tree, tokens)
 

@@ -89,6 +89,13 @@ class FeatureDraft(AutoregressiveDraft):
     def rope(self, x, positions):
         return self.rotary_emb(x, positions)
 
+    def _load(self, state: dict, what: str, path) -> "FeatureDraft":
+        """Strictly load ``state`` (only the embedding may be missing: then the target's is borrowed)."""
+        check_keys(state, self.state_dict(), {"embed_tokens.weight"}, what, path)
+        self.load_state_dict(state, strict=False)
+        self.embed_from_target = "embed_tokens.weight" not in state
+        return self.eval()
+
 
 class Eagle(FeatureDraft):
     kind = "eagle"
@@ -145,11 +152,7 @@ class Eagle(FeatureDraft):
                              f"have one layer")
         bias = bool(config.get("bias", True))  # SafeAILab: absent means True
         llama = LlamaConfig(**{k: v for k, v in config.items() if k not in ("bias", "architectures")})
-        draft = cls(llama, bias=bias)
-        check_keys(state, draft.state_dict(), {"embed_tokens.weight"}, "EAGLE-1/2", path)
-        draft.load_state_dict(state, strict=False)
-        draft.embed_from_target = "embed_tokens.weight" not in state
-        return draft.eval()
+        return cls(llama, bias=bias)._load(state, "EAGLE-1/2", path)
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None,
                         max_shard_bytes: int | None = None) -> None:

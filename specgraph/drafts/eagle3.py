@@ -37,7 +37,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..passes import HiddenTaps
-from .checkpoint import check_keys, read_checkpoint, write_checkpoint
+from .checkpoint import read_checkpoint, write_checkpoint
 from .eagle import WEIGHT_FILES, FeatureDraft, draft_config_for
 from .layer import DraftLayer
 
@@ -168,10 +168,7 @@ class Eagle3(FeatureDraft):
                     norm_before_residual=bool(flags.get("norm_before_residual")),
                     norm_before_fc=bool(flags.get("norm_before_fc")), fc_norm=bool(flags.get("fc_norm")),
                     norm_output=bool(flags.get("norm_output")))
-        check_keys(state, draft.state_dict(), {"embed_tokens.weight"}, "EAGLE-3", path)
-        draft.load_state_dict(state, strict=False)
-        draft.embed_from_target = "embed_tokens.weight" not in state
-        return draft.eval()
+        return draft._load(state, "EAGLE-3", path)
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None,
                         max_shard_bytes: int | None = None) -> None:

@@ -114,8 +114,9 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     done = [max_new_tokens <= 0] * b
     result = GenerateResult(generated)
     topology = session.propose(sequences, torch.tensor([seq[-1] for seq in sequences], device=device))
+    active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
     while not all(done):
-        out = run(topology, cache_len, torch.tensor([not d for d in done], device=device))
+        out = run(topology, cache_len, active)
         cache_len = out.cache_len
         emitted, lens = out.emitted.tolist(), out.accept_len.tolist()  # the one host read per step
         result.accept_lens.append(lens)
@@ -132,8 +133,10 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
                     stop = bool(stopping_criteria(torch.tensor([sequences[row]]), None).any())
                 if stop:
                     done[row] = True
+                    active[row] = False
                     break
-        assert all(d or int(c) + n <= max_length for d, c in zip(done, cache_len.tolist())), "cache overflow"
+        # cache_len = prompt - 1 + generated tokens: checked from host state, without a second device read
+        assert all(d or len(seq) - 1 + n <= max_length for d, seq in zip(done, sequences)), "cache overflow"
         if out.next_tree is not None:
             topology = out.next_tree
         elif not all(done):

@@ -81,29 +81,41 @@ def oracle_dynamic_tree(draft, features, prompt: list[int], spec: DynamicTree):
     return tree, logprobs
 
 
+def propose_once(model, draft, tree):
+    """Prefill two prompts and propose one tree, recording the top-k log-probs of every draft call
+    (root first, then each level / step). returns (prompts, features, seen, proposed)."""
+    rows = prompts(3, [6, 19])
+    capture = Capture(model, 160)
+    session = draft.session(tree, 2, 160, torch.device("cpu"))
+    _, features = prefill(capture, rows, torch.device("cpu"), session.taps)
+    session.prefill(rows, features)
+    seen = []
+    session_top = session._top
+    session._top = lambda hidden, k: seen.append(session_top(hidden, k)) or seen[-1]
+    proposed = session.propose(None, torch.tensor([r[-1] for r in rows]))
+    proposed.validate()
+    return rows, features, seen, proposed
+
+
+def check_dynamic_row(draft, features, prompt, tree, seen, proposed, b):
+    """Row b's tree and every step's log-probs equal the EAGLE-2 expansion computed path by path."""
+    want, logprobs = oracle_dynamic_tree(draft, features[b], prompt, tree)
+    for step, values in enumerate(logprobs):
+        torch.testing.assert_close(seen[step][0][b], values, atol=1e-5, rtol=1e-5)  # fp32, other summation order
+    assert proposed.tokens[b].tolist() == want.tokens[0].tolist(), b
+    assert proposed.parents[b].tolist() == want.parents[0].tolist(), b
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("tree", [SMALL_STATIC, DynamicTree(steps=4, topk=3, nodes=10)], ids=["static", "dynamic"])
 def test_every_proposed_node_is_what_the_draft_picks_on_its_root_path(kind, tree):
     model = tiny_model("llama")
     draft = make_draft(kind, model)
     assert draft.bind(model) == []
-    rows = prompts(3, [6, 19])
-    capture = Capture(model, 160)
-    session = draft.session(tree, 2, 160, torch.device("cpu"))
-    _, features = prefill(capture, rows, torch.device("cpu"), session.taps)
-    session.prefill(rows, features)
-    seen = []  # the log-probs of every draft call the session makes (root first, then each step's lanes)
-    session_top = session._top
-    session._top = lambda hidden, k: seen.append(session_top(hidden, k)) or seen[-1]
-    proposed = session.propose(None, torch.tensor([r[-1] for r in rows]))
-    proposed.validate()
+    rows, features, seen, proposed = propose_once(model, draft, tree)
     for b, prompt in enumerate(rows):
-        if isinstance(tree, DynamicTree):  # the same tree as the expansion computed path by path
-            want, logprobs = oracle_dynamic_tree(draft, features[b], prompt, tree)
-            for step, values in enumerate(logprobs):
-                torch.testing.assert_close(seen[step][0][b], values, atol=1e-5, rtol=1e-5)  # fp32, other summation order
-            assert proposed.tokens[b].tolist() == want.tokens[0].tolist(), b
-            assert proposed.parents[b].tolist() == want.parents[0].tolist(), b
+        if isinstance(tree, DynamicTree):
+            check_dynamic_row(draft, features, prompt, tree, seen, proposed, b)
             continue
         parents, tokens = proposed.parents[b].tolist(), proposed.tokens[b].tolist()
         for i in range(1, len(tokens)):  # node i is its parent's rank-r pick

@@ -15,12 +15,10 @@ from safetensors.torch import load_file, save_file
 
 import specgraph
 from specgraph import Chain, DynamicTree
-from specgraph.capture import Capture
 from specgraph.drafts import MTP
 from specgraph.drafts.autoregressive import chain_mask
-from specgraph.runtime.generate import prefill
 from test_capture import tiny_model
-from test_eagle import SMALL_STATIC, oracle_dynamic_tree, oracle_logprobs
+from test_eagle import SMALL_STATIC, check_dynamic_row, oracle_logprobs, propose_once
 from test_generate import _small_vocab_model, generated_rows, hf_greedy, left_pad, prompts
 
 TARGET = {"deepseek": "llama", "mimo": "qwen2", "qwen3_next": "qwen3"}  # GLM-style, MiMo's own, key layout only
@@ -227,23 +225,10 @@ def test_a_genuine_moe_block_loads_as_transformers_loads_it_and_runs(layout, tmp
 @pytest.mark.parametrize("tree", [SMALL_STATIC, DynamicTree(steps=4, topk=3, nodes=10)], ids=["static", "dynamic"])
 def test_every_proposed_node_is_what_the_draft_picks_on_its_root_path(tree, layout, tmp_path):
     model, draft, _ = mtp_target(layout, tmp_path)
-    rows = prompts(3, [6, 19])
-    capture = Capture(model, 160)
-    session = draft.session(tree, 2, 160, torch.device("cpu"))
-    _, features = prefill(capture, rows, torch.device("cpu"), session.taps)
-    session.prefill(rows, features)
-    seen = []  # the log-probs of every draft call the session makes (root first, then each step's lanes)
-    session_top = session._top
-    session._top = lambda hidden, k: seen.append(session_top(hidden, k)) or seen[-1]
-    proposed = session.propose(None, torch.tensor([r[-1] for r in rows]))
-    proposed.validate()
+    rows, features, seen, proposed = propose_once(model, draft, tree)
     for b, prompt in enumerate(rows):
-        if isinstance(tree, DynamicTree):  # the same tree as the expansion computed path by path
-            want, logprobs = oracle_dynamic_tree(draft, features[b], prompt, tree)
-            for step, values in enumerate(logprobs):
-                torch.testing.assert_close(seen[step][0][b], values, atol=1e-5, rtol=1e-5)
-            assert proposed.tokens[b].tolist() == want.tokens[0].tolist(), b
-            assert proposed.parents[b].tolist() == want.parents[0].tolist(), b
+        if isinstance(tree, DynamicTree):
+            check_dynamic_row(draft, features, prompt, tree, seen, proposed, b)
             continue
         parents, tokens = proposed.parents[b].tolist(), proposed.tokens[b].tolist()
         depth = [len(root_path(parents, tokens, i)) for i in range(len(tokens))]
