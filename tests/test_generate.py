@@ -47,7 +47,7 @@ def left_pad(rows: list[list[int]]):
 def test_greedy_is_token_exact(arch, tree):
     model = tiny_model(arch)
     spec = specgraph.compile(model, NGram(), tree=tree, max_batch=3, max_length=256)
-    rows = prompts(0, [5, 17, 11])
+    rows = prompts(0, [5, 47, 11])  # lengths more than a prefill chunk (32) apart
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=37, eos_token_id=None, return_dict_in_generate=True)
     assert out["sequences"].shape == (3, ids.shape[1] + 37)
@@ -208,7 +208,7 @@ def test_streamer_and_stopping_criteria_match_model_generate():
 def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     """backend="inductor": the decode step (verify, compact, commit, and for EAGLE-3 the next EAGLE-2
     tree) compiles as one graph (fullgraph=True: a graph break or host sync would raise); same tokens.
-    SPECGRAPH_WHOLE_STEP=0 (the CUDA default for now) compiles the target bucket alone."""
+    SPECGRAPH_WHOLE_STEP=0 (the fallback) compiles the target bucket alone."""
     from specgraph.drafts import Eagle3
 
     monkeypatch.setenv("SPECGRAPH_WHOLE_STEP", whole_step)
@@ -225,7 +225,11 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
     for row, got in zip(rows, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the prefill bucket and the decode step
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 2  # the prefill bucket and the decode step
+    again = spec.generate(ids.flip(0), attention_mask=mask.flip(0), max_new_tokens=20, eos_token_id=None)
+    assert torch.equal(again, out.flip(0))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the bucket's step is reused
 
 
 @settings(max_examples=200, deadline=None)

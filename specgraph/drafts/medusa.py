@@ -21,6 +21,7 @@ from torch import nn
 
 from ..passes import HiddenTaps
 from .checkpoint import read_checkpoint, write_checkpoint
+from .eagle import _Borrowed
 from ..trees import Chain, StaticTree, Tree
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
@@ -47,7 +48,7 @@ class Medusa(nn.Module):
                                     for _ in range(num_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads)) \
             if own_lm_head else None
-        self._shared_head: nn.Module | None = None
+        self._shared_head = _Borrowed()  # the target's LM head when this checkpoint has none (legacy layout)
 
     def bind(self, model) -> list[str]:
         """Check against the target; share its LM head when this checkpoint has none. returns blockers."""
@@ -58,7 +59,7 @@ class Medusa(nn.Module):
         if config.vocab_size != self.vocab_size:
             problems.append(f"Medusa vocabulary {self.vocab_size} != target vocabulary {config.vocab_size}")
         if not problems:
-            self._shared_head = model.get_output_embeddings()
+            self._shared_head.module = model.get_output_embeddings()
             self.to(dtype=next(model.parameters()).dtype, device=next(model.parameters()).device)
         return problems
 
@@ -67,7 +68,7 @@ class Medusa(nn.Module):
         out = []
         for k, block in enumerate(self.blocks):
             h = block(hidden)
-            out.append(self.lm_heads[k](h) if self.lm_heads is not None else self._shared_head(h))
+            out.append(self.lm_heads[k](h) if self.lm_heads is not None else self._shared_head.module(h))
         return torch.stack(out, 1)
 
     def tree_problems(self, tree) -> list[str]:

@@ -90,7 +90,10 @@ def _check(kv, cache_len, path, accept_len) -> None:
         raise ValueError("compact_kv: " + "; ".join(problems))
 
 
-@torch.library.custom_op("specgraph::compact_kv", mutates_args=("kv",))
+# flexible_layout: the kernel and the reference take any strides, so inductor need not restride ``kv``.
+# (With the default fixed-stride constraint, torch <= 2.12 inductor copies a mutated B=1 buffer onto
+# itself and fails in Scheduler.compute_ancestors: pytorch/pytorch#189271.)
+@torch.library.custom_op("specgraph::compact_kv", mutates_args=("kv",), tags=(torch.Tag.flexible_layout,))
 def compact_kv(kv: torch.Tensor, cache_len: torch.Tensor, path: torch.Tensor, accept_len: torch.Tensor) -> None:
     """Move accepted nodes to the window front in every cache (contract above). CPU: the reference."""
     _check(kv, cache_len, path, accept_len)

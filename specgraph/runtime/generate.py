@@ -46,7 +46,7 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
     lengths = [len(p) - 1 for p in prompts]
     features = []
     for start in range(0, max(lengths), chunk):
-        ids = torch.tensor([(p[:-1] + [0] * chunk)[start:start + chunk] for p in prompts], device=device)
+        ids = torch.tensor([(p[:-1] + [0] * (start + chunk))[start:start + chunk] for p in prompts], device=device)
         # rows whose prompt ended write padding past their length: those slots are overwritten before being read
         cache_len = torch.full((b,), start, device=device)
         out = step(ids, start + torch.arange(chunk, device=device).expand(b, -1), cache_len, chain)
@@ -65,6 +65,36 @@ class Sampling:
     top_p: float = 1.0
 
 
+def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None, compiled: bool):
+    """The bucket's draft session and step function, built (and compiled) on first use and kept on
+    ``capture``: later calls with the same batch, tree and sampling reuse them (``session.prefill``
+    resets the per-call state), so a bucket compiles and records its CUDA graph once."""
+    device = capture.kv_device
+    # The whole step compiles as one graph; SPECGRAPH_WHOLE_STEP=0 compiles the target bucket alone
+    # (the rest of the step then runs eagerly: a fallback for inductor bugs).
+    whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
+    cuda_graphs = whole_step and device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "1") == "1"
+    key = (id(draft), batch, repr(tree), max_length, repr(sampling), compiled, whole_step, cuda_graphs)
+    if key in capture.decode_steps:
+        return capture.decode_steps[key]
+    session = draft.session(tree, batch, max_length, device)
+    step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step)
+    run = step
+    if whole_step:
+        if cuda_graphs:  # the caches are mutated in place: fixed addresses let the replay own them
+            for cache in (step.kv, *session.caches()):
+                torch._dynamo.mark_static_address(cache)
+        compiled_step = torch.compile(step.__call__, fullgraph=True, dynamic=False,
+                                      mode="reduce-overhead" if cuda_graphs else None)
+
+        def run(*args):
+            if cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled_step(*args)
+    capture.decode_steps[key] = session, run
+    return session, run
+
+
 @torch.no_grad()
 def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                          eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
@@ -79,7 +109,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     ``commit`` sees the acceptance and the step's features. One iteration's
     device work is ``DecodeStep`` (``compiled``: through
     ``torch.compile(fullgraph=True)``, one graph, replayed as a CUDA graph
-    unless SPECGRAPH_CUDA_GRAPHS=0; see ``whole_step`` for the CUDA caveat);
+    unless SPECGRAPH_CUDA_GRAPHS=0);
     the host reads the emitted
     tokens and accept lengths, applies eos / ``max_new_tokens`` /
     ``stopping_criteria`` (transformers' StoppingCriteriaList, asked after
@@ -88,27 +118,9 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
-    session = draft.session(tree, b, max_length, device)
+    session, run = decode_step(capture, draft, tree, b, max_length, sampling, compiled)
     cache_len, features = prefill(capture, prompts, device, session.taps)
     session.prefill(prompts, features)
-    # The whole step compiles as one graph on CPU; on CUDA, torch 2.11's inductor fails on it (KeyError
-    # 'opNNN' in the scheduler), so there only the target bucket is compiled. SPECGRAPH_WHOLE_STEP=1/0 overrides.
-    default = "0" if device.type == "cuda" else "1"
-    whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", default) == "1"
-    step = DecodeStep(capture, session, tree, b, sampling, compiled_target=compiled and not whole_step)
-    run = step
-    if whole_step:
-        cuda_graphs = device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "1") == "1"
-        if cuda_graphs:  # the caches are mutated in place: fixed addresses let the replay own them
-            for cache in (step.kv, *session.caches()):
-                torch._dynamo.mark_static_address(cache)
-        compiled_step = torch.compile(step.__call__, fullgraph=True, dynamic=False,
-                                      mode="reduce-overhead" if cuda_graphs else None)
-
-        def run(*args):
-            if cuda_graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            return compiled_step(*args)
     sequences = [list(p) for p in prompts]
     generated: list[list[int]] = [[] for _ in range(b)]
     done = [max_new_tokens <= 0] * b

@@ -30,8 +30,11 @@ def mt_bench_questions(limit: int | None = None) -> list[dict]:
 
 @torch.no_grad()
 def acceptance(spec, tokenizer, questions: list[dict] | None = None, max_new_tokens: int = 256,
-               temperature: float = 0.0, seed: int = 0) -> dict:
-    """Generate turn 1 of each question with ``spec`` (a SpecModel); returns the report dict."""
+               temperature: float = 0.0, seed: int = 0, batch_size: int = 1) -> dict:
+    """Generate turn 1 of each question with ``spec`` (a SpecModel); returns the report dict.
+
+    ``batch_size`` > 1 generates that many questions at once (left-padded): each row speculates and
+    accepts on its own, so greedy τ and the histograms are those of batch 1 (tokens/s is not)."""
     questions = questions if questions is not None else mt_bench_questions()
     device = spec.capture.kv_device
     depth = spec.config.tree.max_depth
@@ -39,29 +42,37 @@ def acceptance(spec, tokenizer, questions: list[dict] | None = None, max_new_tok
     tokens = steps = 0
     elapsed = 0.0
     torch.manual_seed(seed)
-    for q in tqdm(questions, desc="acceptance", leave=False):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
-                                             add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
-        sample = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
-        start = time.perf_counter()
-        out = spec.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                            return_dict_in_generate=True, **sample)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=True)["input_ids"]
+               for q in questions]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sample = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+    for start in tqdm(range(0, len(prompts), batch_size), desc="acceptance", leave=False):
+        rows = prompts[start:start + batch_size]
+        width = max(map(len, rows))
+        ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        begin = time.perf_counter()
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, return_dict_in_generate=True,
+                            **sample)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed += time.perf_counter() - start
-        emitted = out["sequences"].shape[1] - ids.shape[1]
-        lens = [step[0] for step in out["accept_lens"]]
-        tokens += emitted
-        steps += len(lens)
-        for n in lens:
-            hist[min(max(n - 1, 0), depth)] += 1  # drafted tokens accepted = committed - the bonus
+        elapsed += time.perf_counter() - begin
+        generated = out["sequences"][:, width:].tolist()
+        for row in range(len(rows)):
+            lens = [step[row] for step in out["accept_lens"] if step[row] > 0]  # 0: the row had finished
+            ends = [i + 1 for i, t in enumerate(generated[row]) if t == tokenizer.eos_token_id][:1]
+            tokens += min([sum(lens), max_new_tokens] + ends)  # a step's tokens after eos are not emitted
+            steps += len(lens)
+            for n in lens:
+                hist[min(n - 1, depth)] += 1  # drafted tokens accepted = committed - the bonus
     reached = [sum(hist[k:]) for k in range(depth + 1)]  # steps that accepted at least k drafts
     return {
         "questions": len(questions), "max_new_tokens": max_new_tokens, "temperature": temperature,
         "tree": str(spec.config.tree), "draft": type(spec.draft).__name__, "backend": spec.config.backend,
-        "tokens": tokens, "steps": steps, "tau": tokens / max(steps, 1), "tokens_per_s": tokens / max(elapsed, 1e-9),
-        "accepted_hist": hist,
+        "batch_size": batch_size, "tokens": tokens, "steps": steps, "tau": tokens / max(steps, 1),
+        "tokens_per_s": tokens / max(elapsed, 1e-9), "accepted_hist": hist,
         "position_rate": [reached[k + 1] / max(steps, 1) for k in range(depth)],
         "position_conditional": [reached[k + 1] / max(reached[k], 1) for k in range(depth)],
     }

@@ -9,8 +9,10 @@ states), so an interrupted run resumes to the same state.
 """
 from __future__ import annotations
 
+import json
 import math
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,6 +33,7 @@ class TrainConfig:
     save_every: int = 500
     seed: int = 0
     save_dtype: str | None = None  # e.g. "bfloat16": the checkpoint's weights (trainer.pt keeps full precision)
+    max_shard_bytes: int | None = None  # split the checkpoint's safetensors (HF index) above this size
 
 
 def collate(examples: list[dict], pad_id: int = 0) -> dict:
@@ -55,9 +58,11 @@ def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
 
 
 def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainConfig, out: str | Path,
-          eval_examples: list[dict] | None = None, device=None, stop_at: int | None = None) -> list[dict]:
+          eval_examples: list[dict] | None = None, device=None, stop_at: int | None = None,
+          deadline: float | None = None) -> list[dict]:
     """Optimise ``draft``'s trainable parameters; returns the logged history. Resumes from ``out``;
-    ``stop_at`` ends this run early at that step (checkpointed), e.g. to split a run into time slots."""
+    ``stop_at`` (a step) or ``deadline`` (a ``time.time()``) ends this run early, checkpointed, e.g. to
+    split a run into time slots."""
     out = Path(out)
     device = device or next(draft.parameters()).device
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -78,6 +83,9 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
     bar = tqdm(total=config.steps, initial=step, desc="train")
     last = min(config.steps, stop_at if stop_at is not None else config.steps)
     while step < last:
+        if deadline is not None and time.time() > deadline:
+            save(draft, optimizer, scheduler, rng, step, history, config, out)
+            break
         batch = {k: v.to(device) for k, v in collate(rng.sample(examples, min(config.batch_size, len(examples)))).items()}
         draft.train()
         with autocast:
@@ -111,13 +119,12 @@ def evaluate(draft, loss_fn, examples: list[dict], batch_size: int, device) -> f
 
 def save(draft, optimizer, scheduler, rng, step, history, config, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    if config.save_dtype:
-        draft.save_pretrained(out, dtype=getattr(torch, config.save_dtype))
-    else:
-        draft.save_pretrained(out)
+    draft.save_pretrained(out, dtype=getattr(torch, config.save_dtype) if config.save_dtype else None,
+                          max_shard_bytes=config.max_shard_bytes)
     torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "history": history,
                 "config": asdict(config)}, out / "trainer.pt")
+    (out / "history.json").write_text(json.dumps(history))  # the training log, readable without torch
 
 
 class _nothing:

@@ -40,13 +40,17 @@ def medusa_loss(model, draft: Medusa):
     return loss_fn
 
 
-def new_medusa_for(model, num_heads: int = 4, num_layers: int = 1) -> Medusa:
+def new_medusa_for(model, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = True) -> Medusa:
     """Heads for ``model``; each LM head starts as a copy of the target's (Medusa's initialisation),
-    each ResBlock at zero (the identity), so training starts from the target's next-token guess."""
+    each ResBlock at zero (the identity), so training starts from the target's next-token guess.
+    ``own_lm_head=False``: the heads share the target's frozen LM head (the legacy layout; only the
+    ResBlocks train and ship, a few MB instead of K vocabulary-sized matrices)."""
     config = model.config.get_text_config()
-    draft = Medusa(config.hidden_size, config.vocab_size, num_heads, num_layers)
+    draft = Medusa(config.hidden_size, config.vocab_size, num_heads, num_layers, own_lm_head=own_lm_head)
+    if not own_lm_head:
+        draft._shared_head.module = model.get_output_embeddings()
     with torch.no_grad():
-        for head in draft.lm_heads:
+        for head in draft.lm_heads or ():
             head.weight.copy_(model.get_output_embeddings().weight)
         for blocks in draft.blocks:
             for block in blocks:

@@ -63,7 +63,7 @@ def test_every_layout_loads(tmp_path, name, file):
     x = torch.randn(4, H)
     shared = torch.randn(V, H)
     if name == "legacy":
-        medusa._shared_head = lambda h: h @ shared.T
+        medusa._shared_head.module = lambda h: h @ shared.T
     torch.testing.assert_close(medusa(x), expected_logits(heads, x, shared), atol=1e-5, rtol=1e-5)
 
 

@@ -1,6 +1,7 @@
 """Training data: ShareGPT parsing (the packaged file is truncated), assistant-only loss masks
 under the real SmolLM2 chat template, self-distillation, and the content-hashed cache."""
 import json
+import time
 
 import pytest
 import torch
@@ -98,10 +99,20 @@ def test_regeneration_resumes_from_its_chunks(smollm2, tmp_path, monkeypatch):
     calls = []
     real = data.regenerate
     monkeypatch.setattr(data, "regenerate", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
-    first = build(tokenizer, tmp_path / "cache", model, limit=2, max_length=64, max_new_tokens=4, source=source, chunk=1)
+    kw = dict(max_length=64, max_new_tokens=4, source=source, chunk=1, batch_size=1)
+    first = build(tokenizer, tmp_path / "cache", model, limit=2, **kw)
     assert calls == [1, 1] and len(list((tmp_path / "cache").glob("regen-*.pt"))) == 2
     for f in (tmp_path / "cache").glob("examples-*.pt"):  # as if killed after regenerating, before tokenizing
         f.unlink()
-    again = build(tokenizer, tmp_path / "cache", model, limit=2, max_length=64, max_new_tokens=4, source=source, chunk=1)
+    again = build(tokenizer, tmp_path / "cache", model, limit=2, **kw)
     assert calls == [1, 1]  # nothing regenerated twice
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again))
+    # a chunk cut short by a smaller limit is completed, not redone, when the limit grows
+    kw["chunk"] = 2
+    build(tokenizer, tmp_path / "grow", model, limit=1, **kw)
+    grown = build(tokenizer, tmp_path / "grow", model, limit=2, **kw)
+    assert calls == [1, 1, 1, 1] and len(list((tmp_path / "grow").glob("regen-*.pt"))) == 1
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, grown))
+    with pytest.raises(data.OutOfTime):  # past the deadline: stops before regenerating anything
+        build(tokenizer, tmp_path / "late", model, limit=2, deadline=time.time() - 1, **kw)
+    assert calls == [1, 1, 1, 1]

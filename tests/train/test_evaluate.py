@@ -20,7 +20,7 @@ def test_acceptance_report_is_consistent(tmp_path):
     from specgraph.models import load_gguf
 
     model, tokenizer = load_gguf()
-    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(3), max_length=1024)
+    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(3), max_length=1024, max_batch=2)
     questions = mt_bench_questions(2)
     report = acceptance(spec, tokenizer, questions, max_new_tokens=20)
     assert report["steps"] == sum(report["accepted_hist"])
@@ -31,6 +31,9 @@ def test_acceptance_report_is_consistent(tmp_path):
     rates = report["position_rate"]
     assert all(a >= b for a, b in zip(rates, rates[1:])) and all(0 <= r <= 1 for r in rates)
     assert report["position_rate"][0] == pytest.approx(1 - report["accepted_hist"][0] / report["steps"])
+    batched = acceptance(spec, tokenizer, questions, max_new_tokens=20, batch_size=2)  # rows accept on their own
+    assert [batched[k] for k in ("tokens", "steps", "accepted_hist")] == [report[k] for k in ("tokens", "steps",
+                                                                                                "accepted_hist")]
     json.dumps(report)
     plot(report, tmp_path / "acceptance.png")
     assert (tmp_path / "acceptance.png").stat().st_size > 10_000

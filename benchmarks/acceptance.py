@@ -1,0 +1,105 @@
+"""Acceptance of trained heads on SmolLM2-135M-Instruct, MT-bench turn 1: a tree sweep, then the
+full report (all questions, greedy and T=1) for the best tree, a chain and the Medusa head.
+
+    PYTHONPATH=$PWD python3 benchmarks/acceptance.py --eagle3 DIR [--medusa DIR] --out DIR
+
+Phase 1 (greedy, ``--sweep-questions`` x ``--sweep-tokens``) runs the EAGLE-3 head on every tree
+in SWEEP and picks the highest τ among trees of at most 64 nodes; phase 2 runs all
+``--questions`` at ``--max-new-tokens`` for: EAGLE-3 on the best tree and on the best chain,
+Medusa on its own mc_sim_7b_63 tree and a chain, each greedy and T=1. Questions go
+``--batch-size`` at a time (each row accepts on its own: greedy τ is that of batch 1).
+The target runs in fp32 so greedy acceptance is the target's own. Writes one JSON and PNG per run
+and summary.json; prints a table last. ``--budget-s`` stops between runs (what ran is kept).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import specgraph
+from specgraph import Chain, DynamicTree
+from specgraph.models import load_gguf
+from specgraph.train.evaluate import acceptance, mt_bench_questions, plot
+
+SWEEP = [Chain(3), Chain(5), Chain(7), DynamicTree(4, 4, 16), DynamicTree(5, 8, 32), DynamicTree(6, 8, 48),
+         DynamicTree(6, 8, 64), DynamicTree(8, 8, 64), DynamicTree(10, 6, 64)]
+
+
+def slug(draft: str, tree, temperature: float) -> str:
+    name = f"chain{tree.depth}" if isinstance(tree, Chain) else (
+        f"dyn{tree.steps}-{tree.topk}-{tree.nodes}" if isinstance(tree, DynamicTree) else "mc_sim_7b_63")
+    return f"{draft}-{name}-T{temperature:g}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--eagle3", required=True, help="EAGLE-3 head directory")
+    parser.add_argument("--medusa", default=None, help="Medusa head directory")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--questions", type=int, default=80)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--sweep-questions", type=int, default=40)
+    parser.add_argument("--sweep-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--backend", default="eager", choices=["eager", "inductor"])
+    parser.add_argument("--budget-s", type=float, default=1e9)
+    args = parser.parse_args()
+    start = time.time()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_gguf(dtype=torch.float32)
+    model = model.to(device).eval()
+    heads = {"eagle3": specgraph.drafts.Eagle3.from_pretrained(args.eagle3).to(device)}
+    if args.medusa:
+        heads["medusa"] = specgraph.drafts.Medusa.from_pretrained(args.medusa).to(device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                   torch=torch.__version__, target="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)", runs={})
+    specs = {}
+
+    def run(draft: str, tree, temperature: float, questions: int, tokens: int) -> dict | None:
+        name = slug(draft, tree, temperature)
+        if time.time() - start > args.budget_s:
+            tqdm.write(f"{name}: skipped (out of budget)")
+            return None
+        key = (draft, repr(tree))
+        if key not in specs:
+            specs[key] = specgraph.compile(model, heads[draft], tree=tree, backend=args.backend,
+                                           max_batch=args.batch_size, max_length=tokens + 1024)
+        report = acceptance(specs[key], tokenizer, mt_bench_questions(questions), tokens, temperature,
+                            batch_size=args.batch_size)
+        summary["runs"][name] = report
+        (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        tqdm.write(f"{name}: tau {report['tau']:.3f}, per-position {[round(r, 2) for r in report['position_rate']]}")
+        return report
+
+    sweep = {}
+    for tree in tqdm(SWEEP, desc="tree sweep"):
+        report = run("eagle3", tree, 0.0, args.sweep_questions, args.sweep_tokens)
+        if report:
+            sweep[repr(tree)] = (report["tau"], tree)
+    summary["sweep"] = {k: v[0] for k, v in sweep.items()}
+    best = max(sweep.values(), key=lambda v: v[0])[1]
+    best_chain = max((v for v in sweep.values() if isinstance(v[1], Chain)), key=lambda v: v[0])[1]
+    summary["best_tree"], summary["best_chain"] = repr(best), repr(best_chain)
+    final = [("eagle3", best), ("eagle3", best_chain)]
+    if "medusa" in heads:
+        final += [("medusa", specgraph.MEDUSA_MC_SIM_7B_63), ("medusa", Chain(heads["medusa"].num_heads))]
+    for temperature in (0.0, 1.0):
+        for draft, tree in tqdm(final, desc=f"final T={temperature:g}"):
+            report = run(draft, tree, temperature, args.questions, args.max_new_tokens)
+            if report:
+                plot(report, args.out / f"{slug(draft, tree, temperature)}.png")
+    print(f"\n{'run':<36} {'questions':>9} {'tau':>6}  per-position acceptance")
+    for name, r in summary["runs"].items():
+        print(f"{name:<36} {r['questions']:>9} {r['tau']:>6.3f}  {[round(x, 2) for x in r['position_rate']]}")
+    print(f"best tree {summary['best_tree']}; {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

