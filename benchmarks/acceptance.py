@@ -61,8 +61,8 @@ def main() -> None:
                    torch=torch.__version__, target="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)", runs={})
     specs = {}
 
-    def run(draft: str, tree, temperature: float, questions: int, tokens: int) -> dict | None:
-        name = slug(draft, tree, temperature)
+    def run(draft: str, tree, temperature: float, questions: int, tokens: int, prefix: str = "") -> dict | None:
+        name = prefix + slug(draft, tree, temperature)
         if time.time() - start > args.budget_s:
             tqdm.write(f"{name}: skipped (out of budget)")
             return None
@@ -80,7 +80,7 @@ def main() -> None:
 
     sweep = {}
     for tree in tqdm(SWEEP, desc="tree sweep"):
-        report = run("eagle3", tree, 0.0, args.sweep_questions, args.sweep_tokens)
+        report = run("eagle3", tree, 0.0, args.sweep_questions, args.sweep_tokens, prefix="sweep-")
         if report:
             sweep[repr(tree)] = (report["tau"], tree)
     summary["sweep"] = {k: v[0] for k, v in sweep.items()}
@@ -95,9 +95,9 @@ def main() -> None:
             report = run(draft, tree, temperature, args.questions, args.max_new_tokens)
             if report:
                 plot(report, args.out / f"{slug(draft, tree, temperature)}.png")
-    print(f"\n{'run':<36} {'questions':>9} {'tau':>6}  per-position acceptance")
+    print(f"\n{'run':<42} {'questions':>9} {'tau':>6}  per-position acceptance")
     for name, r in summary["runs"].items():
-        print(f"{name:<36} {r['questions']:>9} {r['tau']:>6.3f}  {[round(x, 2) for x in r['position_rate']]}")
+        print(f"{name:<42} {r['questions']:>9} {r['tau']:>6.3f}  {[round(x, 2) for x in r['position_rate']]}")
     print(f"best tree {summary['best_tree']}; {time.time() - start:.0f} s")
 
 

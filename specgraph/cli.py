@@ -185,8 +185,8 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from . import Chain, compile, drafts
-    from .models import load_gguf
+    from . import Chain, DynamicTree, compile, drafts
+    from .models import load_default_draft, load_gguf
 
     print("loading the embedded SmolLM2-135M-Instruct (fp32) ...", flush=True)
     model, tokenizer = load_gguf()
@@ -195,9 +195,15 @@ def _demo(args: argparse.Namespace) -> int:
     text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
                                          add_generation_prompt=True)
     ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
-    spec = compile(model, drafts.NGram(), tree=Chain(args.depth), max_length=ids.shape[1] + args.max_new_tokens + 64)
+    if args.draft == "eagle3":
+        # the measured best tree on the GPU; on a CPU every node costs compute, so a small tree
+        tree = DynamicTree(8, 8, 64) if device == "cuda" else DynamicTree(3, 4, 8)
+        draft, label = load_default_draft(), f"the shipped EAGLE-3 head, {tree}"
+    else:
+        tree, draft, label = Chain(args.depth), drafts.NGram(), f"n-gram prompt lookup, Chain({args.depth})"
+    spec = compile(model, draft, tree=tree, max_length=ids.shape[1] + args.max_new_tokens + 64)
     spec.generate(ids, max_new_tokens=2)  # capture the graphs once, outside the timing
-    print(f"draft: n-gram prompt lookup, Chain({args.depth}) | backend: eager | device: {device}\n")
+    print(f"draft: {label} | backend: eager | device: {device}\n")
     start = time.perf_counter()
     out = spec.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
                         streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
@@ -233,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "tokens/s and the speedup over plain decoding measured in the same run")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-new-tokens", type=int, default=96)
-    demo.add_argument("--depth", type=int, default=4, help="drafted tokens per verify step")
+    demo.add_argument("--draft", default="eagle3", choices=["eagle3", "ngram"],
+                      help="the shipped EAGLE-3 head (default) or n-gram prompt lookup")
+    demo.add_argument("--depth", type=int, default=4, help="n-gram: drafted tokens per verify step")
     demo.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
     demo.set_defaults(func=_demo)
     inspect = sub.add_parser("inspect", help="capture a model and print the passes applied, with their counters "

@@ -74,3 +74,21 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None):
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     return model.eval(), tokenizer
+
+
+DEFAULT_HEAD = "smollm2-135m-instruct-eagle3"
+
+
+def default_draft_path() -> Path:
+    """The EAGLE-3 head for the default target that ships inside specgraph (bf16, public layout:
+    ``Eagle3.from_pretrained`` reads it; see its README.md for how it was trained and measured)."""
+    from importlib import resources
+
+    return Path(str(resources.files("specgraph").joinpath("heads", DEFAULT_HEAD)))
+
+
+def load_default_draft():
+    """``Eagle3`` for SmolLM2-135M-Instruct, trained by specgraph (docs/benchmarks.md, draft heads)."""
+    from .drafts import Eagle3
+
+    return Eagle3.from_pretrained(default_draft_path())

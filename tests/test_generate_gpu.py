@@ -1,6 +1,6 @@
 """On the GPU: backend="inductor" compiles the whole decode step (target over
-the tree, verify, compact, draft commit and the next proposal) as one graph
-replayed as a CUDA graph, and stays token-exact with HF's own greedy
+the tree, verify, compact, draft commit and the next proposal) as one graph,
+with and without CUDA-graph replay, and stays token-exact with HF's own greedy
 ``generate`` on SmolLM2 in fp32, at batch 1 (the case torch <= 2.12 inductor
 once failed on: pytorch/pytorch#189271) and batch 2 with left padding.
 
@@ -32,10 +32,12 @@ def chat(tokenizer, text: str) -> list[int]:
                                          tokenize=True, return_dict=True)["input_ids"]
 
 
+@pytest.mark.parametrize("cuda_graphs", ["0", "1"])
 @pytest.mark.parametrize("kind", ["ngram", "eagle3"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_whole_step_cuda_graph_is_token_exact(smollm2, kind, batch, monkeypatch):
+def test_whole_step_is_token_exact(smollm2, kind, batch, cuda_graphs, monkeypatch):
     monkeypatch.setenv("SPECGRAPH_WHOLE_STEP", "1")
+    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", cuda_graphs)
     model, tokenizer = smollm2
     torch.manual_seed(0)
     if kind == "ngram":
@@ -51,6 +53,8 @@ def test_whole_step_cuda_graph_is_token_exact(smollm2, kind, batch, monkeypatch)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device="cuda")
     torch._dynamo.utils.counters.clear()
     got = spec.generate(ids, attention_mask=mask, max_new_tokens=48, eos_token_id=None)
+    again = spec.generate(ids, attention_mask=mask, max_new_tokens=48, eos_token_id=None)  # the step is reused
+    assert torch.equal(again, got)
     for i, row in enumerate(rows):
         one = torch.tensor([row], device="cuda")
         want = model.generate(one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=48,

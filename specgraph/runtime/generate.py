@@ -73,7 +73,8 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     # The whole step compiles as one graph; SPECGRAPH_WHOLE_STEP=0 compiles the target bucket alone
     # (the rest of the step then runs eagerly: a fallback for inductor bugs).
     whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
-    cuda_graphs = whole_step and device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "1") == "1"
+    # CUDA graphs are opt-in (SPECGRAPH_CUDA_GRAPHS=1) until the replay path below has run on a GPU
+    cuda_graphs = whole_step and device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "0") == "1"
     key = (id(draft), batch, repr(tree), max_length, repr(sampling), compiled, whole_step, cuda_graphs)
     if key in capture.decode_steps:
         return capture.decode_steps[key]
@@ -88,11 +89,30 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
                                       mode="reduce-overhead" if cuda_graphs else None)
 
         def run(*args):
-            if cuda_graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            return compiled_step(*args)
+            if not cuda_graphs:
+                return compiled_step(*args)
+            torch.compiler.cudagraph_mark_step_begin()
+            before = {name: id(value) for name, value in vars(session).items()}
+            out = compiled_step(*args)
+            # The replay's outputs live in the graph's memory pool and the next replay overwrites them:
+            # what carries over to the next step (the outputs and the session state the step reassigned)
+            # is cloned out of it. The caches are static buffers mutated in place and are not copied.
+            for name, value in vars(session).items():
+                if torch.is_tensor(value) and id(value) != before.get(name):
+                    setattr(session, name, value.clone())
+            return _clone_tensors(out)
     capture.decode_steps[key] = session, run
     return session, run
+
+
+def _clone_tensors(value):
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, tuple):
+        return type(value)(*map(_clone_tensors, value)) if hasattr(value, "_fields") else tuple(map(_clone_tensors, value))
+    if hasattr(value, "__dataclass_fields__"):
+        return type(value)(**{f: _clone_tensors(getattr(value, f)) for f in value.__dataclass_fields__})
+    return value
 
 
 @torch.no_grad()

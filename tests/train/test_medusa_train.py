@@ -50,3 +50,30 @@ def test_medusa_training_learns_saves_and_resumes(tmp_path):
     resumed, resumed_history = run(model, examples, tmp_path / "resumed", steps=20, total=40)
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]
     assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in draft.state_dict().items())
+
+
+def test_shared_lm_head_heads_train_alone_and_ship_without_it(tmp_path):
+    """--shared-lm-head: only the ResBlocks train (the target's LM head stays as it was), the
+    checkpoint is the legacy layout without vocabulary matrices, and it speculates token-exactly."""
+    model = tiny_model("llama")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    head_before = model.get_output_embeddings().weight.clone()
+    examples = self_distilled(model, 16)
+    torch.manual_seed(1)
+    draft = new_medusa_for(model, num_heads=2, own_lm_head=False)
+    assert all(not n.startswith("lm_heads") for n, _ in draft.named_parameters())
+    config = TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=5, save_every=30, eval_every=1000)
+    history = train(draft, medusa_loss(model, draft), examples, config, tmp_path / "shared")
+    assert sum(h["loss"] for h in history[-5:]) / 5 < history[0]["loss"]
+    assert torch.equal(model.get_output_embeddings().weight, head_before)
+    loaded = Medusa.from_pretrained(tmp_path / "shared")
+    assert loaded.lm_heads is None
+    spec = specgraph.compile(model, loaded, tree=specgraph.Chain(2), max_batch=1, max_length=128)
+    prompt = examples[0]["input_ids"][:6].tolist()
+    out = spec.generate(torch.tensor([prompt]), max_new_tokens=20, eos_token_id=None)
+    assert out[0, 6:].tolist() == examples[0]["input_ids"][6:26].tolist()
+    # a deadline already passed: the run saves where it is and returns
+    fresh = new_medusa_for(model, num_heads=2, own_lm_head=False)
+    late = train(fresh, medusa_loss(model, fresh), examples, config, tmp_path / "late", deadline=0.0)
+    assert late == [] and (tmp_path / "late" / "trainer.pt").is_file()

@@ -1,0 +1,66 @@
+"""Plots for docs/benchmarks.md from saved results.
+
+    python3 benchmarks/plots.py history HEAD_DIR/history.json out.png    # a training run's curves
+    python3 benchmarks/plots.py sweep RESULTS_DIR out.png                 # τ per tree from acceptance JSONs
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def smooth(values: list[float], window: int = 50) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def history(path: str, out: str) -> None:
+    rows = json.loads(Path(path).read_text())
+    steps = [r["step"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(steps, smooth([r["loss"] for r in rows]), label="train (50-step mean)")
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if evals:
+        left.plot(*zip(*evals), "o-", label="held out")
+    left.set(xlabel="step", ylabel="loss", title="loss")
+    left.legend(fontsize=8)
+    accs = sorted(k for k in rows[-1] if k.startswith("acc_step") or k.startswith("top1_head"))
+    for k in accs:
+        right.plot(steps, smooth([r.get(k, 0.0) for r in rows]), label=k)
+    right.set(xlabel="step", ylabel="top-1 accuracy (train batches)", ylim=(0, 1), title="accuracy per draft step")
+    right.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def sweep(results: str, out: str) -> None:
+    """τ per tree: RESULTS_DIR/summary-T0.json's runs if present, else every greedy acceptance JSON there."""
+    summary = Path(results) / "summary-T0.json"
+    if summary.is_file():
+        reports = json.loads(summary.read_text())["runs"]
+    else:
+        reports = [json.loads(p.read_text()) for p in sorted(Path(results).glob("*.json"))]
+        reports = [r for r in reports if isinstance(r, dict) and r.get("temperature") == 0.0 and "tau" in r]
+    reports.sort(key=lambda r: r["tau"])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(reports) + 1.2))
+    labels = [f"{r['tree']} ({r['questions']} q x {r['max_new_tokens']})" for r in reports]
+    ax.barh(labels, [r["tau"] for r in reports], color="#4c72b0")
+    for i, r in enumerate(reports):
+        ax.text(r["tau"] + 0.02, i, f"{r['tau']:.2f}", va="center", fontsize=8)
+    ax.set(xlabel="τ (tokens per target step), greedy", title="EAGLE-3 head on SmolLM2: τ per tree, MT-bench turn 1")
+    ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    {"history": history, "sweep": sweep}[sys.argv[1]](*sys.argv[2:4])
