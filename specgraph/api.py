@@ -120,6 +120,20 @@ class SpecModel:
         return sequences
 
 
+    def export(self, path, format: str = "onnx", batch: int = 1):
+        """Write the verify step of the (``batch``, tree nodes) bucket with explicit KV caches
+        (see specgraph/export.py for its inputs and outputs). ``format``: "onnx" (opset 20, standard
+        ops only) or "tensorrt" (needs torch-tensorrt). Returns the written path."""
+        from .export import export_onnx, export_tensorrt
+
+        exporters = {"onnx": export_onnx, "tensorrt": export_tensorrt}
+        if format not in exporters:
+            raise ValueError(f"format={format!r}: one of {sorted(exporters)}")
+        if not isinstance(batch, int) or not 1 <= batch <= self.config.max_batch:
+            raise ValueError(f"batch={batch!r}: an int in 1 .. max_batch={self.config.max_batch}")
+        return exporters[format](self.capture, self.config.tree, path, batch)
+
+
 def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
     if attention_mask is None:
         return input_ids.tolist()

@@ -58,10 +58,14 @@ def compact_kv_triton(kv: torch.Tensor, cache_len: torch.Tensor, path: torch.Ten
     )
 
 
-def compact_kv_reference(kv: torch.Tensor, cache_len: torch.Tensor, path: torch.Tensor, accept_len: torch.Tensor) -> None:
-    """Plain torch, in place: one gather/scatter per depth (one slot per row, so no index repeats)."""
+def compact_kv_reference(kv: torch.Tensor, cache_len: torch.Tensor, path: torch.Tensor, accept_len: torch.Tensor,
+                         bitwise: bool = True) -> None:
+    """Plain torch, in place: one gather/scatter per depth (one slot per row, so no index repeats).
+    ``bitwise`` moves raw integer words (every dtype, bit-exact); False moves the values themselves
+    (what ONNX export uses: it has no bit-cast)."""
     c, b, h_kv, s_max, d = kv.shape
-    kv = kv.view(_WORD[kv.element_size()])  # raw words: every dtype, bit-exact
+    if bitwise:
+        kv = kv.view(_WORD[kv.element_size()])
     base = cache_len.to(torch.int64)
     for depth in range(1, path.shape[1]):
         node = path[:, depth].to(torch.int64)

@@ -1,0 +1,111 @@
+"""Export the verify step to ONNX (and, when torch-tensorrt is installed, TensorRT).
+
+The exported graph is one (B, N) bucket of the target's verify step with
+every cache an explicit input and output, in standard ops only:
+
+    inputs   input_ids [B, N] int64   tree tokens (node 0 = the root)
+             positions [B, N] int64   cache_len + depth
+             cache_len [B]    int64   committed length per row
+             tree_mask [B, N] int64   ancestor-or-self bits (trees.Tree.mask)
+             parents   [B, N] int64   parent node, -1 for the root
+             kv        [C, B, H_kv, S_max, D]   every K and V cache, stacked
+    outputs  logits     [B, N, V]
+             accept_len [B]          tokens committed (accepted drafts + the bonus)
+             emitted    [B, D+1]     those tokens, first accept_len of each row
+             kv_out     like kv: this step's keys and values written, the
+                                     accepted nodes moved to the window front
+
+The host (or an engine's runtime) adds accept_len to cache_len and feeds
+kv_out back as kv. specgraph's ops are lowered by their decompositions
+(``kernels.DECOMPOSITIONS``: the plain-torch references), so the ONNX file
+uses the default domain only and TensorRT's ONNX parser can read it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .kernels import DECOMPOSITIONS
+from .kernels.compact_kv import compact_kv_reference
+from .kernels.verify import verify_greedy
+
+ONNX_OPSET = 20
+INPUTS = ("input_ids", "positions", "cache_len", "tree_mask", "parents", "kv")
+OUTPUTS = ("logits", "accept_len", "emitted", "kv_out")
+
+
+class VerifyStep(torch.nn.Module):
+    """A captured bucket as a self-contained module: target over the tree -> greedy verify ->
+    KV compaction, with the cache passed in and returned (no state outside the arguments)."""
+
+    def __init__(self, step, max_depth: int):
+        super().__init__()
+        self.graph, self.kv_index, self.max_depth = step.graph, step._kv_index, max_depth
+        self.num_state = len(step._state)
+        for i, tensor in enumerate(step._state):
+            if i != self.kv_index:
+                self.register_buffer(f"state_{i}", tensor)
+
+    def forward(self, input_ids, positions, cache_len, tree_mask, parents, kv):
+        kv = kv.clone()  # the graph writes the step's keys/values into it in place
+        state = [kv if i == self.kv_index else getattr(self, f"state_{i}") for i in range(self.num_state)]
+        logits = self.graph(*state, input_ids, positions, cache_len, tree_mask)[0]
+        acc = verify_greedy(input_ids, parents, tree_mask, logits.argmax(-1), self.max_depth)
+        compact_kv_reference(kv, cache_len, acc.path, acc.accept_len, bitwise=False)
+        return logits, acc.accept_len, acc.emitted, kv
+
+
+def example_inputs(step, tree) -> tuple[torch.Tensor, ...]:
+    """Valid inputs for a bucket: ``tree``'s topology (a chain of as many nodes for a DynamicTree,
+    whose topology is an input anyway) at cache length 1."""
+    from .trees import Chain, DynamicTree, Tree
+
+    b, n = step.batch, step.nodes
+    device = step.kv.device
+    fixed = Chain(n - 1) if isinstance(tree, DynamicTree) else tree  # any topology of N nodes traces the same graph
+    topology = Tree.from_spec(fixed, torch.zeros(b, n, dtype=torch.int64, device=device))
+    cache_len = torch.ones(b, dtype=torch.int64, device=device)
+    return (topology.tokens, topology.positions(cache_len), cache_len, topology.mask, topology.parents,
+            torch.zeros_like(step.kv))
+
+
+def export_onnx(capture, tree, path: str | Path, batch: int = 1) -> Path:
+    """Write the (batch, tree.num_nodes) verify step of ``capture``'s target to ``path`` (.onnx)."""
+    path = Path(path)
+    step = capture.step(batch, tree.num_nodes)
+    module = VerifyStep(step, tree.max_depth).eval()
+    with torch.no_grad():
+        program = torch.export.export(module, example_inputs(step, tree), strict=False)
+        program = program.run_decompositions(DECOMPOSITIONS)
+        left = sorted({str(n.target) for n in program.graph.nodes if "specgraph" in str(n.target)})
+        assert not left, f"ops without a decomposition: {left}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.onnx.export(program, (), str(path), dynamo=True, opset_version=ONNX_OPSET, input_names=list(INPUTS),
+                          output_names=list(OUTPUTS), external_data=_large(module), verbose=False)
+    return path
+
+
+def export_tensorrt(capture, tree, path: str | Path, batch: int = 1) -> Path:
+    """A TensorRT engine through torch-tensorrt, when it is installed."""
+    try:
+        import torch_tensorrt
+    except ImportError:
+        raise RuntimeError(
+            "format='tensorrt' needs torch-tensorrt (and TensorRT), which is not installed here. Export ONNX "
+            "instead (spec.export(path, format='onnx')): it uses standard ops only, and TensorRT's ONNX parser "
+            "(trtexec --onnx=...) builds an engine from it.") from None
+    step = capture.step(batch, tree.num_nodes)
+    module = VerifyStep(step, tree.max_depth).eval()
+    with torch.no_grad():
+        program = torch.export.export(module, example_inputs(step, tree), strict=False)
+        program = program.run_decompositions(DECOMPOSITIONS)
+        engine = torch_tensorrt.dynamo.compile(program, inputs=list(example_inputs(step, tree)))
+    path = Path(path)
+    torch_tensorrt.save(engine, str(path), inputs=list(example_inputs(step, tree)))
+    return path
+
+
+def _large(module: torch.nn.Module) -> bool:
+    """Weights past protobuf's 2 GB limit go to an external data file beside the .onnx."""
+    return sum(b.numel() * b.element_size() for b in module.buffers()) > (1 << 31) - (1 << 26)
