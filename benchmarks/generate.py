@@ -10,6 +10,10 @@ MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
   hf_lookup       model.generate with prompt_lookup_num_tokens=4 (HF's n-gram speculation)
   sg_eager        specgraph.compile(NGram, Chain(4), backend="eager")
   sg_inductor     the same with backend="inductor"
+  sg_plain        specgraph.compile(model, None): plain decoding on the same engine, inductor
+  sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
+  sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64) (the measured best), inductor
+(SPECGRAPH_CUDA_GRAPHS=1 replays the whole step as a CUDA graph; say so when reporting.)
 For every specgraph method: tokens/s, tau (tokens per target step), the
 ratio to hf_eager, and the match rate with hf_eager's tokens. A prompt that
 diverges is classified by the target's own top-2 logit gap at the first
@@ -33,7 +37,21 @@ import specgraph  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "specgraph" / "data" / "mt_bench_questions.jsonl"
-METHODS = ("hf_eager", "sg_eager", "sg_inductor", "hf_lookup", "hf_static")
+METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree", "hf_lookup",
+           "hf_static")
+
+
+def specgraph_method(model, method: str):
+    """(draft, tree, backend) of a specgraph method."""
+    from specgraph.models import load_default_draft
+
+    return {
+        "sg_eager": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "eager"),
+        "sg_inductor": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "inductor"),
+        "sg_plain": lambda: (None, None, "inductor"),
+        "sg_eagle3_chain": lambda: (load_default_draft(), specgraph.Chain(4), "inductor"),
+        "sg_eagle3_tree": lambda: (load_default_draft(), specgraph.DynamicTree(8, 8, 64), "inductor"),
+    }[method]()
 NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitudes
 
 
@@ -120,8 +138,8 @@ def main() -> None:
             outs, elapsed = run_hf(model, rows, args.max_new_tokens, **kwargs)
             tau = None
         else:
-            spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(4),
-                                     backend=method.removeprefix("sg_"), max_length=1024)
+            draft, tree, backend = specgraph_method(model, method)
+            spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_length=1024)
             run_specgraph(spec, rows[:1], args.max_new_tokens)  # warm-up (and compile)
             outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens)
         tokens = sum(map(len, outs))

@@ -1,12 +1,14 @@
 """specgraph.compile(): the one place that wires the layers together."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .capture import Capture, TargetInfo
 from .errors import CompileError
+from .drafts.ngram import NGram
 from .runtime.generate import Sampling, speculative_generate
 from .trees import Chain, DynamicTree, StaticTree
 
@@ -22,15 +24,26 @@ class SpecConfig:
     backend: str
     max_batch: int
     max_length: int
+    synthetic_accept: int | None = None  # benchmarks only: forced accepted length, NOT lossless
 
 
-def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1, max_length: int = 2048) -> "SpecModel":
+def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1, max_length: int = 2048,
+            synthetic_accept: int | None = None) -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
 
+    ``draft=None``: plain decoding on the same engine (``tree`` None or ``Chain(0)``: one node,
+    the root, per step), the baseline speculation is measured against.
+    ``synthetic_accept=k``: FOR BENCHMARKS ONLY, output is NOT the target's: every step accepts k
+    nodes down the tree's first-child chain (as SGLang's simulated acceptance length does), to time
+    the engine at a given τ without a trained head. Greedy only; generate warns on every call.
     Everything that cannot be supported is refused here, all blockers at once.
     """
-    tree = tree if tree is not None else Chain(4)
     blockers = []
+    if draft is None:
+        if tree is not None and tree != Chain(0):
+            blockers.append(f"tree={tree} with draft=None: plain decoding verifies the root only; pass tree=None")
+        draft, tree = NGram(), Chain(0)  # an n-gram session with no node to propose: root-only trees
+    tree = tree if tree is not None else Chain(4)
     if backend not in BACKENDS:
         blockers.append(f"backend={backend!r}: available now: {', '.join(BACKENDS)}")
     kind = getattr(draft, "kind", None)
@@ -42,6 +55,9 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
         blockers += draft.tree_problems(tree)
     if hasattr(draft, "bind"):
         blockers += draft.bind(model)
+    if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
+                                         not 1 <= synthetic_accept <= tree.max_depth + 1):
+        blockers.append(f"synthetic_accept={synthetic_accept!r}: an int in 1 .. tree depth + 1 = {tree.max_depth + 1}")
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
     if not isinstance(max_length, int) or max_length <= tree.num_nodes:
@@ -53,7 +69,7 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     if blockers:
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
     model.config._attn_implementation = "sdpa"
-    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length))
+    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept))
 
 
 class SpecModel:
@@ -107,9 +123,15 @@ class SpecModel:
             if b != 1:
                 raise ValueError("streamer: only batch size 1 can be streamed (as in model.generate)")
             streamer.put(input_ids.cpu())  # the prompt first, as model.generate does (TextStreamer may skip it)
+        if self.config.synthetic_accept is not None:
+            if sampling is not None:
+                raise ValueError("synthetic_accept (benchmarks only) is greedy only: pass do_sample=False")
+            warnings.warn(f"synthetic_accept={self.config.synthetic_accept}: acceptance is forced for benchmarking; "
+                          f"the output is NOT the model's", stacklevel=2)
         result = speculative_generate(self.capture, self.draft, self.config.tree, prompts, max_new, eos,
                                  self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,
-                                 compiled=self.config.backend == "inductor")
+                                 compiled=self.config.backend == "inductor",
+                                 synthetic_accept=self.config.synthetic_accept)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):

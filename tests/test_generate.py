@@ -246,3 +246,34 @@ def test_device_ngram_proposes_what_the_host_search_does(rows, k, max_ngram, min
         seq[i, : len(row)] = torch.tensor(row)
     got = propose_on_device(seq, torch.tensor([len(r) for r in rows]), k, max_ngram, min_ngram)
     assert got.tolist() == [draft.propose(row, k) for row in rows]
+
+
+def test_plain_decoding_on_the_same_engine():
+    """draft=None: one node per step (the root), token-exact, every step commits exactly one token."""
+    model = tiny_model("qwen3")
+    spec = specgraph.compile(model, None, max_batch=2, max_length=128)
+    assert spec.config.tree == Chain(0)
+    rows = prompts(4, [7, 12])
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=15, eos_token_id=None, return_dict_in_generate=True)
+    for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=15, eos_token_id=None)
+    assert all(lens == [1, 1] for lens in out["accept_lens"])
+    with pytest.raises(CompileError, match="draft=None"):
+        specgraph.compile(model, None, tree=Chain(3))
+
+
+def test_synthetic_acceptance_is_forced_and_labelled():
+    """Benchmarks only: every step commits exactly k tokens (the last may be cut by max_new_tokens),
+    with a warning on every call; sampling and out-of-range k are refused."""
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, synthetic_accept=3)
+    with pytest.warns(UserWarning, match="NOT the model's"):
+        out = spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=20, eos_token_id=None,
+                            return_dict_in_generate=True)
+    lens = [step[0] for step in out["accept_lens"]]
+    assert lens[:-1] == [3] * (len(lens) - 1) and sum(lens) >= 20
+    with pytest.raises(ValueError, match="greedy only"):
+        spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5, do_sample=True)
+    with pytest.raises(CompileError, match="synthetic_accept=6"):
+        specgraph.compile(model, NGram(), tree=Chain(4), synthetic_accept=6)

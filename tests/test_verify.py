@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from specgraph import Chain, StaticTree, Tree
 import specgraph.kernels  # registers the ops
-from specgraph.kernels.verify import sampling_probs, verify_greedy, verify_sample, verify_typical
+from specgraph.kernels.verify import sampling_probs, verify_forced, verify_greedy, verify_sample, verify_typical
 from oracles import longest_accepted_path
 from strategies import dfs_parents
 
@@ -176,3 +176,22 @@ def test_greedy_op_through_export_and_decomposition():
     assert not any("specgraph" in str(n.target) for n in decomposed.graph.nodes)
     for w, got in zip(want, decomposed.module()(*args)):
         assert torch.equal(w, got)
+
+
+@given(tree_and_targets(), st.integers(1, 8))
+def test_forced_acceptance_walks_the_first_child_chain(case, accept):
+    """Benchmarks' synthetic acceptance: the root, then first children (the lowest-numbered
+    child), ``accept`` nodes or until a leaf; drafted tokens along it, then the target's bonus."""
+    parents, tokens, targets = case
+    b, n = tokens.shape
+    tree = Tree.from_parents(tokens, torch.tensor(parents).expand(b, n))
+    acc = verify_forced(tree.tokens, tree.first_child, targets, accept, tree.max_depth)
+    chain = [0]
+    while len(chain) < accept and any(p == chain[-1] for p in parents):
+        chain.append(parents.index(chain[-1]))  # depth-first numbering: the first child is the lowest index
+    for row in range(b):
+        k = int(acc.accept_len[row])
+        assert k == len(chain) and acc.path[row, :k].tolist() == chain
+        assert (acc.path[row, k:] == -1).all()
+        want = [int(tokens[row, i]) for i in chain[1:]] + [int(targets[row, chain[-1]])]
+        assert acc.emitted[row, :k].tolist() == want and int(acc.bonus[row]) == want[-1]

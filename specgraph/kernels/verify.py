@@ -162,6 +162,25 @@ def _accept_deepest(tokens, parents, mask, match, max_depth) -> tuple[torch.Tens
     return best, Acceptance(path, accept_len, None, None)
 
 
+def verify_forced(tokens: torch.Tensor, first_child: torch.Tensor, target_tokens: torch.Tensor, accept: int,
+                  max_depth: int) -> Acceptance:
+    """BENCHMARKS ONLY, NOT LOSSLESS (SGLang's simulated acceptance): accept ``accept`` nodes down
+    the first-child chain from the root (fewer where the tree is shallower) whatever the target
+    says, then its bonus token there, so an untrained draft exercises the accepted lengths a
+    trained one would. first_child: [B, N] (trees.Tree.first_child)."""
+    b = tokens.shape[0]
+    node = torch.zeros(b, dtype=torch.int64, device=tokens.device)
+    nodes = [node]
+    for _ in range(max_depth):
+        node = torch.where(node >= 0, first_child.gather(1, node.clamp(min=0).unsqueeze(1)).squeeze(1), -1)
+        nodes.append(node)
+    path = torch.stack(nodes, 1)  # [B, D+1], -1 past the chain's leaf
+    accept_len = (path >= 0).sum(1).clamp(max=accept)
+    path = torch.where(_arange(max_depth + 1, path) < accept_len.unsqueeze(1), path, -1)
+    bonus = target_tokens.gather(1, path.gather(1, (accept_len - 1).unsqueeze(1))).squeeze(1)
+    return _with_bonus(tokens, Acceptance(path, accept_len, None, None), bonus)
+
+
 def _with_bonus(tokens: torch.Tensor, acc: Acceptance, bonus: torch.Tensor) -> Acceptance:
     """Fill in ``bonus`` and ``emitted`` (accepted drafts, then the bonus)."""
     after_root = torch.cat([acc.path[:, 1:], torch.full_like(acc.path[:, :1], -1)], 1)  # [B, D+1]

@@ -65,7 +65,8 @@ class Sampling:
     top_p: float = 1.0
 
 
-def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None, compiled: bool):
+def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None, compiled: bool,
+                synthetic_accept: int | None = None):
     """The bucket's draft session and step function, built (and compiled) on first use and kept on
     ``capture``: later calls with the same batch, tree and sampling reuse them (``session.prefill``
     resets the per-call state), so a bucket compiles and records its CUDA graph once."""
@@ -75,11 +76,13 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
     # CUDA graphs are opt-in (SPECGRAPH_CUDA_GRAPHS=1) until the replay path below has run on a GPU
     cuda_graphs = whole_step and device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "0") == "1"
-    key = (id(draft), batch, repr(tree), max_length, repr(sampling), compiled, whole_step, cuda_graphs)
+    key = (id(draft), batch, repr(tree), max_length, repr(sampling), compiled, whole_step, cuda_graphs,
+           synthetic_accept)
     if key in capture.decode_steps:
         return capture.decode_steps[key]
     session = draft.session(tree, batch, max_length, device)
-    step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step)
+    step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step,
+                      synthetic_accept=synthetic_accept)
     run = step
     if whole_step:
         if cuda_graphs:  # the caches are mutated in place: fixed addresses let the replay own them
@@ -118,7 +121,8 @@ def _clone_tensors(value):
 @torch.no_grad()
 def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                          eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
-                         stopping_criteria=None, streamer=None, compiled: bool = False) -> GenerateResult:
+                         stopping_criteria=None, streamer=None, compiled: bool = False,
+                         synthetic_accept: int | None = None) -> GenerateResult:
     """Speculative decoding of ``prompts`` over ``tree``: greedy (token-exact), or with
     ``sampling`` exact in distribution (the drafts are deterministic, so each node
     draws its own target sample and a draft is accepted iff it equals its
@@ -138,7 +142,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
-    session, run = decode_step(capture, draft, tree, b, max_length, sampling, compiled)
+    session, run = decode_step(capture, draft, tree, b, max_length, sampling, compiled, synthetic_accept)
     cache_len, features = prefill(capture, prompts, device, session.taps)
     session.prefill(prompts, features)
     sequences = [list(p) for p in prompts]

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.verify import sampling_probs, verify_greedy, verify_sample
+from ..kernels.verify import sampling_probs, verify_forced, verify_greedy, verify_sample
 from ..trees import Tree
 
 
@@ -35,10 +35,13 @@ def features_of(taps: list[torch.Tensor]) -> torch.Tensor:
 class DecodeStep:
     """``step(tree, cache_len, active) -> StepOut`` for one batch size and tree spec."""
 
-    def __init__(self, capture, session, spec, batch: int, sampling=None, compiled_target: bool = False):
+    def __init__(self, capture, session, spec, batch: int, sampling=None, compiled_target: bool = False,
+                 synthetic_accept: int | None = None):
         """``compiled_target``: call the bucket's own compiled graph (the rest of the step stays eager);
-        otherwise the raw graph, so that compiling this whole step traces the target into it."""
+        otherwise the raw graph, so that compiling this whole step traces the target into it.
+        ``synthetic_accept``: benchmarks only, not lossless (``verify_forced``)."""
         self.capture, self.session, self.spec, self.sampling = capture, session, spec, sampling
+        self.synthetic_accept = synthetic_accept
         self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
         self.target_fn = self.target.run if compiled_target else self.target.graph
         self.kv = capture.kv(batch)
@@ -48,7 +51,10 @@ class DecodeStep:
         out = self.target_fn(*self.target._state, tree.tokens, tree.positions(cache_len), cache_len, tree.mask)
         logits = out[0]
         features = features_of(list(out[1:])) if self.target.tapped else None
-        if self.sampling is None:
+        if self.synthetic_accept is not None:
+            acc = verify_forced(tree.tokens, tree.first_child, logits.argmax(-1), self.synthetic_accept,
+                                self.spec.max_depth)
+        elif self.sampling is None:
             acc = verify_greedy(tree.tokens, tree.parents, tree.mask, logits.argmax(-1), self.spec.max_depth)
         else:
             s = self.sampling
