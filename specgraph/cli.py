@@ -89,7 +89,7 @@ def _train(args: argparse.Namespace) -> int:
         examples = build(tokenizer, args.cache, model if args.regenerate else None, limit=args.limit,
                          max_length=args.max_length, max_new_tokens=args.max_new_tokens,
                          batch_size=args.regen_batch_size, source=args.data, max_turns=args.max_turns,
-                         deadline=deadline)
+                         deadline=deadline, engine=args.regen_engine)
     except OutOfTime as err:
         print(f"out of time: {err}")
         return 3
@@ -277,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-length", type=int, default=1024)
     train.add_argument("--max-new-tokens", type=int, default=512, help="per regenerated assistant turn")
     train.add_argument("--regen-batch-size", type=int, default=32, help="prompts per batched generate when regenerating")
+    train.add_argument("--regen-engine", default="specgraph", choices=["specgraph", "hf"],
+                       help="decoder for self-distillation: specgraph's static-cache engine or HF generate")
     train.add_argument("--no-regenerate", dest="regenerate", action="store_false",
                        help="train on ShareGPT's answers instead of the target's own (not self-distilled)")
     train.add_argument("--cache", default=".specgraph-cache", help="where the tokenized data is cached")

@@ -277,3 +277,22 @@ def test_synthetic_acceptance_is_forced_and_labelled():
         spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5, do_sample=True)
     with pytest.raises(CompileError, match="synthetic_accept=6"):
         specgraph.compile(model, NGram(), tree=Chain(4), synthetic_accept=6)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_a_cache_exactly_as_long_as_needed(kind):
+    """max_length = prompt + max_new_tokens + tree nodes, with the prompt not a multiple of the
+    prefill chunk: nothing is written past the cache, the draft's features line up, and the output
+    is the target's."""
+    from specgraph.drafts import Eagle3
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    draft, tree = (NGram(), Chain(3)) if kind == "ngram" else (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)),
+                                                              specgraph.DynamicTree(steps=3, topk=2, nodes=6))
+    rows = prompts(5, [41, 20])
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=41 + 12 + tree.num_nodes)
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)

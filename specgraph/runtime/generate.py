@@ -39,19 +39,26 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
     written token [B, T-1, F] (None otherwise).
     """
     b = len(prompts)
-    # a chunk is a chain, so it must be shallower than the narrowest sliding window
-    chunk = min([PREFILL_NODES] + [w for w in capture.info.layer_windows if w > 0])
+    # a chunk is a chain, so it must be shallower than the narrowest sliding window, and fit the cache
+    chunk = min([PREFILL_NODES, capture.max_length] + [w for w in capture.info.layer_windows if w > 0])
     step = capture.step(b, chunk, taps=taps, logits_rows=(chunk - 1, chunk))
     chain = _chain_mask(chunk, device).expand(b, -1)
     lengths = [len(p) - 1 for p in prompts]
-    features = []
-    for start in range(0, max(lengths), chunk):
+    total = max(lengths)
+    starts = list(range(0, total, chunk))
+    if starts and starts[-1] + chunk > total >= chunk:
+        # the last chunk ends where the longest prompt does (rewriting a few slots with the same values),
+        # so nothing is written past the longest prompt: the cache may be exactly as long as generate needs
+        starts[-1] = total - chunk
+    features, done = [], 0
+    for start in starts:
         ids = torch.tensor([(p[:-1] + [0] * (start + chunk))[start:start + chunk] for p in prompts], device=device)
         # rows whose prompt ended write padding past their length: those slots are overwritten before being read
         cache_len = torch.full((b,), start, device=device)
         out = step(ids, start + torch.arange(chunk, device=device).expand(b, -1), cache_len, chain)
         if taps is not None:
-            features.append(features_of(out[1]))
+            features.append(features_of(out[1])[:, done - start:])
+        done = start + chunk
     merged = torch.cat(features, 1) if features else None
     return torch.tensor(lengths, device=device), merged
 
