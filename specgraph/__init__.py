@@ -5,6 +5,7 @@ drafts arrive with their issues (see docs/design.md).
 """
 from . import drafts
 from .api import SpecModel, compile
+from .attach import attach, detach
 from .errors import CompileError
 from .trees import (
     EAGLE1_MC_SIM_7B_63,
@@ -21,7 +22,7 @@ from .trees import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "compile", "SpecModel", "CompileError", "drafts",
+    "compile", "attach", "detach", "SpecModel", "CompileError", "drafts",
     "Chain", "StaticTree", "DynamicTree", "TreeSpec", "Tree", "select_tree",
     "EAGLE1_MC_SIM_7B_63", "MEDUSA_MC_SIM_7B_63", "MAX_NODES", "__version__",
 ]

@@ -18,6 +18,46 @@ GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", 
                  "stopping_criteria", "streamer"}
 
 
+# generation_config fields that change what generate returns and that the speculative path does not
+# implement: a non-default value is refused by SpecModel.generate (attach falls back to HF for it)
+UNSUPPORTED_CONFIG = ("bad_words_ids", "begin_suppress_tokens", "constraints", "diversity_penalty", "dola_layers",
+                      "epsilon_cutoff", "eta_cutoff", "exponential_decay_length_penalty", "force_words_ids",
+                      "forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "max_time", "min_length",
+                      "min_new_tokens", "min_p", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
+                      "num_return_sequences", "output_attentions", "output_hidden_states", "output_logits",
+                      "output_scores", "penalty_alpha", "renormalize_logits", "repetition_penalty", "sequence_bias",
+                      "stop_strings", "suppress_tokens", "token_healing", "top_h", "typical_p", "watermarking_config",
+                      "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "remove_invalid_values")
+
+
+# the value of a numeric setting that means "off" (0 for the rest)
+_OFF = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
+        "encoder_repetition_penalty": 1.0, "typical_p": 1.0, "guidance_scale": 1.0}
+
+
+def _is_off(name: str, value) -> bool:
+    if value is None:
+        return True
+    if name in ("forced_bos_token_id", "forced_eos_token_id"):  # any token id, 0 included, is a setting
+        return False
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value == _OFF.get(name, 0)
+    return hasattr(value, "__len__") and len(value) == 0
+
+
+def unsupported_arguments(kwargs: dict, generation_config) -> list[str]:
+    """Every argument or generation_config setting of a generate call that the speculative path
+    would not honour, as ``name=value`` (empty: it can run)."""
+    problems = [f"{k}={kwargs[k]!r}" for k in sorted(set(kwargs) - GENERATE_ARGS - set(UNSUPPORTED_CONFIG))]
+    for name in UNSUPPORTED_CONFIG:
+        value = kwargs[name] if name in kwargs else getattr(generation_config, name, None)
+        if not _is_off(name, value):
+            problems.append(f"{name}={value!r}")
+    return problems
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     tree: Chain | StaticTree | DynamicTree
@@ -82,11 +122,11 @@ class SpecModel:
         self.capture = Capture(model.eval(), config.max_length, backend=config.backend)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
-        unknown = sorted(set(kwargs) - GENERATE_ARGS)
+        gen = kwargs.get("generation_config") or self.model.generation_config
+        unknown = unsupported_arguments(kwargs, gen)
         if unknown:
             raise TypeError(f"SpecModel.generate does not support {unknown} yet; they would change the result, "
                             f"so they are refused rather than ignored")
-        gen = kwargs.get("generation_config") or self.model.generation_config
         sampling = None
         do_sample = kwargs.get("do_sample")
         if do_sample or (do_sample is None and getattr(gen, "do_sample", False)):

@@ -119,3 +119,18 @@ def test_window_narrower_than_the_tree_is_refused():
     with pytest.raises(CompileError) as err:
         export_tree_step(model, batch=1, nodes=8, max_length=32)
     assert "layer 0: window 4" in str(err.value) and "layer 1: window 4" in str(err.value)
+
+
+def test_generation_settings_that_would_change_the_output_are_named():
+    """generation_config / kwargs: "off" values pass, anything else is named (SpecModel.generate
+    refuses it; attach falls back to HF for it)."""
+    from transformers import GenerationConfig
+
+    from specgraph.api import unsupported_arguments
+
+    off = GenerationConfig(repetition_penalty=1.0, num_beams=1, output_scores=False, no_repeat_ngram_size=0,
+                           suppress_tokens=[], max_new_tokens=9, top_k=5, do_sample=True)
+    assert unsupported_arguments({"max_new_tokens": 3, "eos_token_id": 2}, off) == []
+    on = GenerationConfig(repetition_penalty=1.2, forced_bos_token_id=0, suppress_tokens=[7])
+    assert unsupported_arguments({"num_beams": 2, "logits_processor": []}, on) == [
+        "logits_processor=[]", "forced_bos_token_id=0", "num_beams=2", "repetition_penalty=1.2", "suppress_tokens=[7]"]

@@ -1,0 +1,84 @@
+"""The HF drop-in: after ``specgraph.attach(model, draft)`` the user's unchanged
+``model.generate(...)`` (and so ``pipeline("text-generation", model=model)``) speculates.
+
+    spec = specgraph.attach(model, specgraph.models.load_default_draft())
+    out = model.generate(**inputs, max_new_tokens=64)    # token-exact with the original
+    specgraph.detach(model)                               # the original method is back
+
+A call the speculative path cannot honour exactly (beam search, repetition penalty, scores in
+the output, a batch over ``max_batch``, a prompt too long for ``max_length``, ...) runs the
+original ``generate`` instead, with a warning naming what made it fall back (once per reason),
+never a silently different result.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from .api import SpecModel, compile, unsupported_arguments
+
+_ATTR = "_specgraph_original_generate"
+
+
+def attach(model, draft=None, tree=None, backend: str = "eager", max_batch: int = 8,
+           max_length: int = 2048) -> SpecModel:
+    """Compile ``model`` with ``draft`` (arguments as ``specgraph.compile``) and route its own
+    ``generate`` through the result. Returns the SpecModel."""
+    if hasattr(model, _ATTR):
+        raise RuntimeError("specgraph is already attached to this model; call specgraph.detach(model) first")
+    spec = compile(model, draft, tree=tree, backend=backend, max_batch=max_batch, max_length=max_length)
+    original = model.generate  # the bound method of the model's class
+    warned: set[str] = set()
+
+    @functools.wraps(original)
+    def generate(inputs=None, generation_config=None, **kwargs):
+        input_ids = kwargs.pop("input_ids", inputs)
+        reasons = _fallback_reasons(spec, input_ids, generation_config, kwargs)
+        if reasons:
+            new = [r for r in reasons if r not in warned]
+            if new:
+                warnings.warn(f"specgraph: falling back to the original generate for {', '.join(new)}", stacklevel=2)
+                warned.update(new)
+            return original(input_ids, generation_config=generation_config, **kwargs)
+        want_dict = kwargs.pop("return_dict_in_generate", None)
+        if want_dict is None and generation_config is not None:
+            want_dict = generation_config.return_dict_in_generate
+        out = spec.generate(input_ids, generation_config=generation_config, **kwargs)
+        if want_dict:
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+            return GenerateDecoderOnlyOutput(sequences=out)
+        return out
+
+    setattr(model, _ATTR, original)
+    model.generate = generate
+    model._specgraph_spec = spec
+    return spec
+
+
+def detach(model) -> None:
+    """Undo ``attach``: ``model.generate`` is the model's own again."""
+    if not hasattr(model, _ATTR):
+        raise RuntimeError("specgraph is not attached to this model")
+    delattr(model, _ATTR)
+    del model.generate  # the instance attribute goes; the class's method shows through
+    del model._specgraph_spec
+
+
+def _fallback_reasons(spec: SpecModel, input_ids, generation_config, kwargs: dict) -> list[str]:
+    gen = generation_config or spec.model.generation_config
+    reasons = unsupported_arguments({k: v for k, v in kwargs.items() if v is not None
+                                     and k != "return_dict_in_generate"}, gen)
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+        return reasons + ["input_ids that are not a [B, T] tensor"]
+    b, t = input_ids.shape
+    if b > spec.config.max_batch:
+        reasons.append(f"batch {b} > max_batch={spec.config.max_batch}")
+    max_new = kwargs.get("max_new_tokens") or gen.max_new_tokens
+    if max_new is None:
+        max_new = (kwargs.get("max_length") or gen.max_length) - t
+    if t + max_new + spec.config.tree.num_nodes > spec.config.max_length:
+        reasons.append(f"prompt + max_new_tokens beyond max_length={spec.config.max_length}")
+    return reasons
