@@ -55,8 +55,9 @@ def _tree(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_target(name: str | None):
-    """(model, tokenizer) from a .gguf file, a HF directory or hub id; None: the embedded SmolLM2."""
+def _load_target(name: str | None, tokenizer: bool = True):
+    """(model, tokenizer) from a .gguf file, a HF directory or hub id; None: the embedded SmolLM2.
+    ``tokenizer=False``: the model alone (the tokenizer is None)."""
     from .models import load_gguf
 
     if name is None or name.endswith(".gguf"):
@@ -65,7 +66,7 @@ def _load_target(name: str | None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name) if tokenizer else None
     model.config._attn_implementation = "sdpa"
     return model, tokenizer
 
@@ -140,6 +141,24 @@ def _bench(args: argparse.Namespace) -> int:
     plot(report, out / "acceptance.png")
     print(f"{report['draft']} {report['tree']}: tau {report['tau']:.2f}, {report['tokens_per_s']:.1f} tok/s, "
           f"per-position {[round(r, 2) for r in report['position_rate']]}; wrote {out}/acceptance.{{json,png}}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from . import Chain, compile
+    from .drafts import NGram
+
+    if not 1 <= args.nodes <= 64:
+        print(f"--nodes {args.nodes}: a tree has 1 .. 64 nodes", file=sys.stderr)
+        return 2
+    model, _ = _load_target(args.target, tokenizer=False)
+    # the exported step holds no draft and takes the tree as input: a chain as long as the bucket
+    # bounds every tree of that many nodes
+    draft, tree = (None, None) if args.nodes == 1 else (NGram(), Chain(args.nodes - 1))
+    spec = compile(model, draft, tree=tree, max_batch=args.batch, max_length=args.max_length)
+    path = spec.export(args.out, format=args.format, batch=args.batch)
+    print(f"wrote {path}: the verify step for batch {args.batch}, trees of up to {args.nodes} nodes, a cache of "
+          f"{args.max_length} slots (inputs and outputs: specgraph/export.py)")
     return 0
 
 
@@ -292,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-shard-mb", type=float, default=None, help="shard the saved safetensors above this size")
     train.add_argument("--cpu", action="store_true")
     train.set_defaults(func=_train)
+    export = sub.add_parser("export", help="write the verify step (explicit KV caches) as ONNX, or a TensorRT engine")
+    export.add_argument("out", help="output path, e.g. step.onnx")
+    export.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
+    export.add_argument("--format", default="onnx", choices=["onnx", "tensorrt"])
+    export.add_argument("--batch", type=int, default=1)
+    export.add_argument("--nodes", type=int, default=8, help="tree nodes per step (1 = plain decoding)")
+    export.add_argument("--max-length", type=int, default=1024, help="KV cache slots")
+    export.set_defaults(func=_export)
     bench = sub.add_parser("bench", help="measure a draft: acceptance on MT-bench turn 1 (tau, per-position rates, plot)")
     bench.add_argument("what", choices=["acceptance"])
     bench.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")

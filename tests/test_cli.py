@@ -1,0 +1,46 @@
+"""The specgraph command: --help on every subcommand, and `specgraph export` end to end on a tiny
+HF model directory (the ONNX file it writes runs in onnxruntime)."""
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from specgraph.cli import build_parser, main
+from test_capture import tiny_model
+
+COMMANDS = ["info", "tree", "demo", "inspect", "train", "export", "bench"]
+
+
+def test_every_command_has_help(capsys):
+    parser = build_parser()
+    listed = set(parser._subparsers._group_actions[0].choices)
+    assert listed == set(COMMANDS)
+    for command in COMMANDS:
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0
+        assert f"usage: specgraph {command}" in capsys.readouterr().out
+
+
+def test_export_command_writes_onnx_that_runs(tmp_path):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "step.onnx"
+    done = subprocess.run([sys.executable, "-m", "specgraph", "export", str(out), "--target", str(tmp_path / "tiny"),
+                           "--nodes", "4", "--batch", "2", "--max-length", "64"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    assert shapes["input_ids"] == [2, 4] and shapes["kv"][1:] == [2, model.config.num_key_value_heads, 64,
+                                                                   model.config.head_dim]
+    feed = {"input_ids": np.full((2, 4), 5), "positions": np.arange(1, 5)[None].repeat(2, 0),
+            "cache_len": np.ones(2, dtype=np.int64), "tree_mask": np.array([[1, 3, 7, 15]] * 2),
+            "parents": np.array([[-1, 0, 1, 2]] * 2), "kv": np.zeros(shapes["kv"], dtype=np.float32)}
+    logits, accept_len, emitted, kv_out = session.run(None, feed)
+    assert logits.shape == (2, 4, model.config.vocab_size) and np.isfinite(logits).all()
+    assert ((1 <= accept_len) & (accept_len <= 4)).all()
+    bad = subprocess.run([sys.executable, "-m", "specgraph", "export", str(out), "--nodes", "65"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--nodes 65" in bad.stderr
