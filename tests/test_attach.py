@@ -1,9 +1,9 @@
-"""specgraph.attach: the user's own model.generate and pipeline("text-generation") speculate and
-return what they returned before (SmolLM2, fp32, the shipped EAGLE-3 head); what the speculative
-path cannot honour falls back to the original with a warning; detach restores the method."""
+"""specgraph.attach: the user's own model.generate speculates and returns what it returned before
+(SmolLM2, fp32, the shipped EAGLE-3 head); what the speculative path cannot honour falls back to
+the original with a warning; detach restores the method. (examples/attach.py, run by
+test_models.py, checks a left-padded batch and pipeline("text-generation") the same way.)"""
 import pytest
 import torch
-import transformers
 
 import specgraph
 from specgraph.models import load_default_draft
@@ -18,26 +18,17 @@ def smollm2():
     return load_gguf()
 
 
-def test_generate_and_pipeline_speculate_unchanged(smollm2):
+def test_generate_speculates_unchanged_and_falls_back_by_name(smollm2):
     model, tokenizer = smollm2
-    tokenizer.padding_side = "left"
-    texts = ["The capital of France is", "Write one line about the sea:", "1, 2, 3,"]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
-    single = tokenizer(texts[:1], return_tensors="pt")
-    pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    single = tokenizer(["The capital of France is"], return_tensors="pt")
     want = {"one": model.generate(**single, max_new_tokens=12, do_sample=False),
-            "three": model.generate(**batch, max_new_tokens=12, do_sample=False),
-            "pipe": pipe(texts[1], max_new_tokens=12, do_sample=False)[0]["generated_text"],
             "penalty": model.generate(**single, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)}
     spec = specgraph.attach(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_batch=4,
                             max_length=256)
     try:
         assert model.generate is not type(model).generate
         assert torch.equal(model.generate(**single, max_new_tokens=12, do_sample=False), want["one"])
-        assert torch.equal(model.generate(**batch, max_new_tokens=12, do_sample=False), want["three"])
-        assert pipe(texts[1], max_new_tokens=12, do_sample=False)[0]["generated_text"] == want["pipe"]
-        steps = spec.capture.decode_steps  # the speculative path did run (its decode steps were built)
-        assert steps
+        assert spec.capture.decode_steps  # the speculative path did run (its decode step was built)
         with pytest.warns(UserWarning, match="repetition_penalty=1.3"):
             got = model.generate(**single, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)
         assert torch.equal(got, want["penalty"])

@@ -74,6 +74,15 @@ def test_quickstart_example_runs_and_is_exact():
     assert "token-exact with model.generate: True" in out
 
 
+def test_attach_example_runs_and_is_exact():
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "attach.py"
+    out = subprocess.run([sys.executable, str(script), "--max-new-tokens", "8"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "same output as without specgraph: True" in out
+
+
 @pytest.mark.parametrize("draft_kind", ["ngram", "eagle3", "eagle", "medusa"])
 @torch.no_grad()
 def test_compiled_smollm2_generate_is_token_exact_batched(smollm2, draft_kind):
