@@ -103,7 +103,9 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     if not isinstance(max_length, int) or max_length <= tree.num_nodes:
         blockers.append(f"max_length={max_length!r}: an int larger than the tree ({tree.num_nodes} nodes)")
     try:
-        TargetInfo.from_model(model)
+        info = TargetInfo.from_model(model)
+        blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
+                     for i, w in enumerate(info.layer_windows) if 0 < w < tree.num_nodes]
     except CompileError as err:
         blockers += err.blockers
     if blockers:

@@ -119,6 +119,10 @@ def test_window_narrower_than_the_tree_is_refused():
     with pytest.raises(CompileError) as err:
         export_tree_step(model, batch=1, nodes=8, max_length=32)
     assert "layer 0: window 4" in str(err.value) and "layer 1: window 4" in str(err.value)
+    with pytest.raises(CompileError) as err:  # and compile() says so before anything runs
+        specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(7), max_length=32)
+    assert "layer 0: sliding window 4 <= tree of 8 nodes" in str(err.value) and "layer 1: sliding" in str(err.value)
+    specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(2), max_length=32)  # 3 nodes fit
 
 
 def test_generation_settings_that_would_change_the_output_are_named():
