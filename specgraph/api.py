@@ -58,6 +58,16 @@ def unsupported_arguments(kwargs: dict, generation_config) -> list[str]:
     return problems
 
 
+def max_new_tokens(kwargs: dict, generation_config, prompt_width: int) -> int:
+    """How many tokens a generate call asks for, as model.generate reads its arguments."""
+    max_new = kwargs.get("max_new_tokens")
+    if max_new is None:
+        max_new = getattr(generation_config, "max_new_tokens", None)
+    if max_new is None:
+        max_new = (kwargs.get("max_length") or generation_config.max_length) - prompt_width
+    return max_new
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     tree: Chain | StaticTree | DynamicTree
@@ -103,9 +113,8 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     if not isinstance(max_length, int) or max_length <= tree.num_nodes:
         blockers.append(f"max_length={max_length!r}: an int larger than the tree ({tree.num_nodes} nodes)")
     try:
-        info = TargetInfo.from_model(model)
         blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
-                     for i, w in enumerate(info.layer_windows) if 0 < w < tree.num_nodes]
+                     for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
     except CompileError as err:
         blockers += err.blockers
     if blockers:
@@ -143,11 +152,7 @@ class SpecModel:
         if b > self.config.max_batch:
             raise ValueError(f"batch of {b} rows > max_batch={self.config.max_batch} given to specgraph.compile")
         prompts = _strip_left_padding(input_ids, attention_mask)
-        max_new = kwargs.get("max_new_tokens")
-        if max_new is None:
-            max_new = getattr(gen, "max_new_tokens", None)
-        if max_new is None:
-            max_new = (kwargs.get("max_length") or gen.max_length) - t
+        max_new = max_new_tokens(kwargs, gen, t)
         eos = kwargs.get("eos_token_id", gen.eos_token_id)
         eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         pad = kwargs.get("pad_token_id", gen.pad_token_id)
@@ -182,7 +187,6 @@ class SpecModel:
         if kwargs.get("return_dict_in_generate"):
             return {"sequences": sequences, "accept_lens": result.accept_lens}
         return sequences
-
 
     def export(self, path, format: str = "onnx", batch: int = 1):
         """Write the verify step of the (``batch``, tree nodes) bucket with explicit KV caches

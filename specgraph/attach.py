@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from .api import SpecModel, compile, unsupported_arguments
+from .api import SpecModel, compile, max_new_tokens, unsupported_arguments
 
 _ATTR = "_specgraph_original_generate"
 
@@ -76,9 +76,6 @@ def _fallback_reasons(spec: SpecModel, input_ids, generation_config, kwargs: dic
     b, t = input_ids.shape
     if b > spec.config.max_batch:
         reasons.append(f"batch {b} > max_batch={spec.config.max_batch}")
-    max_new = kwargs.get("max_new_tokens") or gen.max_new_tokens
-    if max_new is None:
-        max_new = (kwargs.get("max_length") or gen.max_length) - t
-    if t + max_new + spec.config.tree.num_nodes > spec.config.max_length:
+    if t + max_new_tokens(kwargs, gen, t) + spec.config.tree.num_nodes > spec.config.max_length:
         reasons.append(f"prompt + max_new_tokens beyond max_length={spec.config.max_length}")
     return reasons

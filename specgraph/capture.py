@@ -44,6 +44,11 @@ class TargetInfo:
     layer_windows: tuple[int, ...]  # per layer: 0 = full attention, else the sliding window
     dtype: torch.dtype
 
+    def narrow_windows(self, nodes: int) -> list[tuple[int, int]]:
+        """(layer, window) of every sliding window too narrow for a tree of ``nodes`` nodes (a
+        node's ancestors must lie inside its window)."""
+        return [(i, w) for i, w in enumerate(self.layer_windows) if 0 < w < nodes]
+
     @classmethod
     def from_model(cls, model) -> "TargetInfo":
         config = getattr(model.config, "text_config", None) or model.config
@@ -142,7 +147,7 @@ def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.T
     if max_length < nodes:
         raise ValueError(f"max_length={max_length} must be at least nodes={nodes}")
     info = TargetInfo.from_model(model)
-    narrow = [(i, w) for i, w in enumerate(info.layer_windows) if 0 < w < nodes]
+    narrow = info.narrow_windows(nodes)
     if narrow:
         raise CompileError("sliding window narrower than the tree", [
             f"layer {i}: window {w} <= tree of {nodes} nodes (depth up to {nodes - 1}); use a smaller tree" for i, w in narrow])

@@ -145,11 +145,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from . import Chain, compile
+    from . import MAX_NODES, Chain, compile
     from .drafts import NGram
 
-    if not 1 <= args.nodes <= 64:
-        print(f"--nodes {args.nodes}: a tree has 1 .. 64 nodes", file=sys.stderr)
+    if not 1 <= args.nodes <= MAX_NODES:
+        print(f"--nodes {args.nodes}: a tree has 1 .. {MAX_NODES} nodes", file=sys.stderr)
         return 2
     model, _ = _load_target(args.target, tokenizer=False)
     # the exported step holds no draft and takes the tree as input: a chain as long as the bucket

@@ -70,17 +70,25 @@ def example_inputs(step, tree) -> tuple[torch.Tensor, ...]:
             torch.zeros_like(step.kv))
 
 
+def decomposed_program(capture, tree, batch: int):
+    """(module, ExportedProgram, example inputs) of the bucket's verify step, specgraph's ops replaced
+    by their decompositions."""
+    step = capture.step(batch, tree.num_nodes)
+    module = VerifyStep(step, tree.max_depth).eval()
+    inputs = example_inputs(step, tree)
+    with torch.no_grad():
+        program = torch.export.export(module, inputs, strict=False).run_decompositions(DECOMPOSITIONS)
+    left = sorted({str(n.target) for n in program.graph.nodes if "specgraph" in str(n.target)})
+    assert not left, f"ops without a decomposition: {left}"
+    return module, program, inputs
+
+
 def export_onnx(capture, tree, path: str | Path, batch: int = 1) -> Path:
     """Write the (batch, tree.num_nodes) verify step of ``capture``'s target to ``path`` (.onnx)."""
     path = Path(path)
-    step = capture.step(batch, tree.num_nodes)
-    module = VerifyStep(step, tree.max_depth).eval()
+    module, program, _ = decomposed_program(capture, tree, batch)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
-        program = torch.export.export(module, example_inputs(step, tree), strict=False)
-        program = program.run_decompositions(DECOMPOSITIONS)
-        left = sorted({str(n.target) for n in program.graph.nodes if "specgraph" in str(n.target)})
-        assert not left, f"ops without a decomposition: {left}"
-        path.parent.mkdir(parents=True, exist_ok=True)
         torch.onnx.export(program, (), str(path), dynamo=True, opset_version=ONNX_OPSET, input_names=list(INPUTS),
                           output_names=list(OUTPUTS), external_data=_large(module), verbose=False)
     return path
@@ -95,15 +103,11 @@ def export_tensorrt(capture, tree, path: str | Path, batch: int = 1) -> Path:
             "format='tensorrt' needs torch-tensorrt (and TensorRT), which is not installed here. Export ONNX "
             "instead (spec.export(path, format='onnx')): it uses standard ops only, and TensorRT's ONNX parser "
             "(trtexec --onnx=...) builds an engine from it.") from None
-    step = capture.step(batch, tree.num_nodes)
-    module = VerifyStep(step, tree.max_depth).eval()
+    _, program, inputs = decomposed_program(capture, tree, batch)
     with torch.no_grad():
-        program = torch.export.export(module, example_inputs(step, tree), strict=False)
-        program = program.run_decompositions(DECOMPOSITIONS)
-        engine = torch_tensorrt.dynamo.compile(program, inputs=list(example_inputs(step, tree)))
-    path = Path(path)
-    torch_tensorrt.save(engine, str(path), inputs=list(example_inputs(step, tree)))
-    return path
+        engine = torch_tensorrt.dynamo.compile(program, inputs=list(inputs))
+    torch_tensorrt.save(engine, str(path), inputs=list(inputs))
+    return Path(path)
 
 
 def _large(module: torch.nn.Module) -> bool:

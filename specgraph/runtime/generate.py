@@ -140,7 +140,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     ``commit`` sees the acceptance and the step's features. One iteration's
     device work is ``DecodeStep`` (``compiled``: through
     ``torch.compile(fullgraph=True)``, one graph, replayed as a CUDA graph
-    unless SPECGRAPH_CUDA_GRAPHS=0);
+    with SPECGRAPH_CUDA_GRAPHS=1; see ``decode_step``);
     the host reads the emitted
     tokens and accept lengths, applies eos / ``max_new_tokens`` /
     ``stopping_criteria`` (transformers' StoppingCriteriaList, asked after

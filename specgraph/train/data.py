@@ -106,17 +106,38 @@ def tokenize(tokenizer, conversations: list[list[dict]], max_length: int) -> lis
     return out
 
 
+class Decoder:
+    """Greedy batched decoding for self-distillation. ``engine="specgraph"``: plain decoding on
+    specgraph's static per-row cache (``specgraph.compile(model, None)``; token-exact with
+    ``model.generate``), compiled once and reused for as long as its cache fits the prompts;
+    ``"hf"``: ``model.generate`` (its dynamic cache is re-concatenated every step: slow at large
+    batches)."""
+
+    def __init__(self, model, engine: str = "specgraph"):
+        if engine not in ("specgraph", "hf"):
+            raise ValueError(f"engine={engine!r}: 'specgraph' or 'hf'")
+        self.model, self.engine, self.spec = model, engine, None
+
+    def __call__(self, ids, mask, max_new_tokens: int, pad: int, max_batch: int) -> torch.Tensor:
+        if self.engine == "hf":
+            return self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                       pad_token_id=pad)
+        need = ids.shape[1] + max_new_tokens + 2
+        if self.spec is None or self.spec.config.max_length < need or self.spec.config.max_batch < ids.shape[0]:
+            import specgraph
+
+            self.spec = None  # its caches go before the next engine's arrive
+            self.spec = specgraph.compile(self.model, None, max_batch=max_batch, max_length=-(-need // 256) * 256)
+        return self.spec.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=pad)
+
+
 @torch.no_grad()
 def regenerate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 512,
-               batch_size: int = 16, engine: str = "specgraph") -> list[list[dict]]:
+               batch_size: int = 16, engine: str | Decoder = "specgraph") -> list[list[dict]]:
     """Self-distillation: every assistant turn rewritten by ``model`` (greedy), turn by turn, batched.
-
-    ``engine="specgraph"`` decodes with ``specgraph.compile(model, None)`` (plain greedy decoding
-    on specgraph's static per-row cache; token-exact with ``model.generate``), ``"hf"`` with
-    ``model.generate`` (its dynamic cache is re-concatenated every step: slow at large batches).
-    """
-    if engine not in ("specgraph", "hf"):
-        raise ValueError(f"engine={engine!r}: 'specgraph' or 'hf'")
+    ``engine``: see ``Decoder`` (pass one to reuse its compiled engine across calls)."""
+    decode = engine if isinstance(engine, Decoder) else Decoder(model, engine)
     device = next(model.parameters()).device
     out = [list(m) for m in conversations]
     turns = max(len(m) for m in conversations) // 2
@@ -125,20 +146,13 @@ def regenerate(model, tokenizer, conversations: list[list[dict]], max_new_tokens
         todo = [c for c in range(len(out)) if len(out[c]) > 2 * turn + 1]
         prompt_of = {c: _template(tokenizer, out[c][: 2 * turn + 1], True) for c in todo}
         todo.sort(key=lambda c: len(prompt_of[c]))  # similar lengths share a batch: less padding
-        generate = model.generate
-        if engine == "specgraph" and todo:
-            import specgraph
-
-            longest = max(len(p) for p in prompt_of.values())
-            generate = specgraph.compile(model, None, max_batch=min(batch_size, len(todo)),
-                                         max_length=longest + max_new_tokens + 2).generate
         for start in tqdm(range(0, len(todo), batch_size), desc=f"regenerate turn {turn + 1}", leave=False):
             rows = todo[start:start + batch_size]
             prompts = [prompt_of[c] for c in rows]
             width = max(map(len, prompts))
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-            gen = generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            gen = decode(ids, mask, max_new_tokens, pad, batch_size)
             for c, row in zip(rows, gen[:, width:].tolist()):
                 text = tokenizer.decode(row, skip_special_tokens=True).strip()
                 out[c][2 * turn + 1] = {"role": "assistant", "content": text or "…"}
@@ -186,6 +200,7 @@ def build(tokenizer, cache_dir: str | Path, model=None, limit: int = 1000, max_l
     conversations = [conversations[i][:cut] for i in order]
     if model is not None:
         chunk = max(chunk, batch_size)  # a chunk holds at least one full batch
+        decode = Decoder(model, engine)  # one engine for every chunk
         regen_key = content_hash(*common, chunk, max_new_tokens, model_id)
         done = []
         for i in tqdm(range(0, len(conversations), chunk), desc="self-distillation chunks"):
@@ -196,7 +211,7 @@ def build(tokenizer, cache_dir: str | Path, model=None, limit: int = 1000, max_l
                 if deadline is not None and time.time() > deadline:
                     raise OutOfTime(f"regenerated {i} of {len(conversations)} conversations before the deadline "
                                     f"(saved in {cache_dir}); run again to continue")
-                have = have + regenerate(model, tokenizer, want[len(have):], max_new_tokens, batch_size, engine)
+                have = have + regenerate(model, tokenizer, want[len(have):], max_new_tokens, batch_size, decode)
                 part.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(have, part)
             done += have[: len(want)]
