@@ -2,13 +2,15 @@
 full report (all questions, greedy and T=1) for the best tree, a chain and the Medusa head.
 
     PYTHONPATH=$PWD python3 benchmarks/acceptance.py --eagle3 DIR [--medusa DIR] --out DIR
+        [--trees dynamic:8,8,64 chain7] [--skip RUN ...]
 
 Phase 1 (greedy, ``--sweep-questions`` x ``--sweep-tokens``) runs the EAGLE-3 head on every tree
 in SWEEP and picks the highest τ among trees of at most 64 nodes; phase 2 runs all
 ``--questions`` at ``--max-new-tokens`` for: EAGLE-3 on the best tree and on the best chain,
 Medusa on its own mc_sim_7b_63 tree and a chain, each greedy and T=1. Questions go
 ``--batch-size`` at a time (each row accepts on its own: greedy τ is that of batch 1).
-The target runs in fp32 so greedy acceptance is the target's own. Writes one JSON and PNG per run
+``--trees BEST CHAIN`` skips the sweep (the trees a previous sweep picked); ``--skip`` leaves out
+runs by name (e.g. ``eagle3-dyn8-8-64-T0``, measured before). The target runs in fp32 so greedy acceptance is the target's own. Writes one JSON and PNG per run
 and summary.json; prints a table last. ``--budget-s`` stops between runs (what ran is kept).
 """
 from __future__ import annotations
@@ -23,8 +25,9 @@ from tqdm import tqdm
 
 import specgraph
 from specgraph import Chain, DynamicTree
-from specgraph.models import load_gguf
+from specgraph.models import default_draft_path, load_gguf
 from specgraph.train.evaluate import acceptance, mt_bench_questions, plot
+from specgraph.trees import parse_tree
 
 SWEEP = [Chain(3), Chain(5), Chain(7), DynamicTree(4, 4, 16), DynamicTree(5, 8, 32), DynamicTree(6, 8, 48),
          DynamicTree(6, 8, 64), DynamicTree(8, 8, 64), DynamicTree(10, 6, 64)]
@@ -38,7 +41,7 @@ def slug(draft: str, tree, temperature: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--eagle3", required=True, help="EAGLE-3 head directory")
+    parser.add_argument("--eagle3", default=str(default_draft_path()), help="EAGLE-3 head directory (default: the shipped head)")
     parser.add_argument("--medusa", default=None, help="Medusa head directory")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--questions", type=int, default=80)
@@ -48,6 +51,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     parser.add_argument("--budget-s", type=float, default=1e9)
+    parser.add_argument("--trees", nargs=2, type=parse_tree, metavar=("BEST", "CHAIN"), default=None,
+                        help="skip the sweep: the EAGLE-3 tree and chain for the final runs")
+    parser.add_argument("--skip", nargs="*", default=[], help="final runs to leave out, by name")
     args = parser.parse_args()
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,6 +69,8 @@ def main() -> None:
 
     def run(draft: str, tree, temperature: float, questions: int, tokens: int, prefix: str = "") -> dict | None:
         name = prefix + slug(draft, tree, temperature)
+        if name in args.skip:
+            return None
         if time.time() - start > args.budget_s:
             tqdm.write(f"{name}: skipped (out of budget)")
             return None
@@ -79,13 +87,16 @@ def main() -> None:
         return report
 
     sweep = {}
-    for tree in tqdm(SWEEP, desc="tree sweep"):
+    for tree in tqdm(SWEEP if args.trees is None else [], desc="tree sweep"):
         report = run("eagle3", tree, 0.0, args.sweep_questions, args.sweep_tokens, prefix="sweep-")
         if report:
             sweep[repr(tree)] = (report["tau"], tree)
     summary["sweep"] = {k: v[0] for k, v in sweep.items()}
-    best = max(sweep.values(), key=lambda v: v[0])[1]
-    best_chain = max((v for v in sweep.values() if isinstance(v[1], Chain)), key=lambda v: v[0])[1]
+    if args.trees:
+        best, best_chain = args.trees
+    else:
+        best = max(sweep.values(), key=lambda v: v[0])[1]
+        best_chain = max((v for v in sweep.values() if isinstance(v[1], Chain)), key=lambda v: v[0])[1]
     summary["best_tree"], summary["best_chain"] = repr(best), repr(best_chain)
     final = [("eagle3", best), ("eagle3", best_chain)]
     if "medusa" in heads:

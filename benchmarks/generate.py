@@ -13,7 +13,8 @@ MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
   sg_plain        specgraph.compile(model, None): plain decoding on the same engine, inductor
   sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64) (the measured best), inductor
-(SPECGRAPH_CUDA_GRAPHS=1 replays the whole step as a CUDA graph; say so when reporting.)
+(inductor methods replay the whole step as a CUDA graph; SPECGRAPH_CUDA_GRAPHS=0 turns that off:
+say so when reporting.)
 For every specgraph method: tokens/s, tau (tokens per target step), the
 ratio to hf_eager, and the match rate with hf_eager's tokens. A prompt that
 diverges is classified by the target's own top-2 logit gap at the first

@@ -41,10 +41,19 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tree(args: argparse.Namespace) -> int:
-    from . import EAGLE1_MC_SIM_7B_63, MEDUSA_MC_SIM_7B_63
+def _tree_arg(text: str):
+    from .trees import parse_tree
 
-    spec = {"eagle1": EAGLE1_MC_SIM_7B_63, "medusa": MEDUSA_MC_SIM_7B_63}[args.name]
+    try:
+        return parse_tree(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _tree(args: argparse.Namespace) -> int:
+    from .trees import NAMED_TREES
+
+    spec = NAMED_TREES[args.name]
     parents = spec.parents()
     depth = [0] * len(parents)
     for i in range(1, len(parents)):
@@ -117,7 +126,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from . import Chain, DynamicTree, compile, drafts
+    from . import compile, drafts
     from .train.evaluate import acceptance, mt_bench_questions, plot
 
     model, tokenizer = _load_target(args.target)
@@ -127,10 +136,7 @@ def _bench(args: argparse.Namespace) -> int:
     draft = {"ngram": lambda: drafts.NGram(), "eagle": lambda: drafts.Eagle.from_pretrained(path),
              "eagle3": lambda: drafts.Eagle3.from_pretrained(path), "medusa": lambda: drafts.Medusa.from_pretrained(path),
              "mtp": lambda: drafts.MTP.from_target(path)}[kind]()
-    if args.tree.startswith("chain"):
-        tree = Chain(int(args.tree[5:] or 4))
-    else:
-        tree = DynamicTree(*map(int, args.tree.split(":")[1].split(",")))
+    tree = args.tree
     spec = compile(model, draft, tree=tree, backend=args.backend, max_length=args.max_new_tokens + 1024,
                    max_batch=args.batch_size)
     report = acceptance(spec, tokenizer, mt_bench_questions(args.questions), args.max_new_tokens, args.temperature,
@@ -323,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["acceptance"])
     bench.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
     bench.add_argument("--draft", default="ngram", help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
-    bench.add_argument("--tree", default="chain4", help="chainK or dynamic:STEPS,TOPK,NODES")
+    bench.add_argument("--tree", default="chain4", type=_tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
     bench.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     bench.add_argument("--questions", type=int, default=80)
     bench.add_argument("--max-new-tokens", type=int, default=256)

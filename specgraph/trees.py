@@ -164,6 +164,24 @@ MEDUSA_MC_SIM_7B_63 = StaticTree((
 ))
 
 
+NAMED_TREES = {"eagle1": EAGLE1_MC_SIM_7B_63, "medusa": MEDUSA_MC_SIM_7B_63}
+
+
+def parse_tree(text: str) -> TreeSpec:
+    """A tree from its command-line spelling: ``chainK`` (``Chain(K)``), ``dynamic:STEPS,TOPK,NODES``
+    (``DynamicTree``), ``eagle1`` or ``medusa`` (the shipped ``mc_sim_7b_63`` trees)."""
+    if text in NAMED_TREES:
+        return NAMED_TREES[text]
+    try:
+        if text.startswith("chain"):
+            return Chain(int(text[5:]))
+        if text.startswith("dynamic:"):
+            steps, topk, nodes = map(int, text[8:].split(","))
+            return DynamicTree(steps, topk, nodes)
+    except ValueError as err:
+        raise ValueError(f"tree {text!r}: {err}") from None
+    raise ValueError(f"tree {text!r}: expected chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
+
 # ----------------------------------------------------------------------------- the batched tree
 @dataclass
 class Tree:

@@ -296,3 +296,26 @@ def test_a_cache_exactly_as_long_as_needed(kind):
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
     for row, got in zip(rows, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
+
+
+def test_every_step_compiles_under_its_own_code_object():
+    """torch.compile counts recompiles per code object (limit 8); decode steps built in one process
+    (buckets, models, trees) must not share one, or the ninth fails under fullgraph=True."""
+    from specgraph.runtime.generate import own_code
+
+    class Step:
+        def __init__(self, scale):
+            self.fn = type(f"Graph{scale}", (torch.nn.Module,), {"forward": lambda _, x: x * scale})()
+            # a class of its own per instance, guarded by type, as each step's captured GraphModule is
+
+        def __call__(self, x):
+            return self.fn(x)
+
+    x = torch.ones(2)
+    shared = [torch.compile(Step(i).__call__, fullgraph=True, dynamic=False, backend="eager") for i in range(10)]
+    with pytest.raises(Exception, match="(?i)recompile limit|fullgraph"):
+        for f in shared:
+            f(x)
+    torch._dynamo.reset()
+    own = [torch.compile(own_code(Step(i).__call__), fullgraph=True, dynamic=False, backend="eager") for i in range(10)]
+    assert [f(x)[0].item() for f in own] == [float(i) for i in range(10)]

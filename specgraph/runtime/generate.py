@@ -12,6 +12,7 @@ row yields the first new token).
 from __future__ import annotations
 
 import os
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -81,8 +82,8 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     # The whole step compiles as one graph; SPECGRAPH_WHOLE_STEP=0 compiles the target bucket alone
     # (the rest of the step then runs eagerly: a fallback for inductor bugs).
     whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
-    # CUDA graphs are opt-in (SPECGRAPH_CUDA_GRAPHS=1) until the replay path below has run on a GPU
-    cuda_graphs = whole_step and device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "0") == "1"
+    # on CUDA the whole step replays as one CUDA graph (SPECGRAPH_CUDA_GRAPHS=0 turns that off)
+    cuda_graphs = whole_step and device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "1") == "1"
     key = (id(draft), batch, repr(tree), max_length, repr(sampling), compiled, whole_step, cuda_graphs,
            synthetic_accept)
     if key in capture.decode_steps:
@@ -95,7 +96,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
         if cuda_graphs:  # the caches are mutated in place: fixed addresses let the replay own them
             for cache in (step.kv, *session.caches()):
                 torch._dynamo.mark_static_address(cache)
-        compiled_step = torch.compile(step.__call__, fullgraph=True, dynamic=False,
+        compiled_step = torch.compile(own_code(step.__call__), fullgraph=True, dynamic=False,
                                       mode="reduce-overhead" if cuda_graphs else None)
 
         def run(*args):
@@ -113,6 +114,17 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
             return _clone_tensors(out)
     capture.decode_steps[key] = session, run
     return session, run
+
+
+def own_code(method):
+    """``method`` (bound) under a code object of its own. torch.compile keeps compiled frames, and
+    counts them against ``recompile_limit`` (8), per code object: every DecodeStep shares
+    ``DecodeStep.__call__``'s, so the ninth step built in one process (a ninth bucket, model or
+    tree) failed under fullgraph=True. A step's own code object also frees its compiled graph
+    with it."""
+    f = method.__func__
+    clone = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(clone, method.__self__)
 
 
 def _clone_tensors(value):
@@ -140,7 +152,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     ``commit`` sees the acceptance and the step's features. One iteration's
     device work is ``DecodeStep`` (``compiled``: through
     ``torch.compile(fullgraph=True)``, one graph, replayed as a CUDA graph
-    with SPECGRAPH_CUDA_GRAPHS=1; see ``decode_step``);
+    on CUDA unless SPECGRAPH_CUDA_GRAPHS=0; see ``decode_step``);
     the host reads the emitted
     tokens and accept lengths, applies eos / ``max_new_tokens`` /
     ``stopping_criteria`` (transformers' StoppingCriteriaList, asked after

@@ -1,0 +1,217 @@
+"""End-to-end decode cost on a Llama-3.1-8B-shaped target with random bf16 weights (GPU).
+
+    python benchmarks/e2e.py [--sections floor cublas plain verify synthetic batch] [--prompt 1024]
+                             [--budget-s 500] [--out DIR] [--tiny]
+
+Every figure is measured in this run, on the same model:
+  floor      bytes streamed per decode step (all weights but the embedding table, plus the KV cache
+             at the prompt length) / the copy bandwidth measured now
+  cublas     the bare chain of the step's matrix products (F.linear on the model's own weights,
+             M = 1) captured as one CUDA graph: what a perfect engine would still pay
+  plain      specgraph.compile(model, None, backend="inductor"), whole step, CUDA graphs:
+             ms per decoded token (steady state: the difference of two generation lengths)
+  verify     the same engine verifying N = 8 and N = 64 nodes per step (NGram draft, chain,
+             synthetic_accept=1 so each step emits one token): ms per step, and / plain
+  synthetic  an EAGLE-3-shaped head (random, full vocabulary) on Chain(4), synthetic_accept=4
+             (tau = 4): the measured speedup over plain, against the ideal
+             tau / (t_verify(N) / t_decode + S * c), c = draft bytes / target bytes per step
+  batch      plain and synthetic chain at B = 1, 4, 16, 64: tokens/s and speedup
+--tiny: a 4-layer model of the same kinds (for a quick check of the script, not for numbers).
+Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
+synthetic_accept output is NOT the model's (benchmarks only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import specgraph  # noqa: E402
+from specgraph.drafts import Eagle3, NGram  # noqa: E402
+
+os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
+warnings.filterwarnings("ignore", message="synthetic_accept")
+SECTIONS = ("floor", "cublas", "plain", "verify", "synthetic", "batch")
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+                tie_word_embeddings=False)
+TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1024)
+
+
+def make_target(shape: dict, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**shape, torch_dtype="bfloat16")).to(torch.bfloat16)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - start)  # read + write bytes per second
+
+
+def streamed_bytes(model, context: int) -> tuple[int, int]:
+    """(weight bytes read per decode step: all but the input embedding table, KV bytes at ``context``)."""
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    c = model.config
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * context * 2
+    return weights, kv
+
+
+def cublas_chain_ms(model, iters: int = 50) -> float:
+    """The decode step's matrix products alone (q/k/v/o, gate/up/down, LM head at M = 1), one CUDA graph."""
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype) for w in linears}
+
+    def chain():
+        for w in linears:
+            F.linear(x[w.shape[1]], w)
+
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    return replay_ms(graph.replay, iters)
+
+
+def replay_ms(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device: str) -> tuple[float, float]:
+    """(ms per decode step, tokens per step) in steady state: two generation lengths, differenced,
+    so prefill and the first step drop out. The first call (compile, CUDA-graph record) is a warm-up."""
+    spec.generate(prompt, max_new_tokens=short, eos_token_id=None)
+    timing = {}
+    for n in (short, long):
+        sync(device)
+        start = time.perf_counter()
+        out = spec.generate(prompt, max_new_tokens=n, eos_token_id=None, return_dict_in_generate=True)
+        sync(device)
+        timing[n] = (time.perf_counter() - start, len(out["accept_lens"]), out["sequences"].shape[1])
+    (t0, s0, w0), (t1, s1, w1) = timing[short], timing[long]
+    return (t1 - t0) / (s1 - s0) * 1e3, (w1 - w0) / (s1 - s0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (random ids)")
+    parser.add_argument("--short", type=int, default=16, help="new tokens of the shorter timed generation")
+    parser.add_argument("--long", type=int, default=144, help="new tokens of the longer timed generation")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--budget-s", type=float, default=1e9)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    begin = time.time()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = make_target(TINY if args.tiny else LLAMA_8B, device)
+    max_length = args.prompt + args.long + 128
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
+    res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               torch=torch.__version__, shape="tiny" if args.tiny else "Llama-3.1-8B", prompt=args.prompt,
+               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"] == "1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"e2e-{res['date']}.json"
+
+    def save(section: str, **values) -> None:
+        res[section] = values
+        path.write_text(json.dumps(res, indent=2))
+        show = lambda v: f"{v:.4g}" if isinstance(v, float) else (  # noqa: E731
+            "{" + ", ".join(f"{k} {show(x)}" for k, x in v.items()) + "}" if isinstance(v, dict) else str(v))
+        tqdm.write(f"{section}: {show(values)}")
+
+    def spec_for(draft, tree, batch=1, accept=None):
+        return specgraph.compile(model, draft, tree=tree, backend="inductor", max_batch=batch,
+                                 max_length=max_length, synthetic_accept=accept)
+
+    for section in tqdm(args.sections, desc="sections"):
+        if time.time() - begin > args.budget_s:
+            tqdm.write(f"{section}: skipped (out of budget)")
+            continue
+        if section == "floor":
+            weights, kv = streamed_bytes(model, args.prompt)
+            bw = copy_bandwidth() if device == "cuda" else float("nan")
+            save("floor", weight_gb=weights / 1e9, kv_gb=kv / 1e9, copy_tbs=bw / 1e12,
+                 floor_ms=(weights + kv) / bw * 1e3, weights_only_floor_ms=weights / bw * 1e3)
+        elif section == "cublas" and device == "cuda":
+            save("cublas", chain_ms=cublas_chain_ms(model))
+        elif section == "plain":
+            ms, tau = step_ms(spec_for(None, None), prompt, args.short, args.long, device)
+            extra = {f"x_{k}": ms / res[k][v] for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms")) if k in res}
+            save("plain", ms_per_token=ms, tau=tau, **extra)
+        elif section == "verify":
+            out = {}
+            for n in (8, 64):
+                ms, _ = step_ms(spec_for(NGram(), specgraph.Chain(n - 1), accept=1), prompt, args.short,
+                                args.short + 64, device)
+                out[f"n{n}_ms"] = ms
+                if "plain" in res:
+                    out[f"n{n}_x_decode"] = ms / res["plain"]["ms_per_token"]
+            save("verify", **out)
+        elif section == "synthetic":
+            head = Eagle3.for_target(model).to(device, torch.bfloat16)
+            ms, tau = step_ms(spec_for(head, specgraph.Chain(4), accept=4), prompt, args.short, args.long, device)
+            draft_bytes = sum(p.numel() * p.element_size() for n, p in head.named_parameters() if "embed" not in n)
+            values = dict(ms_per_step=ms, tau=tau, draft_gb=draft_bytes / 1e9)
+            if "plain" in res:
+                decode = res["plain"]["ms_per_token"]
+                speedup = tau * decode / ms
+                c = draft_bytes / sum(streamed_bytes(model, args.prompt))
+                verify_ratio = res.get("verify", {}).get("n8_x_decode", 1.0)  # N = 5 verifies about as N = 8
+                ideal = tau / (verify_ratio + 4 * c)
+                values.update(speedup=speedup, ideal=ideal, of_ideal=speedup / ideal, c=c)
+            save("synthetic", **values)
+        elif section == "batch":
+            rows = {}
+            for b in tqdm(args.batches, desc="batch", leave=False):
+                if time.time() - begin > args.budget_s:
+                    break
+                ids = prompt.expand(b, -1).contiguous()
+                plain, _ = step_ms(spec_for(None, None, b), ids, args.short, args.long, device)
+                head = Eagle3.for_target(model).to(device, torch.bfloat16)
+                spec, tau = step_ms(spec_for(head, specgraph.Chain(4), b, accept=4), ids, args.short, args.long,
+                                    device)
+                rows[f"b{b}"] = dict(plain_tok_s=b * 1e3 / plain, spec_tok_s=b * tau * 1e3 / spec,
+                                     speedup=tau * plain / spec)
+                save("batch", **rows)
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
