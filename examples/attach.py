@@ -18,7 +18,8 @@ from specgraph.models import load_default_draft, load_gguf
 def existing_code(model, tokenizer, max_new_tokens: int):
     """Stands for the user's code: it knows nothing of specgraph."""
     tokenizer.padding_side = "left"
-    batch = tokenizer(["The three primary colors are", "A haiku about autumn:"], return_tensors="pt", padding=True)
+    batch = tokenizer(["The three primary colors are", "A haiku about autumn:", "Paris is"], return_tensors="pt",
+                      padding=True)  # three rows of different lengths, left-padded
     sequences = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
     pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
     text = pipe("Tips for a first marathon:", max_new_tokens=max_new_tokens, do_sample=False)[0]["generated_text"]
@@ -34,7 +35,7 @@ def main() -> None:
     before = existing_code(model, tokenizer, args.max_new_tokens)
 
     spec = specgraph.attach(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_batch=4,
-                            max_length=512)
+                            max_length=128 + args.max_new_tokens)
     after = existing_code(model, tokenizer, args.max_new_tokens)
     specgraph.detach(model)
 

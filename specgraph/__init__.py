@@ -1,7 +1,9 @@
 """specgraph: a compiler for speculative decoding.
 
-Trees (what to speculate) are settled here; compile(), attach() and the
-drafts arrive with their issues (see docs/design.md).
+``compile(model, draft)`` makes a HF causal LM speculate with a draft
+(``specgraph.drafts``) over a tree (``Chain``, ``StaticTree``, ``DynamicTree``);
+``attach(model, draft)`` routes the model's own ``generate`` through it.
+docs/api.md lists every public name; docs/design.md is the map.
 """
 from . import drafts
 from .api import SpecModel, compile

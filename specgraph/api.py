@@ -5,6 +5,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .capture import Capture, TargetInfo
 from .errors import CompileError
@@ -123,6 +124,14 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept))
 
 
+@dataclass
+class SpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """What ``generate(..., return_dict_in_generate=True)`` returns: transformers' output
+    (``out.sequences``, ``out["sequences"]``) plus ``accept_lens`` [steps][B]."""
+
+    accept_lens: list | None = None
+
+
 class SpecModel:
     """The speculating model. ``generate`` takes ``model.generate``'s arguments: greedy is
     token-exact, sampling (temperature, top_k, top_p) exact in distribution."""
@@ -130,9 +139,16 @@ class SpecModel:
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
-        self.capture = Capture(model.eval(), config.max_length, backend=config.backend)
+        self.capture = Capture.shared(model.eval(), config.max_length, config.backend)  # reused across compiles
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
+        ``[B, T]`` (left padding; B <= max_batch); ``max_new_tokens`` / ``max_length``,
+        ``eos_token_id``, ``pad_token_id``, ``do_sample`` + ``temperature`` / ``top_k`` / ``top_p``,
+        ``generation_config``, ``stopping_criteria``, ``streamer`` (batch 1). Returns ``[B, T + new]``
+        (rows that stop early are padded with ``pad_token_id``), or with ``return_dict_in_generate``
+        a ``GenerateDecoderOnlyOutput`` with ``sequences`` and ``accept_lens`` (per step, per row:
+        tokens committed). Any other setting that would change the output raises TypeError."""
         gen = kwargs.get("generation_config") or self.model.generation_config
         unknown = unsupported_arguments(kwargs, gen)
         if unknown:
@@ -185,7 +201,7 @@ class SpecModel:
             new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
         sequences = torch.cat([input_ids, new], 1)
         if kwargs.get("return_dict_in_generate"):
-            return {"sequences": sequences, "accept_lens": result.accept_lens}
+            return SpecGenerateOutput(sequences=sequences, accept_lens=result.accept_lens)
         return sequences
 
     def export(self, path, format: str = "onnx", batch: int = 1):

@@ -1,7 +1,8 @@
 """The HF drop-in: after ``specgraph.attach(model, draft)`` the user's unchanged
 ``model.generate(...)`` (and so ``pipeline("text-generation", model=model)``) speculates.
 
-    spec = specgraph.attach(model, specgraph.models.load_default_draft())
+    from specgraph.models import load_default_draft
+    spec = specgraph.attach(model, load_default_draft())
     out = model.generate(**inputs, max_new_tokens=64)    # token-exact with the original
     specgraph.detach(model)                               # the original method is back
 
@@ -45,12 +46,8 @@ def attach(model, draft=None, tree=None, backend: str = "eager", max_batch: int 
         want_dict = kwargs.pop("return_dict_in_generate", None)
         if want_dict is None and generation_config is not None:
             want_dict = generation_config.return_dict_in_generate
-        out = spec.generate(input_ids, generation_config=generation_config, **kwargs)
-        if want_dict:
-            from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-            return GenerateDecoderOnlyOutput(sequences=out)
-        return out
+        return spec.generate(input_ids, generation_config=generation_config, return_dict_in_generate=want_dict,
+                             **kwargs)
 
     setattr(model, _ATTR, original)
     model.generate = generate

@@ -238,3 +238,26 @@ class Capture:
 
     def kv(self, batch: int) -> torch.Tensor:
         return self._kv[batch]
+
+    @classmethod
+    def shared(cls, model, max_length: int, backend: str = "eager") -> "Capture":
+        """The model's latest Capture for ``backend``, kept on the model: another ``compile`` with the
+        same max_length reuses its captured (and compiled) buckets and KV buffers. One per backend is
+        kept (a new max_length replaces it, so old caches can be freed), and only while every
+        parameter is the same object with the same dtype and device (layers replaced or ``.to(...)``
+        since: a new one)."""
+        key = (max_length, tuple((id(p), p.dtype, p.device) for p in model.parameters()))
+        captures = model.__dict__.setdefault("_specgraph_captures", _Captures())
+        if backend not in captures or captures[backend][0] != key:
+            captures[backend] = (key, cls(model, max_length, backend=backend))
+        return captures[backend][1]
+
+
+class _Captures(dict):
+    """A model's shared Captures (see ``Capture.shared``); a copied or pickled model starts with none."""
+
+    def __deepcopy__(self, memo):
+        return _Captures()
+
+    def __reduce__(self):
+        return _Captures, ()

@@ -41,6 +41,29 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+SCRIPTS = {"e2e": "8B-shaped decode cost: floor, cuBLAS chain, plain, verify, synthetic acceptance, batch sweep (GPU)",
+           "generate": "SmolLM2 tokens/s against HF generate, prompt lookup and static cache (GPU)",
+           "kernels": "tree_attention against SDPA and FlexAttention, and the copy-bandwidth floor (GPU)"}
+
+
+def _bench_script(args: argparse.Namespace) -> int:
+    """``specgraph bench e2e|generate|kernels ARGS``: runs benchmarks/NAME.py of a source checkout."""
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{args.what}.py"
+    if not path.is_file():
+        print(f"specgraph bench {args.what}: runs benchmarks/{args.what}.py from a source checkout of specgraph "
+              f"(git clone, then pip install -e .); this install has no benchmarks/ folder", file=sys.stderr)
+        return 2
+    sys.argv = [str(path), *args.args]
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as done:  # the script's own exit (argparse's --help included)
+        return done.code if isinstance(done.code, int) else 0
+    return 0
+
+
 def _tree_arg(text: str):
     from .trees import parse_tree
 
@@ -168,36 +191,47 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def inspect_model(model, batch: int = 1, nodes: int = 8, max_length: int = 256, taps=None,
+                  logits_rows=None) -> tuple[list[str], bool]:
+    """What ``specgraph inspect`` prints for ``model``: the shape facts, every sliding-window layer's
+    verdict, the passes' counters, or every blocker. Returns (lines, supported)."""
     import torch
 
     from .capture import CapturedStep
     from .errors import CompileError
-    model, _ = _load_target(args.model)
-    print(f"{type(model).__name__}: capturing a tree-verify step for batch {args.batch}, {args.nodes} nodes, "
-          f"max_length {args.max_length}")
+
+    lines = [f"{type(model).__name__}: capturing a tree-verify step for batch {batch}, {nodes} nodes, "
+             f"max_length {max_length}"]
+    try:  # capture refuses what compile() would (a sliding window narrower than the tree included)
+        with torch.no_grad():
+            step = CapturedStep(model, batch, nodes, max_length, debug=False, taps=taps, logits_rows=logits_rows)
+    except CompileError as err:
+        return lines + [f"refused: {err}"], False
+    windows = step.info.layer_windows
+    lines.append(f"layers {step.info.num_layers}, heads {step.info.num_heads}/{step.info.num_kv_heads} (q/kv), "
+                 f"head_dim {step.info.head_dim}, sliding-window layers {sum(w > 0 for w in windows)}")
+    sliding = sorted({w for w in windows if w > 0})
+    if sliding:
+        lines.append(f"sliding windows {sliding} (wider than the {nodes}-node tree): supported, as tree attention "
+                     f"with window={sliding[0] if len(sliding) == 1 else sliding}")
+    for name, result in step.pass_results:
+        lines.append(f"pass {name}:")
+        lines += [f"  {key:24s} {value}" for key, value in result.counters.items()]
+    return lines + ["supported: specgraph.compile accepts this model"], True
+
+
+def _inspect(args: argparse.Namespace) -> int:
     from .passes import HiddenTaps
 
+    model, _ = _load_target(args.model)
     taps = None
     if args.taps or args.final:
         layer_ids = tuple(int(i) for i in args.taps.split(",")) if args.taps else ()
         taps = HiddenTaps(layer_ids, args.convention, args.final)
     rows = tuple(int(i) for i in args.logits_rows.split(":")) if args.logits_rows else None
-    try:
-        with torch.no_grad():
-            step = CapturedStep(model, args.batch, args.nodes, args.max_length, debug=False, taps=taps,
-                                logits_rows=rows)
-    except CompileError as err:
-        print(f"refused: {err}")
-        return 2
-    windows = step.info.layer_windows
-    print(f"layers {step.info.num_layers}, heads {step.info.num_heads}/{step.info.num_kv_heads} (q/kv), "
-          f"head_dim {step.info.head_dim}, sliding-window layers {sum(w > 0 for w in windows)}")
-    for name, result in step.pass_results:
-        print(f"pass {name}:")
-        for key, value in result.counters.items():
-            print(f"  {key:24s} {value}")
-    return 0
+    lines, supported = inspect_model(model, args.batch, args.nodes, args.max_length, taps, rows)
+    print("\n".join(lines))
+    return 0 if supported else 2
 
 
 DEMO_PROMPT = ("Here is a shopping list: apples, bread, milk, eggs, cheese, tomatoes, rice, coffee. "
@@ -250,7 +284,7 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specgraph",
-        description="specgraph: a compiler for speculative decoding (trees, verification, and soon compile()).",
+        description="specgraph: a compiler for speculative decoding (compile, demo, inspect, train, export, bench).",
     )
     parser.add_argument("--version", action="version", version=f"specgraph {__version__}")
     sub = parser.add_subparsers(dest="command")
@@ -325,8 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--nodes", type=int, default=8, help="tree nodes per step (1 = plain decoding)")
     export.add_argument("--max-length", type=int, default=1024, help="KV cache slots")
     export.set_defaults(func=_export)
-    bench = sub.add_parser("bench", help="measure a draft: acceptance on MT-bench turn 1 (tau, per-position rates, plot)")
-    bench.add_argument("what", choices=["acceptance"])
+    benches = sub.add_parser("bench", help="acceptance of a draft on MT-bench; e2e, generate and kernel benchmarks")
+    which = benches.add_subparsers(dest="what", required=True)
+    for name, what in SCRIPTS.items():
+        script = which.add_parser(name, help=what, add_help=False)  # --help goes to the script
+        script.add_argument("args", nargs=argparse.REMAINDER, help=f"benchmarks/{name}.py's own arguments")
+        script.set_defaults(func=_bench_script)
+    bench = which.add_parser("acceptance", help="tau, per-position acceptance and tokens/s on MT-bench turn 1 (JSON + plot)")
     bench.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
     bench.add_argument("--draft", default="ngram", help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
     bench.add_argument("--tree", default="chain4", type=_tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
@@ -344,11 +383,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is _bench_script:  # a benchmark script's flags are its own
+        args.args = extra + args.args
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `specgraph tree medusa | head`: the reader left; that is not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

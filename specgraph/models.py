@@ -60,20 +60,74 @@ def gemma3_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
     return parts.assemble(root / "gemma-3-270m-Q4_K_M.gguf")
 
 
-def load_gguf(path: str | os.PathLike | None = None, dtype=None):
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" / "specgraph")
+
+
+def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = True):
     """Load a GGUF checkpoint (default: the embedded model) as (model, tokenizer).
 
     transformers dequantizes it into an ordinary ``PreTrainedModel`` (fp32
-    unless ``dtype`` says otherwise), in eval mode.
+    unless ``dtype`` says otherwise), in eval mode. Reading a GGUF file takes
+    transformers ~20 s on 2 CPU cores (mostly parsing its metadata); with
+    ``cache`` the dequantized result (fp32 safetensors, config, tokenizer) is
+    written once under ``cache_root()/converted`` and loaded from there in
+    under a second afterwards, bit-identical.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path) if path is not None else default_gguf()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    converted = _converted_dir(path) if cache else None
+    if converted is not None and (converted / "model.safetensors").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
+        return model.eval(), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    if converted is not None and dtype in (None, torch.float32):
+        _write_converted(model, tokenizer, converted)
     return model.eval(), tokenizer
+
+
+def _converted_dir(path: Path) -> Path:
+    import hashlib
+
+    import transformers
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode())
+    return cache_root() / "converted" / f"{path.stem}-{key.hexdigest()[:16]}"
+
+
+def _write_converted(model, tokenizer, target: Path) -> None:
+    """The dequantized model as an ordinary checkpoint directory, written atomically (a concurrent
+    writer's copy, if it lands first, is kept)."""
+    import copy
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
+    except OSError:
+        return  # an unwritable cache only costs the next load its time
+    try:
+        config = copy.deepcopy(model.config)
+        config.__dict__.pop("quantization_config", None)  # the weights are plain fp32 now
+        config.save_pretrained(scratch)
+        model.generation_config.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        save_model(model, str(scratch / "model.safetensors"))  # tied weights stored once
+        scratch.rename(target)
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 DEFAULT_HEAD = "smollm2-135m-instruct-eagle3"

@@ -1,7 +1,8 @@
 """specgraph.attach: the user's own model.generate speculates and returns what it returned before
 (SmolLM2, fp32, the shipped EAGLE-3 head); what the speculative path cannot honour falls back to
 the original with a warning; detach restores the method. (examples/attach.py, run by
-test_models.py, checks a left-padded batch and pipeline("text-generation") the same way.)"""
+test_models.py, checks a left-padded batch of 3 and pipeline("text-generation") the same way;
+examples/pipeline.py a streamed pipeline.)"""
 import pytest
 import torch
 

@@ -48,3 +48,23 @@ def test_cache_after_steps_equals_hf(driver):
         accepted += int(acc.accept_len.sum())
     assert accepted > 2 * driver.batch  # the drafted greedy paths were (partly) accepted
     check_cache_against_hf(driver, TOL)
+
+
+def test_inspect_reports_sliding_window_layers_as_supported(driver):
+    from specgraph.cli import inspect_model
+
+    lines, supported = inspect_model(driver.model, nodes=8, max_length=160)
+    text = "\n".join(lines)
+    assert supported and "supported: specgraph.compile accepts this model" in text
+    windows = list(getattr(driver.model.config.get_text_config(), "layer_types", None) or [])
+    if "sliding_attention" in windows:  # Gemma-3: 15 of its 18 layers
+        n = windows.count("sliding_attention")
+        assert f"sliding-window layers {n}" in text and "wider than the 8-node tree): supported" in text
+        assert f"sliding_window_layers    {n}" in text
+    else:  # SmolLM2, with EAGLE-3's taps and the final state, as `specgraph inspect --taps 2,15,26 --final`
+        assert "sliding-window layers 0" in text and "sliding windows" not in text
+        from specgraph.passes import HiddenTaps
+
+        text = "\n".join(inspect_model(driver.model, taps=HiddenTaps((2, 15, 26), "layer_input", True))[0])
+        assert "pass replace_attention:" in text and "sdpa_replaced            30" in text
+        assert "cache_writes_kept        60" in text and "taps                     4" in text

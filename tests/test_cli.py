@@ -1,4 +1,4 @@
-"""The specgraph command: --help on every subcommand, and `specgraph export` end to end on a tiny
+"""The specgraph command: --help on every subcommand, the benchmark scripts behind `bench`, and `specgraph export` end to end on a tiny
 HF model directory (the ONNX file it writes runs in onnxruntime)."""
 import subprocess
 import sys
@@ -22,6 +22,23 @@ def test_every_command_has_help(capsys):
             main([command, "--help"])
         assert exit_.value.code == 0
         assert f"usage: specgraph {command}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", ["e2e", "generate", "kernels"])
+def test_bench_runs_the_benchmark_scripts_with_their_own_flags(script):
+    done = subprocess.run([sys.executable, "-m", "specgraph", "bench", script, "--help"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and f"usage: {script}.py" in done.stdout
+    if script == "e2e":
+        bad = subprocess.run([sys.executable, "-m", "specgraph", "bench", script, "--no-such-flag"],
+                             capture_output=True, text=True)
+        assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
+
+
+def test_bench_acceptance_refuses_a_bad_tree_by_name():
+    done = subprocess.run([sys.executable, "-m", "specgraph", "bench", "acceptance", "--tree", "chainx"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "argument --tree: tree 'chainx'" in done.stderr
 
 
 def test_export_command_writes_onnx_that_runs(tmp_path):

@@ -7,6 +7,7 @@ import torch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import specgraph
 from specgraph import Chain, CompileError
@@ -51,6 +52,7 @@ def test_greedy_is_token_exact(arch, tree):
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=37, eos_token_id=None, return_dict_in_generate=True)
     assert out["sequences"].shape == (3, ids.shape[1] + 37)
+    assert isinstance(out, GenerateDecoderOnlyOutput) and out.sequences is out["sequences"]  # as model.generate
     assert torch.equal(out["sequences"][:, : ids.shape[1]], ids)
     for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=37, eos_token_id=None)
@@ -319,3 +321,22 @@ def test_every_step_compiles_under_its_own_code_object():
     torch._dynamo.reset()
     own = [torch.compile(own_code(Step(i).__call__), fullgraph=True, dynamic=False, backend="eager") for i in range(10)]
     assert [f(x)[0].item() for f in own] == [float(i) for i in range(10)]
+
+
+def test_compiles_of_one_model_share_its_capture():
+    """A second compile of the same model (same max_length) reuses the captured buckets; a changed
+    model (dtype) or another max_length gets a new capture; a deep copy starts with none."""
+    import copy
+
+    model = tiny_model("llama")
+    first = specgraph.compile(model, NGram(), tree=Chain(3), max_length=64)
+    plain = specgraph.compile(model, None, max_length=64)
+    assert plain.capture is first.capture
+    ids = torch.tensor([prompts(3, [9])[0]])
+    assert plain.generate(ids, max_new_tokens=6, eos_token_id=None)[0, 9:].tolist() == \
+        hf_greedy(model, ids[0].tolist(), max_new_tokens=6, eos_token_id=None)
+    assert specgraph.compile(model, None, max_length=96).capture is not first.capture
+    assert copy.deepcopy(model).__dict__["_specgraph_captures"] == {}
+    model.to(torch.float64)
+    assert specgraph.compile(model, None, max_length=96).capture.kv_device == torch.device("cpu")
+    assert next(iter(specgraph.compile(model, None, max_length=96).capture.model.parameters())).dtype == torch.float64

@@ -32,6 +32,27 @@ def test_default_model_is_smollm2(smollm2):
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
 
 
+def test_the_converted_cache_is_the_gguf_model_bit_for_bit(smollm2, tmp_path, monkeypatch):
+    """load_gguf keeps the dequantized model as a plain checkpoint; loading that must give what reading
+    the GGUF file gives: the same weights, config, generation config and tokenizer."""
+    monkeypatch.setenv("SPECGRAPH_CACHE", str(tmp_path))
+    direct, direct_tok = load_gguf()  # reads the GGUF and writes the converted copy under tmp_path
+    assert list((tmp_path / "converted").iterdir())
+    cached, cached_tok = load_gguf()
+    for a, b in ((direct, cached), (smollm2[0], cached)):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        assert a.generation_config.to_diff_dict() == b.generation_config.to_diff_dict()
+        assert {k: v for k, v in a.config.to_diff_dict().items() if k != "quantization_config"} == \
+            b.config.to_diff_dict()
+    chat = [{"role": "user", "content": "Write a haiku about the sea.\n  Twice!"}]
+    for tok in (cached_tok, smollm2[1]):
+        assert tok.apply_chat_template(chat, add_generation_prompt=True) == \
+            direct_tok.apply_chat_template(chat, add_generation_prompt=True)
+        assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == \
+            (direct_tok.eos_token_id, direct_tok.pad_token_id, direct_tok.bos_token_id)
+
+
 @torch.no_grad()
 def test_greedy_tree_verification_reproduces_hf_generate(smollm2):
     model, tokenizer = smollm2
@@ -58,18 +79,11 @@ def test_greedy_tree_verification_reproduces_hf_generate(smollm2):
     assert acc.emitted[0].tolist()[:4] == [g1, g2, g3, g4]
 
 
-def test_inspect_prints_the_passes_for_smollm2():
-    out = subprocess.run([sys.executable, "-m", "specgraph.cli", "inspect", "--taps", "2,15,26", "--final"],
-                         capture_output=True, text=True, check=True).stdout
-    assert "pass replace_attention:" in out and "sdpa_replaced            30" in out
-    assert "cache_writes_kept        60" in out and "taps                     4" in out
-
-
 def test_quickstart_example_runs_and_is_exact():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
-    out = subprocess.run([sys.executable, str(script), "--max-new-tokens", "24"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(script), "--max-new-tokens", "12"], capture_output=True, text=True,
                          check=True).stdout
     assert "token-exact with model.generate: True" in out
 
@@ -81,6 +95,22 @@ def test_attach_example_runs_and_is_exact():
     out = subprocess.run([sys.executable, str(script), "--max-new-tokens", "8"], capture_output=True, text=True,
                          check=True).stdout
     assert "same output as without specgraph: True" in out
+
+
+@pytest.mark.parametrize("script,args,says", [
+    ("pipeline.py", ["--max-new-tokens", "8"], "pipeline without specgraph agree: True"),
+    ("export_onnx.py", ["--max-new-tokens", "12", "--layers", "2"], "token-exact with model.generate: True"),
+    ("train_head.py", ["--questions", "4", "--steps", "4", "--batch-size", "2", "--max-length", "96"],
+     "token-exact with model.generate: True"),
+])
+def test_example_runs_and_checks_itself(script, args, says, tmp_path):
+    """The other examples, shortened: each checks its own result against HF and exits 1 otherwise."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / script
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert says in done.stdout
 
 
 @pytest.mark.parametrize("draft_kind", ["ngram", "eagle3", "eagle", "medusa"])

@@ -166,3 +166,13 @@ def test_sixty_four_nodes_use_the_sign_bit():
     tree = _tree(list(range(-1, 63)))  # a chain of 64: node 63's mask is all ones
     assert tree.mask[0, 63].item() == -1
     assert tree.depth[0, 63].item() == 63
+
+
+def test_parse_tree_reads_the_command_line_spellings():
+    from specgraph.trees import parse_tree
+
+    assert parse_tree("chain4") == Chain(4) and parse_tree("dynamic:8,8,64") == DynamicTree(8, 8, 64)
+    assert parse_tree("medusa") is MEDUSA_MC_SIM_7B_63
+    for bad in ("chain", "dynamic:8,8", "tree", "chain99"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_tree(bad)

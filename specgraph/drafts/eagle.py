@@ -98,6 +98,12 @@ class FeatureDraft(AutoregressiveDraft):
 
 
 class Eagle(FeatureDraft):
+    """EAGLE-1/2 head (SafeAILab layout): ``fc`` [H, 2H] over ``[embedding, feature]``, one decoder
+    layer without input norm, the target's LM head. Reads the target's last hidden state;
+    autoregressive (K lanes per draft step, EAGLE-2 selection over a DynamicTree).
+    ``Eagle.from_pretrained(dir)`` / ``save_pretrained(dir)``: config.json + safetensors or
+    pytorch_model.bin; ``Eagle.for_target(model)``: a new untrained head."""
+
     kind = "eagle"
 
     def __init__(self, config: LlamaConfig, bias: bool = True):

@@ -48,6 +48,13 @@ _NOT_LLAMA = ("draft_vocab_size", "target_hidden_size", "eagle_config", "archite
 
 
 class Eagle3(FeatureDraft):
+    """EAGLE-3 head (SpecForge / SGLang ``LlamaForCausalLMEagle3`` layout): ``fc`` [H, 3·H_target]
+    over three tapped target states (``aux_layer_ids``, convention ``aux_convention``:
+    "layer_input" or "layer_output"), ``midlayer`` with a 2H attention input, ``norm``, ``lm_head``
+    over a draft vocabulary mapped back by ``d2t`` / ``t2d``. Autoregressive over a tree.
+    ``Eagle3.from_pretrained(dir)`` / ``save_pretrained(dir)``; ``Eagle3.for_target(model)``: a new
+    untrained head; ``specgraph.models.load_default_draft()``: the shipped SmolLM2 head."""
+
     kind = "eagle3"
 
     def __init__(self, config: LlamaConfig, aux_layer_ids: tuple[int, ...] | None = None,

@@ -37,6 +37,11 @@ class ResBlock(nn.Module):
 
 
 class Medusa(nn.Module):
+    """Medusa-1 heads: K heads of ResBlocks, each with its own LM head (or the target's shared one),
+    reading the target's final hidden state; head k proposes the token k+1 ahead, all at once
+    (a StaticTree such as ``MEDUSA_MC_SIM_7B_63`` or a Chain). ``Medusa.from_pretrained(dir)`` reads
+    FasterDecoding, Medusa-2, ModelOpt and vLLM layouts; ``save_pretrained`` writes FasterDecoding's."""
+
     kind = "medusa"
     reads_hidden = True  # the target's final (post-norm) hidden state of the last accepted node
 

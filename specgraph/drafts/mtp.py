@@ -98,6 +98,10 @@ class _ShapeProbe(_SlotCache):
 
 
 class MTP(AutoregressiveDraft):
+    """The multi-token-prediction module a checkpoint ships (DeepSeek-V3 / GLM, Qwen3-Next, MiMo
+    layouts), loaded from the target's own checkpoint with ``MTP.from_target(path)``; drafts
+    autoregressively from the target's last hidden state."""
+
     kind = "mtp"
 
     def __init__(self, config, variant: Variant = VARIANTS["deepseek"], module: int = 0, embed: bool = False,

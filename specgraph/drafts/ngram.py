@@ -16,6 +16,10 @@ from ..trees import Tree
 
 @dataclass(frozen=True)
 class NGram:
+    """Prompt lookup, no weights: the continuation of the most recent earlier occurrence of the
+    sequence's last n tokens (n from ``max_ngram`` down to ``min_ngram``), proposed on the device as
+    a Chain. ``propose(sequence, k)`` is the host reference."""
+
     max_ngram: int = 3
     min_ngram: int = 1
 

@@ -253,13 +253,13 @@ def tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale: f
     h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
     allowed = allowed_keys(cache_len, tree_mask, s_max, window)  # [B, R, S]
     used = allowed.any(1)  # [B, S]: slots any query reads (others may hold garbage)
-    g = h // h_kv
-    k = k_cache.float().repeat_interleave(g, dim=1)
-    v = torch.where(used.view(b, 1, s_max, 1), v_cache.float(), 0.0).repeat_interleave(g, dim=1)
-    scores = (q.float() @ k.transpose(-1, -2)) * scale  # [B, H, R, S]
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    g = h // h_kv  # query head i reads KV head i // g: the g heads of a group share one matmul
+    qg = q.float().reshape(b, h_kv, g * r, d)
+    v = torch.where(used.view(b, 1, s_max, 1), v_cache.float(), 0.0)  # [B, H_kv, S, D]
+    scores = (qg @ k_cache.float().transpose(-1, -2)).view(b, h_kv, g, r, s_max) * scale
+    scores = scores.masked_fill(~allowed.view(b, 1, 1, r, s_max), float("-inf"))
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row with no key at all -> zeros
-    return (probs @ v).to(q.dtype).contiguous()
+    return (probs.view(b, h_kv, g * r, s_max) @ v).view(b, h, r, d).to(q.dtype).contiguous()
 
 
 @torch.library.custom_op("specgraph::tree_attention_mask", mutates_args=())

@@ -1,7 +1,10 @@
 """Tree verification: the reference implementations (plain torch, batched).
 
-These are the CPU path and the test oracle; Triton versions and the
-``specgraph::verify_*`` custom-op registration come with the kernels issue.
+These are the CPU path and the test oracle. ``verify_greedy`` is also the
+``specgraph::verify_greedy`` custom op with a Triton kernel on CUDA; sampling
+(``verify_sample``) and Medusa's lossy ``verify_typical`` stay plain torch
+(``verify_typical`` is not reachable from ``compile``: output would not be
+the target's).
 
 The tree (shared by every verifier), B rows of N nodes:
   tokens:  [B, N] int64   drafted token of each node (node 0 = the root)

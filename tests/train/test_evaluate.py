@@ -20,7 +20,7 @@ def test_acceptance_report_is_consistent(tmp_path):
     from specgraph.models import load_gguf
 
     model, tokenizer = load_gguf()
-    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(3), max_length=1024, max_batch=2)
+    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(3), max_length=256, max_batch=2)
     questions = mt_bench_questions(2)
     report = acceptance(spec, tokenizer, questions, max_new_tokens=20)
     assert report["steps"] == sum(report["accepted_hist"])
