@@ -1,6 +1,6 @@
 """End-to-end decode cost on a Llama-3.1-8B-shaped target with random bf16 weights (GPU).
 
-    python benchmarks/e2e.py [--sections floor cublas plain verify synthetic batch] [--prompt 1024]
+    python benchmarks/e2e.py [--sections floor cublas plain verify synthetic batch profile] [--prompt 1024]
                              [--budget-s 500] [--out DIR] [--tiny]
 
 Every figure is measured in this run, on the same model:
@@ -16,6 +16,8 @@ Every figure is measured in this run, on the same model:
              (tau = 4): the measured speedup over plain, against the ideal
              tau / (t_verify(N) / t_decode + S * c), c = draft bytes / target bytes per step
   batch      plain and synthetic chain at B = 1, 4, 16, 64: tokens/s and speedup
+  profile    torch.profiler over 16 plain decode steps: where a step's host and device time go
+             (DIR/e2e-profile-DATE.txt, the top ops by self CPU time and by device time)
 --tiny: a 4-layer model of the same kinds (for a quick check of the script, not for numbers).
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 synthetic_accept output is NOT the model's (benchmarks only).
@@ -40,7 +42,7 @@ from specgraph.drafts import Eagle3, NGram  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
-SECTIONS = ("floor", "cublas", "plain", "verify", "synthetic", "batch")
+SECTIONS = ("floor", "cublas", "plain", "verify", "synthetic", "batch", "profile")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
                 tie_word_embeddings=False)
@@ -210,6 +212,20 @@ def main() -> None:
                 rows[f"b{b}"] = dict(plain_tok_s=b * 1e3 / plain, spec_tok_s=b * tau * 1e3 / spec,
                                      speedup=tau * plain / spec)
                 save("batch", **rows)
+        elif section == "profile":
+            spec = spec_for(None, None)
+            spec.generate(prompt, max_new_tokens=args.short, eos_token_id=None)  # compiled and recorded
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+            with torch.profiler.profile(activities=activities) as prof:
+                spec.generate(prompt, max_new_tokens=16, eos_token_id=None)
+                sync(device)
+            table = prof.key_averages()
+            by_device = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+            text = (table.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
+                    table.table(sort_by=by_device, row_limit=25))
+            (args.out / f"e2e-profile-{res['date']}.txt").write_text(text)
+            save("profile", file=f"e2e-profile-{res['date']}.txt", steps=16)
     print(json.dumps(res, indent=2))
 
 
