@@ -252,6 +252,11 @@ class Capture:
             captures[backend] = (key, cls(model, max_length, backend=backend))
         return captures[backend][1]
 
+    @staticmethod
+    def release(model) -> None:
+        """Drop the model's shared Captures (their graphs and KV buffers go once no SpecModel holds them)."""
+        model.__dict__.pop("_specgraph_captures", None)
+
 
 class _Captures(dict):
     """A model's shared Captures (see ``Capture.shared``); a copied or pickled model starts with none."""

@@ -216,6 +216,9 @@ def build(tokenizer, cache_dir: str | Path, model=None, limit: int = 1000, max_l
                 torch.save(have, part)
             done += have[: len(want)]
         conversations = done
+        from ..capture import Capture
+
+        Capture.release(model)  # the regeneration engine's KV buffers (large at big batches) go before training
     examples = tokenize(tokenizer, conversations, max_length)
     file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(examples, file)
