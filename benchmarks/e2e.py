@@ -10,6 +10,8 @@ Every figure is measured in this run, on the same model:
              M = 1) captured as one CUDA graph: what a perfect engine would still pay
   plain      specgraph.compile(model, None, backend="inductor"), whole step, CUDA graphs:
              ms per decoded token (steady state: the difference of two generation lengths)
+  trees      the same step under torch.compile's own CUDA graphs (SPECGRAPH_CUDA_GRAPHS=trees,
+             reduce-overhead) instead of specgraph's hand-recorded one: what the host work costs
   verify     the same engine verifying N = 8 and N = 64 nodes per step (NGram draft, chain,
              synthetic_accept=1 so each step emits one token): ms per step, and / plain
   synthetic  an EAGLE-3-shaped head (random, full vocabulary) on Chain(4), synthetic_accept=4
@@ -43,7 +45,7 @@ from specgraph.drafts import Eagle3, NGram  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
-SECTIONS = ("floor", "cublas", "plain", "verify", "synthetic", "batch", "profile")
+SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
                 tie_word_embeddings=False)
@@ -135,7 +137,7 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
     res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                torch=torch.__version__, shape="tiny" if args.tiny else "Llama-3.1-8B", prompt=args.prompt,
-               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"] == "1")
+               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 
@@ -165,6 +167,14 @@ def main() -> None:
             ms, tau = step_ms(spec_for(None, None), prompt, args.short, args.long, device)
             extra = {f"x_{k}": ms / res[k][v] for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms")) if k in res}
             save("plain", ms_per_token=ms, tau=tau, **extra)
+        elif section == "trees":
+            os.environ["SPECGRAPH_CUDA_GRAPHS"] = "trees"
+            try:
+                ms, _ = step_ms(spec_for(None, None), prompt, args.short, args.long, device)
+            finally:
+                os.environ["SPECGRAPH_CUDA_GRAPHS"] = res["cuda_graphs"]
+            extra = {"x_plain": ms / res["plain"]["ms_per_token"]} if "plain" in res else {}
+            save("trees", ms_per_token=ms, **extra)
         elif section == "verify":
             out = {}
             for n in (8, 64):

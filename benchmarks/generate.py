@@ -6,7 +6,8 @@ Target: the embedded SmolLM2-135M-Instruct (SPECGRAPH_GGUF=path where the
 package is not installed), bf16, batch 1, greedy, on the first turn of
 MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
   hf_eager        model.generate, dynamic cache
-  hf_static       model.generate with cache_implementation="static" (transformers compiles the decode step)
+  hf_static       model.generate with one StaticCache of 1024 slots, reset per prompt (transformers compiles
+                  the decode step once: a cache sized per prompt would recompile for every prompt)
   hf_lookup       model.generate with prompt_lookup_num_tokens=4 (HF's n-gram speculation)
   sg_eager        specgraph.compile(NGram, Chain(4), backend="eager")
   sg_inductor     the same with backend="inductor"
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
@@ -75,10 +77,13 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
                                                     add_generation_prompt=True)).input_ids for r in rows]
 
 
-def run_hf(model, rows, max_new, **kwargs) -> tuple[list[list[int]], float]:
+def run_hf(model, rows, max_new, static_cache=None, **kwargs) -> tuple[list[list[int]], float]:
     outs, elapsed = [], 0.0
     for row in tqdm(rows, leave=False):
         ids = torch.tensor([row], device="cuda")
+        if static_cache is not None:
+            static_cache.reset()
+            kwargs["past_key_values"] = static_cache
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
@@ -134,7 +139,7 @@ def main() -> None:
         if method.startswith("hf"):
             # hf_static: a static cache makes generate compile the decode step itself (transformers' auto-compile)
             kwargs = {"hf_lookup": dict(prompt_lookup_num_tokens=4),
-                      "hf_static": dict(cache_implementation="static")}.get(method, {})
+                      "hf_static": dict(static_cache=StaticCache(config=model.config, max_cache_len=1024))}.get(method, {})
             run_hf(model, rows[:1], args.max_new_tokens, **kwargs)  # warm-up (and compile)
             outs, elapsed = run_hf(model, rows, args.max_new_tokens, **kwargs)
             tau = None

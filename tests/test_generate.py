@@ -11,7 +11,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import specgraph
 from specgraph import Chain, CompileError
-from specgraph.drafts import NGram
+from specgraph.drafts import Medusa, NGram
 from test_capture import tiny_model
 
 
@@ -74,6 +74,27 @@ def test_eos_inside_an_accepted_chunk_and_rows_finishing_apart():
         assert got == hf_greedy(model, row, max_new_tokens=40, eos_token_id=eos)
     width = max(len(hf_greedy(model, r, max_new_tokens=40, eos_token_id=eos)) for r in rows)
     assert out.shape[1] == ids.shape[1] + width  # as long as the longest row, like model.generate
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("seed", [5, 8, 9])
+def test_rows_finishing_apart_fit_an_exact_cache(seed, overlap, monkeypatch):
+    """max_length exactly prompt + max_new_tokens + tree: a row that finished (its cache_len ran
+    ahead by the tokens it accepted but did not need) keeps riding along while another row decodes;
+    its tree once went past the cache's end (an out-of-bounds scatter). With the next step launched
+    before the last is read (SPECGRAPH_OVERLAP=1, the CUDA default), the same tokens."""
+    monkeypatch.setenv("SPECGRAPH_OVERLAP", overlap)
+    model = tiny_model("llama")
+    rep, rand = prompts(seed, [30, 9])[1], prompts(seed, [30, 9])[0]
+    rows = [rep * 3, rand[:7]]  # the long repetitive row accepts long chunks and finishes first
+    max_new, tree = 20, Chain(4)
+    spec = specgraph.compile(model, NGram(), tree=tree, max_batch=2, max_length=len(rows[0]) + max_new + 5)
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=None,
+                        return_dict_in_generate=True)
+    for row, got in zip(rows, generated_rows(out.sequences, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=max_new, eos_token_id=None)
+    assert [steps[0] for steps in out.accept_lens][-1] == 0  # row 0 finished before row 1
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7, 13])
@@ -206,7 +227,7 @@ def test_streamer_and_stopping_criteria_match_model_generate():
     assert [c[0] for c in streamer.calls[1:-1]] == want  # one put per accepted token, in order
 
 
-@pytest.mark.parametrize("kind,whole_step", [("ngram", "1"), ("eagle3", "1"), ("eagle3", "0")])
+@pytest.mark.parametrize("kind,whole_step", [("ngram", "1"), ("eagle3", "1"), ("medusa", "1"), ("eagle3", "0")])
 def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     """backend="inductor": the decode step (verify, compact, commit, and for EAGLE-3 the next EAGLE-2
     tree) compiles as one graph (fullgraph=True: a graph break or host sync would raise); same tokens.
@@ -215,10 +236,12 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
 
     monkeypatch.setenv("SPECGRAPH_WHOLE_STEP", whole_step)
     model = tiny_model("llama")
+    torch.manual_seed(0)
     if kind == "ngram":
         draft, tree = NGram(), Chain(3)
+    elif kind == "medusa":
+        draft, tree = Medusa(model.config.hidden_size, model.config.vocab_size, num_heads=3), Chain(3)
     else:
-        torch.manual_seed(0)
         draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), specgraph.DynamicTree(steps=3, topk=2, nodes=6)
     spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=128, backend="inductor")
     rows = prompts(9, [6, 19])

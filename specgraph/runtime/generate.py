@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .graphed import StaticStep
 from .step import DecodeStep, features_of
 
 PREFILL_NODES = 32
@@ -82,10 +83,8 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     # The whole step compiles as one graph; SPECGRAPH_WHOLE_STEP=0 compiles the target bucket alone
     # (the rest of the step then runs eagerly: a fallback for inductor bugs).
     whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
-    # on CUDA the whole step replays as one CUDA graph (SPECGRAPH_CUDA_GRAPHS=0 turns that off)
-    cuda_graphs = whole_step and device.type == "cuda" and os.environ.get("SPECGRAPH_CUDA_GRAPHS", "1") == "1"
-    key = (id(draft), batch, repr(tree), max_length, repr(sampling), compiled, whole_step, cuda_graphs,
-           synthetic_accept)
+    mode = cuda_graph_mode(device) if whole_step else "off"
+    key = (id(draft), batch, repr(tree), max_length, repr(sampling), compiled, whole_step, mode, synthetic_accept)
     if key in capture.decode_steps:
         return capture.decode_steps[key]
     session = draft.session(tree, batch, max_length, device)
@@ -93,27 +92,42 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
                       synthetic_accept=synthetic_accept)
     run = step
     if whole_step:
-        if cuda_graphs:  # the caches are mutated in place: fixed addresses let the replay own them
+        if mode == "trees":  # the caches are mutated in place: fixed addresses let the replay own them
             for cache in (step.kv, *session.caches()):
                 torch._dynamo.mark_static_address(cache)
         compiled_step = torch.compile(own_code(step.__call__), fullgraph=True, dynamic=False,
-                                      mode="reduce-overhead" if cuda_graphs else None)
-
-        def run(*args):
-            if not cuda_graphs:
-                return compiled_step(*args)
-            torch.compiler.cudagraph_mark_step_begin()
-            before = {name: id(value) for name, value in vars(session).items()}
-            out = compiled_step(*args)
-            # The replay's outputs live in the graph's memory pool and the next replay overwrites them:
-            # what carries over to the next step (the outputs and the session state the step reassigned)
-            # is cloned out of it. The caches are static buffers mutated in place and are not copied.
-            for name, value in vars(session).items():
-                if torch.is_tensor(value) and id(value) != before.get(name):
-                    setattr(session, name, value.clone())
-            return _clone_tensors(out)
+                                      mode="reduce-overhead" if mode == "trees" else None)
+        run = _trees_step(compiled_step, session) if mode == "trees" else \
+            StaticStep(compiled_step, session, cuda_graph=mode == "manual")
     capture.decode_steps[key] = session, run
     return session, run
+
+
+def cuda_graph_mode(device: torch.device) -> str:
+    """How a compiled whole step replays: "manual" (the default on CUDA: ``StaticStep`` records it
+    by hand), "trees" (``SPECGRAPH_CUDA_GRAPHS=trees``: torch.compile's reduce-overhead mode, kept
+    for comparison) or "off" (CPU, or ``SPECGRAPH_CUDA_GRAPHS=0``)."""
+    flag = os.environ.get("SPECGRAPH_CUDA_GRAPHS", "1")
+    if flag not in ("0", "1", "trees"):
+        raise ValueError(f"SPECGRAPH_CUDA_GRAPHS={flag!r}: use 1 (hand-recorded CUDA graphs, the default), "
+                         "trees (torch.compile's reduce-overhead) or 0 (none)")
+    if device.type != "cuda" or flag == "0":
+        return "off"
+    return "trees" if flag == "trees" else "manual"
+
+
+def _trees_step(compiled_step, session):
+    """The step under torch.compile's CUDA-graph trees: its outputs, and the session state it
+    reassigned, live in the graph's pool and the next replay overwrites them, so they are cloned."""
+    def run(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        before = {name: id(value) for name, value in vars(session).items()}
+        out = compiled_step(*args)
+        for name, value in vars(session).items():
+            if torch.is_tensor(value) and id(value) != before.get(name):
+                setattr(session, name, value.clone())
+        return _clone_tensors(out)
+    return run
 
 
 def own_code(method):
@@ -135,6 +149,34 @@ def _clone_tensors(value):
     if hasattr(value, "__dataclass_fields__"):
         return type(value)(**{f: _clone_tensors(getattr(value, f)) for f in value.__dataclass_fields__})
     return value
+
+
+class _Readback:
+    """A step's emitted tokens and accept lengths on their way to the host, ``[B, D+2]`` int64
+    (accept_len last): on CUDA an async copy into pinned memory, two buffers taking turns, so the
+    next step can be launched before this one is read (it would overwrite the replay's outputs)."""
+
+    def __init__(self, device: torch.device, batch: int, width: int):
+        self.pinned = device.type == "cuda"
+        if self.pinned:
+            self.buffers = [torch.empty(batch, width, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self.events = [torch.cuda.Event() for _ in range(2)]
+            self.turn = 0
+
+    def start(self, out):
+        packed = torch.cat((out.emitted.to(torch.int64), out.accept_len.view(-1, 1).to(torch.int64)), 1)
+        if not self.pinned:
+            return out, packed
+        i, self.turn = self.turn, 1 - self.turn
+        self.buffers[i].copy_(packed, non_blocking=True)
+        self.events[i].record()
+        return out, i
+
+    def finish(self, ticket) -> list[list[int]]:
+        if not self.pinned:
+            return ticket.tolist()
+        self.events[ticket].synchronize()
+        return self.buffers[ticket].tolist()
 
 
 @torch.no_grad()
@@ -170,10 +212,21 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     result = GenerateResult(generated)
     topology = session.propose(sequences, torch.tensor([seq[-1] for seq in sequences], device=device))
     active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
-    while not all(done):
-        out = run(topology, cache_len, active)
-        cache_len = out.cache_len
-        emitted, lens = out.emitted.tolist(), out.accept_len.tolist()  # the one host read per step
+    readback = _Readback(device, b, tree.max_depth + 2)
+    ahead = os.environ.get("SPECGRAPH_OVERLAP", "auto")
+    ahead = device.type == "cuda" if ahead == "auto" else ahead == "1"
+    # a step writes the tree at cache_len .. cache_len + n - 1 and advances cache_len by at most D + 1:
+    # a step launched before the previous one is read needs room for both
+    room = lambda seq: len(seq) - 1 + tree.max_depth + 1 + n <= max_length  # noqa: E731
+    pending = None if all(done) else readback.start(run(topology, cache_len, active))
+    while pending is not None:
+        out, ticket = pending
+        pending = None
+        if ahead and out.next_tree is not None and all(d or room(seq) for d, seq in zip(done, sequences)):
+            # step k+1 goes to the device before step k is read, so the host's work below overlaps it
+            pending = readback.start(run(out.next_tree, out.cache_len, active))
+        host = readback.finish(ticket)  # the one host read per step
+        emitted, lens = [row[:-1] for row in host], [0 if d else row[-1] for d, row in zip(done, host)]
         result.accept_lens.append(lens)
         for row in range(b):
             if done[row]:
@@ -188,14 +241,16 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
                     stop = bool(stopping_criteria(torch.tensor([sequences[row]]), None).any())
                 if stop:
                     done[row] = True
-                    active[row] = False
+                    active[row] = False  # seen from the next step launched (the one ahead, if any, runs on)
                     break
+        if all(done):
+            break
         # cache_len = prompt - 1 + generated tokens: checked from host state, without a second device read
         assert all(d or len(seq) - 1 + n <= max_length for d, seq in zip(done, sequences)), "cache overflow"
-        if out.next_tree is not None:
-            topology = out.next_tree
-        elif not all(done):
-            topology = session.propose(sequences, torch.tensor([seq[-1] for seq in sequences], device=device))
+        if pending is None:
+            topology = out.next_tree if out.next_tree is not None else \
+                session.propose(sequences, torch.tensor([seq[-1] for seq in sequences], device=device))
+            pending = readback.start(run(topology, out.cache_len, active))
     if streamer is not None:
         streamer.end()
     return result

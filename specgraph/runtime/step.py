@@ -48,7 +48,10 @@ class DecodeStep:
         self.proposes_on_device = getattr(session, "proposes_on_device", False)
 
     def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
-        out = self.target_fn(*self.target._state, tree.tokens, tree.positions(cache_len), cache_len, tree.mask)
+        # rows that finished write their (ignored) tree at slot 0: their cache_len ran ahead by the
+        # tokens they accepted but did not need, and the tree from there may not fit the cache
+        base = torch.where(active, cache_len, 0)
+        out = self.target_fn(*self.target._state, tree.tokens, tree.positions(base), base, tree.mask)
         logits = out[0]
         features = features_of(list(out[1:])) if self.target.tapped else None
         if self.synthetic_accept is not None:
@@ -61,7 +64,7 @@ class DecodeStep:
             probs = sampling_probs(logits, s.temperature, s.top_k, s.top_p)
             acc = verify_sample(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth)
         accept_len = torch.where(active, acc.accept_len, 0)
-        torch.ops.specgraph.compact_kv(self.kv, cache_len, acc.path, accept_len)
+        torch.ops.specgraph.compact_kv(self.kv, base, acc.path, accept_len)
         self.session.commit(tree, acc, features, accept_len)
         next_tree = self.session.propose(None, acc.bonus) if self.proposes_on_device else None
         return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree)

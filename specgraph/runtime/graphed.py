@@ -1,0 +1,119 @@
+"""The compiled decode step with its carried state in static buffers, replayed as one CUDA graph.
+
+torch.compile's own CUDA graphs (``mode="reduce-overhead"``, CUDA-graph trees) cost host time on
+every step: dynamo checks its guards over every input (the target's weights are graph inputs),
+the trees check the address of every static input, and each output and each piece of session
+state the step reassigns is cloned out of the graph's pool. ``StaticStep`` records the compiled
+step once (by hand, ``torch.cuda.CUDAGraph``), together with the copies that carry its results
+into the next step's inputs:
+
+    replay:  out = step(tree*, cache_len*, active*)                  (* static buffers)
+             session.<state>* <- the state the step reassigned        (in place, in the graph)
+             cache_len* <- out.cache_len;  tree* <- out.next_tree
+             emitted, accept_len: outputs in the graph's pool, valid until the next replay
+
+On the host a step is then: copy in whatever input is not already the static buffer (the host
+loop's ``active``; a new call's prefilled session state and first tree), one replay, one read.
+The replay runs no guards: everything host-side the compiled step depends on (the session's
+Python attributes, shapes) must stay fixed for the life of the bucket, as it does for every
+session (prefill reassigns tensors only, and those are copied into the static buffers).
+
+Without CUDA graphs (CPU; ``SPECGRAPH_CUDA_GRAPHS=0``) the same object runs the compiled step
+eagerly each call, with the same in-place state handling, so the CPU tests exercise it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..trees import Tree
+from .step import StepOut
+
+_TREE_TENSORS = [f.name for f in dataclasses.fields(Tree) if f.name != "max_depth"]
+
+
+def _copy_in(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    if static.shape != value.shape or static.dtype != value.dtype:
+        raise RuntimeError(f"{what}: the decode step was recorded for {tuple(static.shape)} {static.dtype}, "
+                           f"got {tuple(value.shape)} {value.dtype}")
+    static.copy_(value)
+
+
+class StaticStep:
+    """``run(tree, cache_len, active) -> StepOut`` over static buffers; see the module docstring.
+
+    ``fn``: the (compiled) ``DecodeStep.__call__``; ``session``: the draft session it reads and
+    reassigns; ``cuda_graph``: warm up on the first call, record on the second, replay after.
+    The returned ``cache_len`` and ``next_tree`` are the static buffers themselves (feeding them
+    back costs nothing); ``emitted`` and ``accept_len`` are valid until the next call."""
+
+    def __init__(self, fn: Callable[..., StepOut], session, cuda_graph: bool):
+        self.fn, self.session, self.cuda_graph = fn, session, cuda_graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.state: dict[str, torch.Tensor] | None = None  # the session's tensors, adopted as static
+        self.recordings = 0  # CUDA graphs recorded (1 for the life of the bucket)
+
+    def _bind(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> None:
+        self.state = {name: value for name, value in vars(self.session).items() if torch.is_tensor(value)}
+        self.tree = dataclasses.replace(tree, **{name: getattr(tree, name).clone() for name in _TREE_TENSORS})
+        self.cache_len, self.active = cache_len.clone(), active.clone()
+
+    def _load(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> None:
+        """Copy every input that is not its static buffer into it (session state reassigned on the host
+        since the last step: prefill)."""
+        for name, static in self.state.items():
+            value = getattr(self.session, name)
+            if value is not static:
+                _copy_in(static, value, f"session.{name}")
+                setattr(self.session, name, static)
+        if tree is not self.tree:
+            if tree.max_depth != self.tree.max_depth:
+                raise RuntimeError(f"tree.max_depth: the decode step was recorded for {self.tree.max_depth}, "
+                                   f"got {tree.max_depth}")
+            for name in _TREE_TENSORS:
+                _copy_in(getattr(self.tree, name), getattr(tree, name), f"tree.{name}")
+        for static, value, what in ((self.cache_len, cache_len, "cache_len"), (self.active, active, "active")):
+            if value is not static:
+                _copy_in(static, value, what)
+
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step and the copies that carry it into the next: the part a CUDA graph records."""
+        out = self.fn(self.tree, self.cache_len, self.active)
+        for name, static in self.state.items():
+            value = getattr(self.session, name)
+            if value is not static:  # the step reassigned it: back into the static buffer, in place
+                static.copy_(value)
+                setattr(self.session, name, static)
+        self.cache_len.copy_(out.cache_len)
+        self.next_tree = out.next_tree is not None  # the draft proposes inside the step
+        if self.next_tree:
+            for name in _TREE_TENSORS:
+                getattr(self.tree, name).copy_(getattr(out.next_tree, name))
+        return out.emitted, out.accept_len
+
+    def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
+        first = self.state is None
+        if first:
+            self._bind(tree, cache_len, active)
+        self._load(tree, cache_len, active)
+        if not self.cuda_graph:
+            emitted, accept_len = self._body()
+        elif self.graph is not None:
+            self.graph.replay()
+            emitted, accept_len = self.outputs
+        elif first:  # warm-up (compiles, autotunes, and is a real step), on a side stream as capture needs
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                emitted, accept_len = self._body()
+            torch.cuda.current_stream().wait_stream(side)
+        else:  # record; recording runs nothing, so the replay right after is this call's step
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = self._body()
+            self.recordings += 1
+            self.graph.replay()
+            emitted, accept_len = self.outputs
+        return StepOut(emitted, accept_len, self.cache_len, self.tree if self.next_tree else None)

@@ -1,0 +1,127 @@
+"""runtime/graphed.py: the decode step over static buffers. On the CPU, the state handling
+(reassigned session state copied back in place, host-side reassignments copied in, static
+outputs fed back for free, clear errors); on the GPU, the hand-recorded CUDA graph is
+token-exact with HF greedy, is recorded once per bucket, and samples afresh on every replay."""
+import dataclasses
+
+import pytest
+import torch
+
+import specgraph
+from specgraph.drafts import Eagle3, NGram
+from specgraph.runtime.graphed import StaticStep
+from specgraph.runtime.step import StepOut
+from specgraph.trees import Chain, Tree
+from test_capture import tiny_model
+from test_generate import generated_rows, left_pad, prompts
+
+
+class Session:
+    """A stand-in draft session: ``length`` reassigned by the step, ``table`` mutated in place."""
+
+    proposes_on_device = True
+
+    def __init__(self):
+        self.length = torch.zeros(2, dtype=torch.int64)
+        self.table = torch.zeros(2, 4)
+
+
+def make_step(session):
+    def fn(tree, cache_len, active):
+        accept = torch.where(active, tree.depth[:, -1] + 1, 0)
+        session.length = session.length + accept  # reassigned, as sessions do
+        session.table.add_(1.0)  # mutated in place
+        next_tree = dataclasses.replace(tree, tokens=tree.tokens + 1)
+        return StepOut(tree.tokens[:, :2].clone(), accept, cache_len + accept, next_tree)
+    return fn
+
+
+def test_state_is_carried_in_place_and_host_changes_are_copied_in():
+    session = Session()
+    step = StaticStep(make_step(session), session, cuda_graph=False)
+    tree = Tree.from_spec(Chain(3), torch.arange(8).view(2, 4))
+    length_buffer = session.length
+    out = step(tree, torch.tensor([5, 7]), torch.tensor([True, False]))
+    assert out.accept_len.tolist() == [4, 0] and out.cache_len.tolist() == [9, 7]
+    assert session.length is length_buffer and session.length.tolist() == [4, 0]  # same buffer, new value
+    assert out.next_tree.tokens.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    cache_len, tree_buffer = out.cache_len, out.next_tree
+    out = step(out.next_tree, out.cache_len, torch.tensor([True, True]))  # fed back: the same buffers
+    assert out.cache_len is cache_len and out.next_tree is tree_buffer
+    assert out.cache_len.tolist() == [13, 11] and session.length.tolist() == [8, 4]
+    assert out.emitted.tolist() == [[1, 2], [5, 6]] and session.table[0, 0] == 2.0
+    session.length = torch.tensor([100, 200])  # a host-side reassignment (prefill): copied in
+    out = step(tree, torch.tensor([0, 0]), torch.tensor([True, True]))
+    assert session.length is length_buffer and session.length.tolist() == [104, 204]
+    assert out.emitted.tolist() == [[0, 1], [4, 5]]  # a new first tree was copied in
+
+
+def test_a_mismatched_input_is_refused_by_name():
+    session = Session()
+    step = StaticStep(make_step(session), session, cuda_graph=False)
+    tree = Tree.from_spec(Chain(3), torch.arange(8).view(2, 4))
+    step(tree, torch.tensor([5, 7]), torch.tensor([True, True]))
+    session.length = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"session\.length: the decode step was recorded for \(2,\)"):
+        step(tree, torch.tensor([5, 7]), torch.tensor([True, True]))
+    session.length = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="tree.max_depth: the decode step was recorded for 3, got 1"):
+        step(Tree.from_spec(Chain(1), torch.arange(4).view(2, 2)), torch.tensor([5, 7]), torch.tensor([True, True]))
+    with pytest.raises(RuntimeError, match=r"tree.tokens: the decode step was recorded for \(2, 4\)"):
+        step(Tree.from_spec(Chain(3), torch.arange(12).view(3, 4)), torch.tensor([5, 7]), torch.tensor([True, True]))
+
+
+def test_an_unknown_cuda_graphs_setting_is_refused(monkeypatch):
+    from specgraph.runtime.generate import cuda_graph_mode
+
+    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="SPECGRAPH_CUDA_GRAPHS='yes'"):
+        cuda_graph_mode(torch.device("cpu"))
+
+
+def _graphed_steps(spec):
+    return [run for _, run in spec.capture.decode_steps.values() if isinstance(run, StaticStep)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,batch", [("eagle3", 1), ("eagle3", 2), ("ngram", 2)])
+def test_recorded_step_is_token_exact_on_cuda(kind, batch, monkeypatch):
+    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
+    model = tiny_model("llama").cuda()
+    torch.manual_seed(0)
+    if kind == "ngram":
+        draft, tree = NGram(), Chain(4)
+    else:
+        draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)).cuda(), specgraph.DynamicTree(4, 3, 10)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=batch, max_length=160, backend="inductor")
+    rows = prompts(3, [11, 30][:batch])
+    for call in range(2):  # the second call reuses the recorded graph with new prompts copied in
+        rows = [r[::-1] for r in rows] if call else rows
+        ids, mask = left_pad(rows)
+        out = spec.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, eos_token_id=None)
+        for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+            one = torch.tensor([row], device="cuda")  # the oracle: HF greedy on the same device
+            want = model.generate(one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=40,
+                                  eos_token_id=None, pad_token_id=0)[0, len(row):]
+            assert got == want.tolist()
+    (step,) = _graphed_steps(spec)
+    assert step.recordings == 1 and step.graph is not None
+
+
+@pytest.mark.gpu
+def test_recorded_sampling_draws_afresh_each_replay(monkeypatch):
+    """The graph's random draws follow the generator: the same seed repeats a sample, another seed
+    draws anew (a graph that baked its recording's random state in would repeat it)."""
+    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
+    model = tiny_model("llama").cuda()
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=1, max_length=200, backend="inductor")
+    ids = torch.tensor([prompts(5, [12])[0]], device="cuda")
+
+    def sample(seed):
+        torch.manual_seed(seed)
+        return spec.generate(ids, do_sample=True, temperature=2.0, max_new_tokens=64, eos_token_id=None)[0, 12:]
+
+    first, again, other = sample(1), sample(1), sample(2)
+    assert _graphed_steps(spec)[0].recordings == 1
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
