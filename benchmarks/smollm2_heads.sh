@@ -17,7 +17,9 @@ minutes=${2:-9}
 WORK=${WORK:-$HOME/specgraph-heads}
 DATA=${DATA:-$WORK/sharegpt-1turn.json}
 mkdir -p "$WORK"
-[ -f "$DATA" ] || python3 -m specgraph.train.data --out "$DATA" --limit 12000 --max-turns 1 --max-prompt-chars 2000
+if [ "$phase" != eval ] && [ ! -f "$DATA" ]; then  # eval reads MT-bench only
+  python3 -m specgraph.train.data --out "$DATA" --limit 12000 --max-turns 1 --max-prompt-chars 2000
+fi
 # regeneration engine: HF generate measured ~10 conversations/s here (batches of 512); specgraph's eager
 # engine measured 2.5-5/s, but only while sharing the GPU with a compile-heavy test run (unresolved)
 common=(--data "$DATA" --max-turns 1 --limit "${LIMIT:-12000}" --max-new-tokens 256 --regen-batch-size 512
