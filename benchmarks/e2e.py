@@ -18,8 +18,10 @@ Every figure is measured in this run, on the same model:
              (tau = 4): the measured speedup over plain, against the ideal
              tau / (t_verify(N) / t_decode + S * c), c = draft bytes / target bytes per step
   batch      plain and synthetic chain at B = 1, 4, 16, 64: tokens/s and speedup
-  profile    torch.profiler over 16 plain decode steps: where a step's host and device time go
-             (DIR/e2e-profile-DATE.txt, the top ops by self CPU time and by device time)
+  profile    torch.profiler over --profile-steps plain decode steps after a 16-token prompt (one
+             prefill chunk): device time per step by kernel kind (matmul, attention, copy,
+             reduction, elementwise, other) against the wall time per step; the top ops by self
+             CPU and device time in DIR/e2e-profile-DATE.txt
 --tiny: a 4-layer model of the same kinds (for a quick check of the script, not for numbers).
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 synthetic_accept output is NOT the model's (benchmarks only).
@@ -119,6 +121,41 @@ def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device: str) -> t
     return (t1 - t0) / (s1 - s0) * 1e3, (w1 - w0) / (s1 - s0)
 
 
+KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
+    ("attention", ("tree_attention", "merge_splits")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "splitk", "cublas", "sm90_xmma")),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("reduction", ("triton_red", "triton_per")),
+    ("elementwise", ("triton_poi",)),
+)
+
+
+def profile_steps(spec, prompt: torch.Tensor, steps: int, device: str):
+    """torch.profiler over ``steps`` plain decode steps after a one-chunk prefill (so the decode steps
+    dominate what is recorded). Returns ({kind}_ms: device time per step by kernel kind, and the
+    host's wall time per step), and the profiler's key averages."""
+    spec.generate(prompt, max_new_tokens=steps, eos_token_id=None)  # compiled and recorded
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        out = spec.generate(prompt, max_new_tokens=steps, eos_token_id=None, return_dict_in_generate=True)
+        sync(device)
+        wall = time.perf_counter() - start
+    taken = len(out["accept_lens"])
+    per_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for event in prof.events():  # the device's own events (kernels, copies): no double counting
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
+        per_kind[kind] += event.time_range.elapsed_us() / 1e3 / taken
+    table = prof.key_averages()
+    ms = {f"{kind}_ms": value for kind, value in per_kind.items()}
+    ms.update(device_ms=sum(per_kind.values()), wall_ms=wall * 1e3 / taken)
+    return ms, table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
@@ -129,6 +166,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=32, help="decode steps the profile section records")
     args = parser.parse_args()
     begin = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -211,19 +249,12 @@ def main() -> None:
                                      speedup=tau * plain / spec)
                 save("batch", **rows)
         elif section == "profile":
-            spec = spec_for(None, None)
-            spec.generate(prompt, max_new_tokens=args.short, eos_token_id=None)  # compiled and recorded
-            activities = [torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-            with torch.profiler.profile(activities=activities) as prof:
-                spec.generate(prompt, max_new_tokens=16, eos_token_id=None)
-                sync(device)
-            table = prof.key_averages()
-            by_device = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-            text = (table.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
-                    table.table(sort_by=by_device, row_limit=25))
+            ms, kernels = profile_steps(spec_for(None, None), prompt[:, :16], args.profile_steps, device)
+            text = (kernels.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
+                    kernels.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
+                                  row_limit=40))
             (args.out / f"e2e-profile-{res['date']}.txt").write_text(text)
-            save("profile", file=f"e2e-profile-{res['date']}.txt", steps=16)
+            save("profile", file=f"e2e-profile-{res['date']}.txt", steps=args.profile_steps, **ms)
     print(json.dumps(res, indent=2))
 
 
