@@ -124,6 +124,11 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept))
 
 
+def _storage(*modules) -> tuple:
+    """Where every parameter of ``modules`` lives (address, dtype): changes when one is moved or replaced."""
+    return tuple((p.data_ptr(), p.dtype) for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters())
+
+
 @dataclass
 class SpecGenerateOutput(GenerateDecoderOnlyOutput):
     """What ``generate(..., return_dict_in_generate=True)`` returns: transformers' output
@@ -140,6 +145,7 @@ class SpecModel:
         self.model, self.draft, self.config = model, draft, config
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
         self.capture = Capture.shared(model.eval(), config.max_length, config.backend)  # reused across compiles
+        self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
@@ -149,6 +155,10 @@ class SpecModel:
         (rows that stop early are padded with ``pad_token_id``), or with ``return_dict_in_generate``
         a ``GenerateDecoderOnlyOutput`` with ``sequences`` and ``accept_lens`` (per step, per row:
         tokens committed). Any other setting that would change the output raises TypeError."""
+        if _storage(self.model, self.draft) != self._storage:
+            raise RuntimeError("the model's or the draft's parameters were moved or replaced since specgraph.compile "
+                               "(model.to(...), .half(), a new layer, ...): the captured graphs still read the old "
+                               "ones. Call specgraph.compile again after moving the model")
         gen = kwargs.get("generation_config") or self.model.generation_config
         unknown = unsupported_arguments(kwargs, gen)
         if unknown:

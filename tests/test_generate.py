@@ -133,6 +133,22 @@ def test_compile_lists_every_blocker():
     assert len(err.value.blockers) == 3
 
 
+def test_a_model_moved_after_compile_is_refused():
+    """The captured graphs (and a recorded CUDA graph) read the parameters' storage as it was at
+    compile: after model.to(dtype) the old SpecModel raises instead of reading freed memory; a new
+    compile serves the moved model."""
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_length=64)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    spec.generate(ids, max_new_tokens=3)
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="moved or replaced since specgraph.compile"):
+        spec.generate(ids, max_new_tokens=3)
+    again = specgraph.compile(model, NGram(), tree=Chain(2), max_length=64)
+    out = again.generate(ids, max_new_tokens=3, eos_token_id=None)
+    assert out[0, 4:].tolist() == hf_greedy(model, [5, 6, 7, 8], max_new_tokens=3, eos_token_id=None)
+
+
 def test_ngram_proposes_the_continuation_of_the_latest_match():
     draft = NGram(max_ngram=2)
     assert draft.propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2], 3) == [9, 9, 1]  # the latest "1 2" is followed by 9 9 1
