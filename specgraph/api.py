@@ -1,6 +1,7 @@
 """specgraph.compile(): the one place that wires the layers together."""
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -11,9 +12,11 @@ from .capture import Capture, TargetInfo
 from .errors import CompileError
 from .drafts.ngram import NGram
 from .runtime.generate import Sampling, speculative_generate
+from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree
 
 BACKENDS = ("eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
+_PLAIN = NGram()  # plain decoding: an n-gram session whose trees are the root alone (Chain(0))
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
                  "do_sample", "temperature", "top_k", "top_p", "generation_config", "return_dict_in_generate",
                  "stopping_criteria", "streamer"}
@@ -76,10 +79,11 @@ class SpecConfig:
     max_batch: int
     max_length: int
     synthetic_accept: int | None = None  # benchmarks only: forced accepted length, NOT lossless
+    policy: str = "fixed"  # "fixed": always the tree; "measured": per batch size, the tree or plain decoding
 
 
 def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1, max_length: int = 2048,
-            synthetic_accept: int | None = None) -> "SpecModel":
+            synthetic_accept: int | None = None, policy: str = "fixed") -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
 
     ``draft=None``: plain decoding on the same engine (``tree`` None or ``Chain(0)``: one node,
@@ -87,6 +91,9 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     ``synthetic_accept=k``: FOR BENCHMARKS ONLY, output is NOT the target's: every step accepts k
     nodes down the tree's first-child chain (as SGLang's simulated acceptance length does), to time
     the engine at a given τ without a trained head. Greedy only; generate warns on every call.
+    ``policy="measured"``: per batch size, generate runs the tree or plain decoding, whichever
+    measured fewer seconds per token (``runtime/policy.py``; both are lossless), so speculation
+    that loses — a large batch, a CPU — switches itself off. ``"fixed"`` (default): always the tree.
     Everything that cannot be supported is refused here, all blockers at once.
     """
     blockers = []
@@ -109,6 +116,11 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
         blockers.append(f"synthetic_accept={synthetic_accept!r}: an int in 1 .. tree depth + 1 = {tree.max_depth + 1}")
+    if policy not in ("fixed", "measured"):
+        blockers.append(f"policy={policy!r}: 'fixed' (always the tree) or 'measured' (the tree or plain "
+                        f"decoding, whichever measured faster)")
+    elif policy == "measured" and synthetic_accept is not None:
+        blockers.append("policy='measured' with synthetic_accept: a benchmark of forced acceptance must run its tree")
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
     if not isinstance(max_length, int) or max_length <= tree.num_nodes:
@@ -121,7 +133,7 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     if blockers:
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
     model.config._attn_implementation = "sdpa"
-    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept))
+    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept, policy))
 
 
 def _storage(*modules) -> tuple:
@@ -146,6 +158,7 @@ class SpecModel:
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
         self.capture = Capture.shared(model.eval(), config.max_length, config.backend)  # reused across compiles
         self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
+        self.policy = MeasuredPolicy() if config.policy == "measured" else None
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
@@ -201,10 +214,15 @@ class SpecModel:
                 raise ValueError("synthetic_accept (benchmarks only) is greedy only: pass do_sample=False")
             warnings.warn(f"synthetic_accept={self.config.synthetic_accept}: acceptance is forced for benchmarking; "
                           f"the output is NOT the model's", stacklevel=2)
-        result = speculative_generate(self.capture, self.draft, self.config.tree, prompts, max_new, eos,
-                                 self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,
-                                 compiled=self.config.backend == "inductor",
-                                 synthetic_accept=self.config.synthetic_accept)
+        mode = self.policy.choose(b) if self.policy else "tree"
+        draft, tree = (self.draft, self.config.tree) if mode == "tree" else (_PLAIN, Chain(0))
+        start = time.perf_counter()
+        result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
+                                      self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,
+                                      compiled=self.config.backend == "inductor",
+                                      synthetic_accept=self.config.synthetic_accept)
+        if self.policy:  # every row's tokens were read back: the device work is done
+            self.policy.record(b, mode, time.perf_counter() - start, sum(map(len, result.sequences)))
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):

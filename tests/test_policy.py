@@ -1,0 +1,59 @@
+"""runtime/policy.py: speculate or decode plainly by measured cost; lossless either way."""
+import pytest
+import torch
+
+import specgraph
+from specgraph import Chain, CompileError
+from specgraph.drafts import NGram
+from specgraph.runtime.policy import MeasuredPolicy
+from test_capture import tiny_model
+from test_generate import hf_greedy, prompts
+
+
+def run(policy, batch, cost_of, calls):
+    """Drive ``policy`` with a fixed cost per mode; returns the modes chosen."""
+    modes = []
+    for _ in range(calls):
+        mode = policy.choose(batch)
+        policy.record(batch, mode, seconds=cost_of[mode] * 10, tokens=10)
+        modes.append(mode)
+    return modes
+
+
+def test_the_cheaper_mode_wins_and_the_other_is_retried():
+    policy = MeasuredPolicy(explore_every=8)
+    modes = run(policy, 64, {"tree": 2.0, "plain": 1.0}, 40)
+    assert modes[:4] == ["tree", "tree", "plain", "plain"]  # each mode's first call compiles: measured on its second
+    later = modes[4:]
+    assert later.count("tree") == sum(1 for i in range(4, 40) if i % 8 == 7)  # only the periodic retries
+    assert run(policy, 1, {"tree": 0.5, "plain": 1.0}, 12)[4:].count("plain") == 1  # batch sizes apart
+
+
+def test_a_change_in_cost_is_followed():
+    policy = MeasuredPolicy(explore_every=4)
+    run(policy, 8, {"tree": 1.0, "plain": 2.0}, 8)
+    modes = run(policy, 8, {"tree": 3.0, "plain": 2.0}, 12)  # acceptance dropped: the tree got dearer
+    assert modes[-4:].count("plain") >= 3
+
+
+def test_measured_policy_is_lossless_in_both_modes():
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="measured")
+    row = prompts(2, [10, 24])[1]  # repetitive: the tree accepts long chunks
+    ids = torch.tensor([row])
+    want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
+    seen = set()
+    for _ in range(6):
+        out = spec.generate(ids, max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True)
+        assert out.sequences[0, len(row):].tolist() == want
+        seen.add("tree" if max(max(s) for s in out.accept_lens) > 1 else "plain")
+    assert seen == {"tree", "plain"}  # both modes ran (each is measured), both token-exact
+    assert set(spec.policy.cost) == {(1, "tree"), (1, "plain")}
+
+
+def test_policy_is_checked_at_compile():
+    model = tiny_model("llama")
+    with pytest.raises(CompileError, match="policy='sometimes'"):
+        specgraph.compile(model, NGram(), tree=Chain(2), max_length=64, policy="sometimes")
+    with pytest.raises(CompileError, match="synthetic_accept"):
+        specgraph.compile(model, NGram(), tree=Chain(2), max_length=64, policy="measured", synthetic_accept=2)
