@@ -20,7 +20,9 @@ import torch
 from .graphed import StaticStep
 from .step import DecodeStep, features_of
 
-PREFILL_NODES = 32
+# prefill chunk: as wide as tree attention goes (64 rows; a chain mask of 64 bits): each chunk reads
+# every weight once, so the widest chunk means the fewest passes over a long prompt
+PREFILL_NODES = 64
 
 
 @dataclass
