@@ -201,7 +201,9 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     tokens and accept lengths, applies eos / ``max_new_tokens`` /
     ``stopping_criteria`` (transformers' StoppingCriteriaList, asked after
     every accepted token with scores None) and feeds ``streamer`` each row-0
-    token as it is accepted.
+    token as it is accepted. On CUDA the next step is launched before this one
+    is read, while every row has room for it (``SPECGRAPH_OVERLAP``), so that
+    host work overlaps the device; outputs are the same.
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
