@@ -16,7 +16,9 @@ MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64) (the measured best), inductor
 (inductor methods replay the whole step as a CUDA graph; SPECGRAPH_CUDA_GRAPHS=0 turns that off:
 say so when reporting.)
-For every specgraph method: tokens/s, tau (tokens per target step), the
+For every method: the median time of a one-token generate per prompt (a call's fixed cost:
+prefill, and for specgraph the draft's prefill and first tree). For every specgraph method:
+tokens/s, tau (tokens per target step), the
 ratio to hf_eager, and the match rate with hf_eager's tokens. A prompt that
 diverges is classified by the target's own top-2 logit gap at the first
 divergent position: bf16 tree verification computes logits in another
@@ -142,14 +144,17 @@ def main() -> None:
                       "hf_static": dict(static_cache=StaticCache(config=model.config, max_cache_len=1024))}.get(method, {})
             run_hf(model, rows[:1], args.max_new_tokens, **kwargs)  # warm-up (and compile)
             outs, elapsed = run_hf(model, rows, args.max_new_tokens, **kwargs)
+            first = [run_hf(model, [row], 1, **kwargs)[1] for row in rows]
             tau = None
         else:
             draft, tree, backend = specgraph_method(model, method)
             spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_length=1024)
             run_specgraph(spec, rows[:1], args.max_new_tokens)  # warm-up (and compile)
             outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens)
+            first = [run_specgraph(spec, [row], 1)[1] for row in rows]
         tokens = sum(map(len, outs))
-        entry = dict(tokens_per_s=tokens / elapsed, tau=tau, setup_s=time.perf_counter() - start - elapsed)
+        entry = dict(tokens_per_s=tokens / elapsed, tau=tau, first_token_ms=sorted(first)[len(first) // 2] * 1e3,
+                     setup_s=time.perf_counter() - start - elapsed - sum(first))
         if method == "hf_eager":
             reference = outs
         elif reference is not None:
@@ -164,13 +169,13 @@ def main() -> None:
     base = result["methods"].get("hf_eager", {}).get("tokens_per_s")
     print(f"{result['gpu']}, torch {result['torch']}, {len(rows)} MT-bench prompts x {args.max_new_tokens} tokens, "
           f"bf16, batch 1; copy bandwidth {bandwidth / 1e9:.0f} GB/s; floor {result['floor_ms_per_step']:.3f} ms/step")
-    print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8}")
+    print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8} {'1st tok ms':>10}")
     for method, e in result["methods"].items():
         ratio = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
         match = f"{e['match_rate']:.2f}" if "match_rate" in e else "-"
         ties = f"{e['near_tie_divergences']}/{len(e['divergences'])}" if "divergences" in e else "-"
         tau = f"{e['tau']:.2f}" if e["tau"] else "-"
-        print(f"{method:<12} {e['tokens_per_s']:>8.1f} {ratio:>10} {tau:>5} {match:>6} {ties:>8}")
+        print(f"{method:<12} {e['tokens_per_s']:>8.1f} {ratio:>10} {tau:>5} {match:>6} {ties:>8} {e['first_token_ms']:>10.1f}")
 
 
 if __name__ == "__main__":
