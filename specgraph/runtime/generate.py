@@ -214,7 +214,8 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     generated: list[list[int]] = [[] for _ in range(b)]
     done = [max_new_tokens <= 0] * b
     result = GenerateResult(generated)
-    topology = session.propose(sequences, torch.tensor([seq[-1] for seq in sequences], device=device))
+    roots = lambda: torch.tensor([seq[-1] for seq in sequences], device=device)  # noqa: E731  each row's last token
+    topology = session.propose(sequences, roots())
     active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
     readback = _Readback(device, b, tree.max_depth + 2)
     ahead = os.environ.get("SPECGRAPH_OVERLAP", "auto")
@@ -252,8 +253,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
         # cache_len = prompt - 1 + generated tokens: checked from host state, without a second device read
         assert all(d or len(seq) - 1 + n <= max_length for d, seq in zip(done, sequences)), "cache overflow"
         if pending is None:
-            topology = out.next_tree if out.next_tree is not None else \
-                session.propose(sequences, torch.tensor([seq[-1] for seq in sequences], device=device))
+            topology = out.next_tree if out.next_tree is not None else session.propose(sequences, roots())
             pending = readback.start(run(topology, out.cache_len, active))
     if streamer is not None:
         streamer.end()
