@@ -18,16 +18,21 @@ every cache an explicit input and output, in standard ops only:
 The host (or an engine's runtime) adds accept_len to cache_len and feeds
 kv_out back as kv. specgraph's ops are lowered by their decompositions
 (``kernels.DECOMPOSITIONS``: the plain-torch references), so the ONNX file
-uses the default domain only and TensorRT's ONNX parser can read it.
+uses the default domain only and TensorRT's ONNX parser can read it. The
+mutating ops (``kv_write``, ``compact_kv``) are traced as their references,
+whose in-place scatters torch.export functionalizes (it keeps a mutating
+custom op as an ``auto_functionalized`` node that no decomposition removes).
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 
 from .kernels import DECOMPOSITIONS
 from .kernels.compact_kv import compact_kv_reference
+from .kernels.kv_write import kv_write_reference
 from .kernels.verify import verify_greedy
 
 ONNX_OPSET = 20
@@ -41,7 +46,11 @@ class VerifyStep(torch.nn.Module):
 
     def __init__(self, step, max_depth: int):
         super().__init__()
-        self.graph, self.kv_index, self.max_depth = step.graph, step._kv_index, max_depth
+        graph = copy.deepcopy(step.graph.graph)
+        for node in graph.find_nodes(op="call_function", target=torch.ops.specgraph.kv_write.default):
+            node.target = kv_write_reference  # traced as plain in-place scatters
+        self.graph = torch.fx.GraphModule(step.graph, graph)
+        self.kv_index, self.max_depth = step._kv_index, max_depth
         self.num_state = len(step._state)
         for i, tensor in enumerate(step._state):
             if i != self.kv_index:

@@ -62,18 +62,26 @@ def test_every_node_matches_hf_on_its_root_path(driver):
 def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
     names = [name for name, _ in step.pass_results]
-    assert names == ["replace_attention", "tap_hidden_states", "prune_logits"]
+    assert names == ["replace_attention", "tap_hidden_states", "prune_logits", "inplace_cache_writes"]
     result = step.pass_results[0][1]
-    assert [r.modified for _, r in step.pass_results[1:]] == [False, False]  # nothing asked of them
+    assert [r.modified for _, r in step.pass_results[1:3]] == [False, False]  # nothing asked of them
     info = step.info
     assert result.counters["sdpa_replaced"] == info.num_layers
     assert result.counters["cache_writes_kept"] == 2 * info.num_layers
     assert result.counters["sliding_window_layers"] == sum(w > 0 for w in info.layer_windows)
     graph = step.program.graph_module.graph
     assert not graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
+    assert step.pass_results[3][1].counters["kv_writes"] == info.num_layers
+    kv = [n for n in graph.find_nodes(op="placeholder") if n.name == step.context.kv][0]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    writes = {n.args[1]: n for n in graph.find_nodes(op="call_function", target=torch.ops.specgraph.kv_write.default)}
+    assert sorted(writes) == list(range(info.num_layers))  # one in-place write per layer, K and V together
+    assert not graph.find_nodes(op="call_function", target=torch.ops.aten.scatter_.src)
     for node in graph.find_nodes(op="call_function", target=torch.ops.specgraph.tree_attention.default):
-        # the kernel reads the cache writes themselves: GQA un-expanded, no repeat_kv left in between
-        assert node.args[1].target == node.args[2].target == torch.ops.aten.scatter_.src
+        # the kernel reads the layer's cache itself, after its write: GQA un-expanded, no repeat_kv in between
+        k, v = node.args[1], node.args[2]
+        assert k.target == v.target == torch.ops.aten.select.int and k.args[0] is v.args[0] is kv
+        assert k.args[2] + 1 == v.args[2] and order[writes[k.args[2] // 2]] < order[k] < order[node]
 
 
 def test_steps_with_compaction_keep_hf_cache(driver):
@@ -122,7 +130,7 @@ def test_prune_logits_keeps_only_the_asked_rows(driver):
     pruned = pruned_step(tokens, positions, driver.cache_len, mask)
     assert pruned.shape == (driver.batch, 1, full.shape[-1])
     torch.testing.assert_close(pruned, full[:, 7:8], **TOL)
-    assert pruned_step.pass_results[-1][1].counters == {"rows": 1, "rows_pruned": 7}
+    assert dict(pruned_step.pass_results)["prune_logits"].counters == {"rows": 1, "rows_pruned": 7}
 
 
 def _path(parents, i):
