@@ -221,6 +221,7 @@ class Capture:
         self.model, self.max_length, self.debug, self.backend = model, max_length, debug, backend
         self.kv_device = next(model.parameters()).device
         self.decode_steps: dict = {}  # runtime.generate.decode_step's (session, step) per bucket
+        self.readbacks: dict = {}  # runtime.generate's pinned host buffers per (B, D+2)
         self.info = TargetInfo.from_model(model)
         self._steps: dict[tuple, CapturedStep] = {}
         self._kv: dict[int, torch.Tensor] = {}

@@ -217,7 +217,10 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     roots = lambda: torch.tensor([seq[-1] for seq in sequences], device=device)  # noqa: E731  each row's last token
     topology = session.propose(sequences, roots())
     active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
-    readback = _Readback(device, b, tree.max_depth + 2)
+    width = tree.max_depth + 2
+    if (b, width) not in capture.readbacks:  # kept: pinning host memory is slow
+        capture.readbacks[b, width] = _Readback(device, b, width)
+    readback = capture.readbacks[b, width]
     ahead = os.environ.get("SPECGRAPH_OVERLAP", "auto")
     ahead = device.type == "cuda" if ahead == "auto" else ahead == "1"
     # a step writes the tree at cache_len .. cache_len + n - 1 and advances cache_len by at most D + 1:
