@@ -220,7 +220,7 @@ class Capture:
             raise ValueError(f"backend={backend!r}: 'eager' or 'inductor'")
         self.model, self.max_length, self.debug, self.backend = model, max_length, debug, backend
         self.kv_device = next(model.parameters()).device
-        self.decode_steps: dict = {}  # runtime.generate.decode_step's (session, step) per bucket
+        self.decode_steps: dict = {}  # runtime.generate.decode_step's Bucket per (draft, B, tree, ...)
         self.readbacks: dict = {}  # runtime.generate's pinned host buffers per (B, D+2)
         self.info = TargetInfo.from_model(model)
         self._steps: dict[tuple, CapturedStep] = {}

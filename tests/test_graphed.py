@@ -80,7 +80,7 @@ def test_an_unknown_cuda_graphs_setting_is_refused(monkeypatch):
 
 
 def _graphed_steps(spec):
-    return [run for _, run in spec.capture.decode_steps.values() if isinstance(run, StaticStep)]
+    return [bucket.run for bucket in spec.capture.decode_steps.values() if isinstance(bucket.run, StaticStep)]
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import types
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -101,8 +102,22 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
                                       mode="reduce-overhead" if mode == "trees" else None)
         run = _trees_step(compiled_step, session) if mode == "trees" else \
             StaticStep(compiled_step, session, cuda_graph=mode == "manual")
-    capture.decode_steps[key] = session, run
-    return session, run
+    # The first tree of a call: a device-proposing draft's propose, compiled like the step (eagerly it
+    # is thousands of small launches: an EAGLE-2 tree of 8 draft steps is ~4,300 aten ops)
+    propose = session.propose
+    if whole_step and getattr(session, "proposes_on_device", False):
+        propose = torch.compile(own_code(session.propose), fullgraph=True, dynamic=False)
+    capture.decode_steps[key] = Bucket(session, run, propose)
+    return capture.decode_steps[key]
+
+
+class Bucket(NamedTuple):
+    """What ``decode_step`` keeps per bucket: the draft session, the (compiled) step, and how the first
+    tree of a call is proposed (``propose(sequences, roots)``)."""
+
+    session: object
+    run: object
+    propose: object
 
 
 def cuda_graph_mode(device: torch.device) -> str:
@@ -207,7 +222,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
-    session, run = decode_step(capture, draft, tree, b, max_length, sampling, compiled, synthetic_accept)
+    session, run, propose = decode_step(capture, draft, tree, b, max_length, sampling, compiled, synthetic_accept)
     cache_len, features = prefill(capture, prompts, device, session.taps)
     session.prefill(prompts, features)
     sequences = [list(p) for p in prompts]
@@ -215,7 +230,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     done = [max_new_tokens <= 0] * b
     result = GenerateResult(generated)
     roots = lambda: torch.tensor([seq[-1] for seq in sequences], device=device)  # noqa: E731  each row's last token
-    topology = session.propose(sequences, roots())
+    topology = propose(None if getattr(session, "proposes_on_device", False) else sequences, roots())
     active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
     width = tree.max_depth + 2
     if (b, width) not in capture.readbacks:  # kept: pinning host memory is slow
