@@ -260,7 +260,7 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     else:
         draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), specgraph.DynamicTree(steps=3, topk=2, nodes=6)
     spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=128, backend="inductor")
-    rows = prompts(9, [6, 19])
+    rows = prompts(9, [6, 45])  # 45: the draft's prefill runs two chunks (one of them padded)
     ids, mask = left_pad(rows)
     torch._dynamo.utils.counters.clear()
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
@@ -271,6 +271,9 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     again = spec.generate(ids.flip(0), attention_mask=mask.flip(0), max_new_tokens=20, eos_token_id=None)
     assert torch.equal(again, out.flip(0))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the bucket's step is reused
+    if kind == "eagle3" and whole_step == "1":  # the draft's pass over the prompt is compiled too
+        (bucket,) = spec.capture.decode_steps.values()
+        assert hasattr(bucket.session, "_prefill_chain")
 
 
 @settings(max_examples=200, deadline=None)

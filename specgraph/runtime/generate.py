@@ -91,6 +91,8 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     if key in capture.decode_steps:
         return capture.decode_steps[key]
     session = draft.session(tree, batch, max_length, device)
+    if whole_step and hasattr(session, "compile_host_work"):  # e.g. the EAGLE drafts' pass over the prompt
+        session.compile_host_work(lambda method: torch.compile(own_code(method), fullgraph=True, dynamic=False))
     step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step,
                       synthetic_accept=synthetic_accept)
     run = step
