@@ -22,7 +22,7 @@ import torch
 
 def kv_write_reference(kv: torch.Tensor, layer: int, index: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor) -> None:
-    """Plain torch, in place (also the decomposition export lowers to)."""
+    """Plain torch, in place (also what export traces in the op's place: export.py)."""
     kv[2 * layer].scatter_(2, index, key)
     kv[2 * layer + 1].scatter_(2, index, value)
 

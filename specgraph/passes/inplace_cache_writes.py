@@ -10,8 +10,8 @@ Why: torch.compile functionalizes a scatter into a view of a graph input (``kv[2
   ``select_scatter`` of the whole stacked base, which inductor did not re-inplace: every compiled step
   copied every layer's cache, and step time grew with max_length instead of the context (on the CPU,
   a tiny Llama's plain decode went from 1.2 to 20.5 ms/token between max_length 128 and 32768). An op
-  that declares its mutation is kept in place. Eager and export run the same op (export lowers it by
-  ``kernels.DECOMPOSITIONS``).
+  that declares its mutation is kept in place. Eager runs the op; export traces its reference
+  (plain scatters, which torch.export functionalizes: export.py).
 """
 from __future__ import annotations
 
