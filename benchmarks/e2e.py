@@ -7,7 +7,8 @@ Every figure is measured in this run, on the same model:
   floor      bytes streamed per decode step (all weights but the embedding table, plus the KV cache
              at the prompt length) / the copy bandwidth measured now
   cublas     the bare chain of the step's matrix products (F.linear on the model's own weights,
-             M = 1) captured as one CUDA graph: what a perfect engine would still pay
+             M = 1) captured as one CUDA graph: what a perfect engine would still pay; and the same
+             with q/k/v and gate/up each one product (fused_chain_ms: what fuse_projections runs)
   plain      specgraph.compile(model, None, backend="inductor"), whole step, CUDA graphs:
              ms per decoded token (steady state: the difference of two generation lengths)
   trees      the same step under torch.compile's own CUDA graphs (SPECGRAPH_CUDA_GRAPHS=trees,
@@ -78,13 +79,25 @@ def streamed_bytes(model, context: int) -> tuple[int, int]:
     return weights, kv
 
 
-def cublas_chain_ms(model, iters: int = 50) -> float:
-    """The decode step's matrix products alone (q/k/v/o, gate/up/down, LM head at M = 1), one CUDA graph."""
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    x = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype) for w in linears}
+def cublas_chain_ms(model, fused: bool = False, iters: int = 50) -> float:
+    """The decode step's matrix products alone (q/k/v/o, gate/up/down, LM head at M = 1), one CUDA graph.
+    ``fused``: q/k/v and gate/up each as one product on a concatenated copy of their weights (what the
+    fuse_projections pass makes of the step)."""
+    from specgraph.passes.fuse_projections import PACK_GROUPS
+
+    weights, grouped = [], set()
+    if fused:
+        for parent in model.modules():
+            for names in PACK_GROUPS:
+                linears = [getattr(parent, n, None) for n in names]
+                if all(isinstance(m, torch.nn.Linear) for m in linears):
+                    weights.append(torch.cat([m.weight.detach() for m in linears]))
+                    grouped.update(id(m) for m in linears)
+    weights += [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m) not in grouped]
+    x = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype) for w in weights}
 
     def chain():
-        for w in linears:
+        for w in weights:
             F.linear(x[w.shape[1]], w)
 
     chain()
@@ -200,10 +213,11 @@ def main() -> None:
             save("floor", weight_gb=weights / 1e9, kv_gb=kv / 1e9, copy_tbs=bw / 1e12,
                  floor_ms=(weights + kv) / bw * 1e3, weights_only_floor_ms=weights / bw * 1e3)
         elif section == "cublas" and device == "cuda":
-            save("cublas", chain_ms=cublas_chain_ms(model))
+            save("cublas", chain_ms=cublas_chain_ms(model), fused_chain_ms=cublas_chain_ms(model, fused=True))
         elif section == "plain":
             ms, tau = step_ms(spec_for(None, None), prompt, args.short, args.long, device)
-            extra = {f"x_{k}": ms / res[k][v] for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms")) if k in res}
+            extra = {f"x_{k}_{v}": ms / res[k][v] for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms"),
+                                                                ("cublas", "fused_chain_ms")) if k in res}
             save("plain", ms_per_token=ms, tau=tau, **extra)
         elif section == "trees":
             os.environ["SPECGRAPH_CUDA_GRAPHS"] = "trees"

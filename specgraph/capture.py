@@ -30,6 +30,7 @@ import torch
 from . import kernels  # noqa: F401  (registers the specgraph ops)
 from .errors import CompileError
 from .kernels.bitmask import MAX_NODES
+from .passes.fuse_projections import pack_projections
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,9 @@ def graph_context(program, info: TargetInfo, taps=None, logits_rows=None):
     signature = program.graph_signature
     buffer_input = {target: name for name, target in signature.inputs_to_buffers.items()}
     users = [spec.arg.name for spec in signature.input_specs if spec.kind.name == "USER_INPUT"]
+    params = {name: program.state_dict[target] for name, target in signature.inputs_to_parameters.items()}
     return GraphContext(info, kv=buffer_input["kv"], cache_len=users[2], tree_mask=users[3], taps=taps,
-                        logits_rows=logits_rows)
+                        logits_rows=logits_rows, params=params)
 
 
 class CapturedStep:
@@ -213,6 +215,9 @@ class Capture:
     ``backend="inductor"`` runs every bucket's rewritten graph through
     ``torch.compile(fullgraph=True, dynamic=False)`` (one compile per bucket;
     the specgraph ops stay custom-op calls inside the compiled graph).
+    Creating one lays out the model's q/k/v and gate/up weights back to back
+    (``passes.pack_projections``: same Parameters and values, new storage), so
+    the ``fuse_projections`` pass can read each group as one matrix.
     """
 
     def __init__(self, model, max_length: int, debug: bool | None = None, backend: str = "eager"):
@@ -223,6 +228,7 @@ class Capture:
         self.decode_steps: dict = {}  # runtime.generate.decode_step's Bucket per (draft, B, tree, ...)
         self.readbacks: dict = {}  # runtime.generate's pinned host buffers per (B, D+2)
         self.info = TargetInfo.from_model(model)
+        pack_projections(model)
         self._steps: dict[tuple, CapturedStep] = {}
         self._kv: dict[int, torch.Tensor] = {}
 

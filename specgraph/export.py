@@ -49,6 +49,15 @@ class VerifyStep(torch.nn.Module):
         graph = copy.deepcopy(step.graph.graph)
         for node in graph.find_nodes(op="call_function", target=torch.ops.specgraph.kv_write.default):
             node.target = kv_write_reference  # traced as plain in-place scatters
+        placeholders = {n.name: n for n in graph.find_nodes(op="placeholder")}
+        for node in [n for n in graph.find_nodes(op="get_attr") if "fused_from" in n.meta]:
+            # fuse_projections' joined weight is a view aliasing the parameters, which export cannot lift
+            # twice: the exported graph concatenates the parameters instead (a constant the ONNX runtime folds)
+            with graph.inserting_after(node):
+                joined = graph.call_function(torch.ops.aten.cat.default,
+                                             ([placeholders[name] for name in node.meta["fused_from"]],))
+            node.replace_all_uses_with(joined)
+            graph.erase_node(node)
         self.graph = torch.fx.GraphModule(step.graph, graph)
         self.kv_index, self.max_depth = step._kv_index, max_depth
         self.num_state = len(step._state)

@@ -44,6 +44,7 @@ class GraphContext:
     tree_mask: str
     taps: HiddenTaps | None = None
     logits_rows: tuple[int, int] | None = None  # (start, stop) of node rows whose logits are computed
+    params: dict | None = field(default=None, hash=False, compare=False)  # parameter placeholder -> its tensor
 
     def placeholder(self, gm: torch.fx.GraphModule, role: str) -> torch.fx.Node:
         name = getattr(self, role)
