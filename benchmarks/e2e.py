@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -119,19 +120,24 @@ def replay_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device: str) -> tuple[float, float]:
+def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device: str, repeats: int = 3) -> tuple[float, float]:
     """(ms per decode step, tokens per step) in steady state: two generation lengths, differenced,
-    so prefill and the first step drop out. The first call (compile, CUDA-graph record) is a warm-up."""
+    so prefill and the first step drop out; the median of ``repeats`` such pairs. The first call
+    (compile, CUDA-graph record) is a warm-up."""
     spec.generate(prompt, max_new_tokens=short, eos_token_id=None)
-    timing = {}
-    for n in (short, long):
-        sync(device)
-        start = time.perf_counter()
-        out = spec.generate(prompt, max_new_tokens=n, eos_token_id=None, return_dict_in_generate=True)
-        sync(device)
-        timing[n] = (time.perf_counter() - start, len(out["accept_lens"]), out["sequences"].shape[1])
-    (t0, s0, w0), (t1, s1, w1) = timing[short], timing[long]
-    return (t1 - t0) / (s1 - s0) * 1e3, (w1 - w0) / (s1 - s0)
+    per_step, per_token = [], []
+    for _ in range(repeats):
+        timing = {}
+        for n in (short, long):
+            sync(device)
+            start = time.perf_counter()
+            out = spec.generate(prompt, max_new_tokens=n, eos_token_id=None, return_dict_in_generate=True)
+            sync(device)
+            timing[n] = (time.perf_counter() - start, len(out["accept_lens"]), out["sequences"].shape[1])
+        (t0, s0, w0), (t1, s1, w1) = timing[short], timing[long]
+        per_step.append((t1 - t0) / (s1 - s0) * 1e3)
+        per_token.append((w1 - w0) / (s1 - s0))
+    return statistics.median(per_step), statistics.median(per_token)
 
 
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
@@ -248,6 +254,9 @@ def main() -> None:
                 verify_ratio = res.get("verify", {}).get("n8_x_decode", 1.0)  # N = 5 verifies about as N = 8
                 ideal = tau / (verify_ratio + 4 * c)
                 values.update(speedup=speedup, ideal=ideal, of_ideal=speedup / ideal, c=c)
+            if "floor" in res:  # no step can beat its bytes: verify's weights and KV, plus S draft passes
+                bound = res["floor"]["floor_ms"] + 4 * draft_bytes / (res["floor"]["copy_tbs"] * 1e12) * 1e3
+                values.update(bytes_floor_ms=bound, below_bytes_floor=ms < bound)
             save("synthetic", **values)
         elif section == "batch":
             rows = {}

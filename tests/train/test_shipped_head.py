@@ -41,3 +41,21 @@ def test_shipped_head_acceptance_matches_the_recorded_value():
                                         add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
     plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
     assert torch.equal(spec.generate(ids, max_new_tokens=32), plain)
+
+
+def test_shipped_medusa_head_loads_and_is_token_exact():
+    """The comparison head (specgraph/heads/smollm2-135m-instruct-medusa) on its own tree."""
+    from specgraph.drafts import Medusa
+    from specgraph.models import load_gguf
+
+    model, tokenizer = load_gguf()
+    head = Medusa.from_pretrained(default_draft_path().parent / "smollm2-135m-instruct-medusa")
+    assert head.num_heads == 4
+    spec = specgraph.compile(model, head, tree=specgraph.MEDUSA_MC_SIM_7B_63, max_length=512)
+    question = mt_bench_questions(2)[1]["turns"][0]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
+                                        add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+    out = spec.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
+    assert torch.equal(out["sequences"], plain)
+    assert sum(map(sum, out["accept_lens"])) / len(out["accept_lens"]) > 1.2  # the heads do accept
