@@ -23,6 +23,8 @@ Every figure is measured in this run, on the same model:
              prefill chunk): device time per step by kernel kind (matmul, attention, copy,
              reduction, elementwise, other) against the wall time per step; the top ops by self
              CPU and device time in DIR/e2e-profile-DATE.txt
+  profile_verify  the same for verify steps of 8 nodes (NGram chain, synthetic_accept=1): where the
+             verify step's time over plain decode goes (DIR/e2e-profile-verify-DATE.txt)
 --tiny: a 4-layer model of the same kinds (for a quick check of the script, not for numbers).
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 synthetic_accept output is NOT the model's (benchmarks only).
@@ -49,7 +51,7 @@ from specgraph.drafts import Eagle3, NGram  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
-SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile")
+SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile", "profile_verify")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
                 tie_word_embeddings=False)
@@ -271,13 +273,15 @@ def main() -> None:
                 rows[f"b{b}"] = dict(plain_tok_s=b * 1e3 / plain, spec_tok_s=b * tau * 1e3 / spec,
                                      speedup=tau * plain / spec)
                 save("batch", **rows)
-        elif section == "profile":
-            ms, kernels = profile_steps(spec_for(None, None), prompt[:, :16], args.profile_steps, device)
+        elif section in ("profile", "profile_verify"):  # plain decode, or verifying 8 nodes (one accepted)
+            spec = spec_for(None, None) if section == "profile" else spec_for(NGram(), specgraph.Chain(7), accept=1)
+            ms, kernels = profile_steps(spec, prompt[:, :16], args.profile_steps, device)
             text = (kernels.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
                     kernels.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
                                   row_limit=40))
-            (args.out / f"e2e-profile-{res['date']}.txt").write_text(text)
-            save("profile", file=f"e2e-profile-{res['date']}.txt", steps=args.profile_steps, **ms)
+            name = f"e2e-{section.replace('_', '-')}-{res['date']}.txt"
+            (args.out / name).write_text(text)
+            save(section, file=name, steps=args.profile_steps, **ms)
     print(json.dumps(res, indent=2))
 
 
