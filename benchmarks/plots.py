@@ -2,6 +2,7 @@
 
     python3 benchmarks/plots.py history HEAD_DIR/history.json out.png    # a training run's curves
     python3 benchmarks/plots.py sweep RESULTS_DIR out.png                 # τ per tree from acceptance JSONs
+    python3 benchmarks/plots.py compare out.png RUN.json [RUN.json ...]   # per-position acceptance, runs overlaid
 """
 from __future__ import annotations
 
@@ -62,5 +63,25 @@ def sweep(results: str, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def compare(out: str, *runs: str) -> None:
+    """Per-position acceptance of several acceptance-report JSONs (tau, position_rate, draft, tree,
+    temperature), one line each: T = 0 solid, T = 1 dashed."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for path in runs:
+        r = json.loads(Path(path).read_text())
+        tree = r["tree"] if len(r["tree"]) < 40 else f"StaticTree ({r['tree'].count('(') - 2} choices)"
+        ax.plot(range(1, len(r["position_rate"]) + 1), r["position_rate"], "o-" if r["temperature"] == 0 else "s--",
+                label=f"{r['draft']} {tree}, T={r['temperature']:g}: τ {r['tau']:.2f}")
+    ax.set(xlabel="draft position (depth)", ylabel="accepted at this depth", ylim=(0, 1),
+           title="SmolLM2-135M-Instruct, MT-bench turn 1, 80 questions x 256 tokens")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
-    {"history": history, "sweep": sweep}[sys.argv[1]](*sys.argv[2:4])
+    command = sys.argv[1]
+    if command == "compare":
+        compare(*sys.argv[2:])
+    else:
+        {"history": history, "sweep": sweep}[command](*sys.argv[2:4])
