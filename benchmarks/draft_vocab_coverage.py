@@ -15,5 +15,6 @@ for q in tqdm(mt_bench_questions(16), desc="questions"):
     ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=True, add_generation_prompt=True,
                                   return_dict=True, return_tensors="pt")["input_ids"]
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, do_sample=False)[0, ids.shape[1]:]
-    inside += int(t2d[out].sum()); total += out.numel()
+    inside += int(t2d[out].sum())
+    total += out.numel()
 print(f"{inside}/{total} = {inside/total:.4f} of greedy answer tokens are in the draft vocabulary (16 questions x <=128 tokens)")

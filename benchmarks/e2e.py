@@ -86,16 +86,12 @@ def cublas_chain_ms(model, fused: bool = False, iters: int = 50) -> float:
     """The decode step's matrix products alone (q/k/v/o, gate/up/down, LM head at M = 1), one CUDA graph.
     ``fused``: q/k/v and gate/up each as one product on a concatenated copy of their weights (what the
     fuse_projections pass makes of the step)."""
-    from specgraph.passes.fuse_projections import PACK_GROUPS
+    from specgraph.passes.fuse_projections import projection_groups
 
     weights, grouped = [], set()
-    if fused:
-        for parent in model.modules():
-            for names in PACK_GROUPS:
-                linears = [getattr(parent, n, None) for n in names]
-                if all(isinstance(m, torch.nn.Linear) for m in linears):
-                    weights.append(torch.cat([m.weight.detach() for m in linears]))
-                    grouped.update(id(m) for m in linears)
+    for linears in projection_groups(model) if fused else ():
+        weights.append(torch.cat([m.weight.detach() for m in linears]))
+        grouped.update(id(m) for m in linears)
     weights += [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m) not in grouped]
     x = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype) for w in weights}
 

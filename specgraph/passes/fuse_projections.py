@@ -57,29 +57,34 @@ def pack_projections(model: torch.nn.Module) -> int:
     A group already laid out, or one with a weight that is not a plain dense tensor of the same dtype,
     device and input width (quantized, offloaded to meta), is left as it is. Returns groups packed."""
     packed = 0
+    for linears in projection_groups(model):
+        weights = [m.weight for m in linears]
+        biases = [m.bias for m in linears]
+        if any(type(w.data) is not torch.Tensor or w.device.type == "meta" or w.dtype != weights[0].dtype
+               or w.device != weights[0].device or w.shape[1] != weights[0].shape[1] for w in weights):
+            continue
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            continue
+        params = [weights] + ([biases] if biases[0] is not None else [])
+        if all(_back_to_back([p.data for p in group]) for group in params):
+            continue
+        for group in params:
+            whole = torch.cat([p.data for p in group])
+            start = 0
+            for p in group:
+                p.data = whole[start:start + p.shape[0]]
+                start += p.shape[0]
+        packed += 1
+    return packed
+
+
+def projection_groups(model: torch.nn.Module):
+    """Each group of sibling ``nn.Linear`` projections named in PACK_GROUPS, as a list of modules."""
     for parent in model.modules():
         for names in PACK_GROUPS:
             linears = [getattr(parent, n, None) for n in names]
-            if not all(isinstance(m, torch.nn.Linear) for m in linears):
-                continue
-            weights = [m.weight for m in linears]
-            biases = [m.bias for m in linears]
-            if any(type(w.data) is not torch.Tensor or w.device.type == "meta" or w.dtype != weights[0].dtype
-                   or w.device != weights[0].device or w.shape[1] != weights[0].shape[1] for w in weights):
-                continue
-            if any(b is None for b in biases) and not all(b is None for b in biases):
-                continue
-            params = [weights] + ([biases] if biases[0] is not None else [])
-            if all(_back_to_back([p.data for p in group]) for group in params):
-                continue
-            for group in params:
-                whole = torch.cat([p.data for p in group])
-                start = 0
-                for p in group:
-                    p.data = whole[start:start + p.shape[0]]
-                    start += p.shape[0]
-            packed += 1
-    return packed
+            if all(isinstance(m, torch.nn.Linear) for m in linears):
+                yield linears
 
 
 def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
@@ -92,6 +97,7 @@ def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if getattr(weight, "name", None) in params and (bias is None or getattr(bias, "name", None) in params):
             groups[(node.args[0], bias is not None)].append(node)
     fused = linears_fused = unfused = 0
+    order = {node: i for i, node in enumerate(graph.nodes)}  # the linears' order; fusing only inserts before them
     for (x, has_bias), nodes in groups.items():
         if len(nodes) < 2:
             continue
@@ -111,7 +117,6 @@ def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             if len(run) < 2:
                 unfused += 1
                 continue
-            order = {node: i for i, node in enumerate(graph.nodes)}
             first = min(run, key=order.__getitem__)
             args = [x]
             for arg in range(1, 3 if has_bias else 2):
