@@ -274,7 +274,7 @@ def main() -> None:
             ms, kernels = profile_steps(spec, prompt[:, :16], args.profile_steps, device)
             text = (kernels.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
                     kernels.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
-                                  row_limit=40))
+                                  row_limit=40, max_name_column_width=160))
             name = f"e2e-{section.replace('_', '-')}-{res['date']}.txt"
             (args.out / name).write_text(text)
             save(section, file=name, steps=args.profile_steps, **ms)

@@ -16,8 +16,9 @@ and to exactly the window slots its mask row names.
 
 The kernel reads the prefix once per KV head for all G*R query rows of the
 group (GQA rows stacked into the M dimension of one tile), split over the
-prefix (flash-decoding) when B*H_kv programs cannot fill the GPU; the split
-holding the prefix's end also takes the 64-slot window under the mask. No
+prefix (flash-decoding) when B*H_kv programs cannot fill the GPU; the 64-slot
+window under the mask is then one more program of its own, so no program does
+two dependent rounds of loads (unsplit, the one program does both). No
 mask tensor larger than [B, R] exists. Unused window slots never reach a
 dot product (V is loaded as 0 there: 0 * garbage would be NaN).
 """
@@ -67,11 +68,11 @@ def _tree_attention_kernel(
     stride_mb, stride_mr,
     H_KV, R, S_MAX, qk_scale, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # tile of the G*R (group head, query row) pairs: fastest, so tiles share K/V in L2
     pid_bh = tl.program_id(1)  # b * H_KV + kv head
-    pid_s = tl.program_id(2)  # split of the prefix
+    pid_s = tl.program_id(2)  # split of the prefix; with splits, the last program takes only the window
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -92,8 +93,8 @@ def _tree_attention_kernel(
     if HAS_WINDOW:
         q_pos = cache_len + popcount64(tree_mask) - 1
         lo = tl.maximum(cache_len - window + 1, 0)  # the root (depth 0) sees the least
-    chunk = tl.cdiv(tl.cdiv(cache_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + pid_s * chunk
+    chunk = tl.cdiv(tl.cdiv(cache_len - lo, PREFIX_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + pid_s * chunk  # >= cache_len for the window-only program: no prefix block
     end = tl.minimum(start + chunk, cache_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -170,7 +171,8 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
         programs = b * h_kv * m_tiles  # split the prefix only when the grid cannot fill the SMs
-        num_splits = 1 if programs >= sms else max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, 4 * config["block_n"]), 64))
+        prefix_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, 4 * config["block_n"]), 63)
+        num_splits = 1 if programs >= sms or prefix_splits <= 1 else prefix_splits + 1  # + the window's program
     config.update(m_tiles=m_tiles, num_splits=num_splits)
     return config
 
@@ -193,7 +195,7 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(),
         h_kv, r, s_max, scale * LOG2E, window,
         G=h // h_kv, HEAD_DIM=d, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], NUM_SPLITS=splits,
-        HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        PREFIX_SPLITS=max(splits - 1, 1), HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS, num_warps=config["num_warps"], num_stages=config["num_stages"],
         UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
     )
     if splits > 1:

@@ -81,7 +81,7 @@ def test_triton_head_dims_and_full_trees(d):
 def test_triton_sliding_window_and_lanes():
     device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     case = make_case(8, b=2, h_kv=2, g=2, d=32, r=8, s_max=200, lanes=True, window=40).to(device=device)
-    for splits in (1, 4):
+    for splits in (1, 2, 4):
         torch.testing.assert_close(tree_attention_triton(*case.args(), num_splits=splits),
                                    tree_attention_reference(*case.args()), atol=TOLERANCE[torch.float32], rtol=0)
 
