@@ -271,6 +271,12 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     again = spec.generate(ids.flip(0), attention_mask=mask.flip(0), max_new_tokens=20, eos_token_id=None)
     assert torch.equal(again, out.flip(0))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the bucket's step is reused
+    longer = prompts(10, [70, 33])  # new lengths (the draft's prompt pass runs three chunks): no recompile
+    ids, mask = left_pad(longer)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+    for row, got in zip(longer, generated_rows(out, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     if kind == "eagle3" and whole_step == "1":  # the draft's pass over the prompt is compiled too
         (bucket,) = spec.capture.decode_steps.values()
         assert hasattr(bucket.session, "_prefill_chain")

@@ -126,9 +126,10 @@ class ARSession:
             width = CHAIN_CHUNK if chain is not None else stop - start
             tokens = torch.tensor([(p[1:] + [0] * (start + width))[start:start + width] for p in prompts],
                                   device=self.device)
-            feats = features[:, start:start + width]
-            if feats.shape[1] < width:  # past the longest prompt: zero pairs
-                feats = torch.cat([feats, feats.new_zeros(feats.shape[0], width - feats.shape[1], feats.shape[2])], 1)
+            # a fresh [B, width, F] buffer, zero past the longest prompt: a slice of ``features`` would
+            # carry the prompt's length in its strides, and the compiled pass would recompile per length
+            feats = features.new_zeros(features.shape[0], width, features.shape[2])
+            feats[:, :stop - start] = features[:, start:stop]
             begin = torch.full((self.batch,), start, device=self.device)
             out = (chain or self._chain)(tokens, feats, begin)  # [B, R, H]
             for row, n in enumerate(lengths):
