@@ -1,6 +1,6 @@
 """End-to-end generate benchmark (GPU): specgraph against HF decoding, measured in one run.
 
-    python benchmarks/generate.py [--prompts 8] [--max-new-tokens 128] [--methods ...] [--out DIR]
+    python benchmarks/generate.py [--prompts 8] [--max-new-tokens 128] [--methods ...] [--out DIR] [--profile]
 
 Target: the embedded SmolLM2-135M-Instruct (SPECGRAPH_GGUF=path where the
 package is not installed), bf16, batch 1, greedy, on the first turn of
@@ -24,6 +24,9 @@ diverges is classified by the target's own top-2 logit gap at the first
 divergent position: bf16 tree verification computes logits in another
 order than HF's decoding, so near-ties may flip. The physical floor is the
 target's weight bytes / the copy bandwidth measured in this run, per step.
+--profile (with --out): one more generate of the first prompt per specgraph method under
+torch.profiler, its per-kernel table written to DIR/generate-profile-METHOD.txt, with the
+steps and wall time of that (profiled, so slower) call.
 """
 from __future__ import annotations
 
@@ -120,12 +123,32 @@ def divergence(model, row, want, got) -> dict | None:
     return dict(position=at, gap=float(logits[want[at]] - logits[got[at]]))
 
 
+@torch.no_grad()
+def profile_generate(spec, row, max_new, path: Path) -> None:
+    """One generate of ``row`` under torch.profiler: kernel table sorted by host and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.tensor([row], device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        out = spec.generate(ids, max_new_tokens=max_new, eos_token_id=None, return_dict_in_generate=True)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    table = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{len(out['accept_lens'])} steps, {elapsed * 1e3:.1f} ms under the profiler\n\n"
+                    + table.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=100) + "\n\n"
+                    + table.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=100))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="write a per-kernel profile per specgraph method")
     args = parser.parse_args()
     model, tokenizer = load_gguf(dtype=torch.bfloat16)
     model = model.cuda().eval()
@@ -152,6 +175,8 @@ def main() -> None:
             run_specgraph(spec, rows[:1], args.max_new_tokens)  # warm-up (and compile)
             outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens)
             first = [run_specgraph(spec, [row], 1)[1] for row in rows]
+            if args.profile and args.out:
+                profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{method}.txt")
         tokens = sum(map(len, outs))
         entry = dict(tokens_per_s=tokens / elapsed, tau=tau, first_token_ms=sorted(first)[len(first) // 2] * 1e3,
                      setup_s=time.perf_counter() - start - elapsed - sum(first))
