@@ -277,6 +277,34 @@ def random_parents(rng, n: int) -> list[int]:
     return parents
 
 
+# ----------------------------------------------------------------------------- a draft's top k
+TOPK_CHUNK = 256  # a long row's top k is taken per chunk of this many, then over the chunks' winners
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, -1)`` (values best first, indices) for a long last dimension (a vocabulary).
+
+    k = 1 is a max. A longer row is cut into chunks of TOPK_CHUNK (padded with -inf), each chunk's
+    top k kept, and the top k of those taken: the same values as one topk (a row's k best are
+    among its chunks' k bests); equal values may come back in another index order. Why: on CUDA
+    one topk over a few long rows runs one block per row (47 us for 8 rows of 8,192 on the H200,
+    15% of an EAGLE-2 tree step); chunked, the first round spreads over rows x chunks.
+    x: [..., V] float -> values [..., k], indices [..., k] int64.
+    """
+    v = x.shape[-1]
+    if k == 1:
+        return x.max(-1, keepdim=True)
+    if k > TOPK_CHUNK or v < 4 * TOPK_CHUNK:
+        return x.topk(k, -1)
+    chunks = -(-v // TOPK_CHUNK)
+    if v % TOPK_CHUNK:
+        x = torch.nn.functional.pad(x, (0, chunks * TOPK_CHUNK - v), value=float("-inf"))
+    part = x.unflatten(-1, (chunks, TOPK_CHUNK)).topk(k, -1)  # [..., C, k]
+    offset = torch.arange(chunks, device=x.device).unsqueeze(-1) * TOPK_CHUNK  # [C, 1]
+    best = part.values.flatten(-2).topk(k, -1)  # [..., k] over the C*k winners
+    return best.values, (part.indices + offset).flatten(-2).gather(-1, best.indices)
+
+
 # ----------------------------------------------------------------------------- EAGLE-2 selection
 def rank_order(scores: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
     """Candidate ids best first: higher score first, ties to the lower id, NaN last.

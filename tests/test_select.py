@@ -195,3 +195,27 @@ def test_selection_and_ancestry_run_on_the_meta_device():
     cat = lambda name: torch.cat([getattr(f, name) for f in steps], 1)  # noqa: E731
     tree = select_tree(cat("scores"), cat("tokens"), cat("parents"), torch.empty(2, dtype=torch.long, **meta), spec)
     assert tree.mask.shape == (2, 16) and tree.mask.device.type == "meta"
+
+
+@pytest.mark.parametrize("v,k", [(8192, 8), (1000, 3), (1031, 4), (49152, 10), (300, 5), (8192, 1), (2048, 256)])
+def test_top_k_matches_torch_topk(v, k):
+    """The chunked top k: torch.topk's values, best first; the indices point at them."""
+    g = torch.Generator().manual_seed(v + k)
+    x = torch.randn(2, 3, v, generator=g)
+    x[0, 0, :: 7] = x[0, 0, 5]  # many exact ties
+    x[1, 2, 17] = float("inf")
+    values, indices = trees.top_k(x, k)
+    want = x.topk(k, -1)
+    assert values.shape == indices.shape == (2, 3, k) and indices.dtype == torch.int64
+    assert torch.equal(values, want.values)
+    assert torch.equal(x.gather(-1, indices), values)
+    assert (indices.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct entries of the row
+
+
+@given(st.lists(st.sampled_from(HARD), min_size=1024, max_size=1300), st.integers(1, 12))
+def test_top_k_on_hard_rows(row, k):
+    """Ties, infinities and NaN (torch.topk ranks NaN first): same values as torch.topk."""
+    x = torch.tensor(row).view(1, -1)
+    values, indices = trees.top_k(x, k)
+    torch.testing.assert_close(values, x.topk(k, -1).values, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(x.gather(-1, indices), values, rtol=0, atol=0, equal_nan=True)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..kernels.bitmask import MAX_NODES
-from ..trees import Chain, DynamicTree, StaticTree, Tree, expand_frontier, seed_frontier, select_tree
+from ..trees import Chain, DynamicTree, StaticTree, Tree, expand_frontier, seed_frontier, select_tree, top_k
 
 CHAIN_CHUNK = 32  # rows per call when the draft reads a prompt
 _LOW63 = (1 << 63) - 1
@@ -158,8 +158,8 @@ class ARSession:
     def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [..., H] -> (log-probs, target tokens) of the k best, [..., k]."""
         logprobs = torch.log_softmax(self.draft.draft_logits(hidden).float(), -1)
-        top = logprobs.topk(k, dim=-1)
-        return top.values, self.draft.to_target(top.indices)
+        values, indices = top_k(logprobs, k)
+        return values, self.draft.to_target(indices)
 
     def _propose_static(self, roots: torch.Tensor) -> Tree:
         b, n = self.batch, len(self.parents)

@@ -22,7 +22,7 @@ from torch import nn
 from ..passes import HiddenTaps
 from .checkpoint import read_checkpoint, write_checkpoint
 from .eagle import _Borrowed
-from ..trees import Chain, StaticTree, Tree
+from ..trees import Chain, StaticTree, Tree, top_k
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 
@@ -88,7 +88,7 @@ class Medusa(nn.Module):
         """hidden [B, H] -> draft tokens [B, N-1] for the tree's nodes 1..N-1."""
         paths = tree.choices if isinstance(tree, StaticTree) else tuple((0,) * d for d in range(1, tree.depth + 1))
         topk = max(p[-1] for p in paths) + 1
-        top = self(hidden).topk(topk, dim=-1).indices  # [B, K, topk]
+        top = top_k(self(hidden), topk)[1]  # [B, K, topk]
         head = torch.tensor([len(p) - 1 for p in paths], device=hidden.device)
         rank = torch.tensor([p[-1] for p in paths], device=hidden.device)
         return top[:, head, rank]
