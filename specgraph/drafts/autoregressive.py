@@ -172,7 +172,9 @@ class ARSession:
                 hidden[:, rows] = self._run(tokens[:, rows], hidden[:, parent_rows], False, self.length,
                                             (rows - 1).expand(b, -1), self.window_mask[:, rows],
                                             torch.full_like(rows, d - 1).expand(b, -1))
-            _, top = self._top(hidden[:, rows], self.topk)  # [B, P, k]
+            # a fixed tree needs only the ranking: top k of the logits, no log-softmax over the vocabulary
+            logits = self.draft.draft_logits(hidden[:, rows]).float()
+            top = self.draft.to_target(top_k(logits, self.topk)[1])  # [B, P, k]
             tokens[:, children] = top[:, slot, rank]
         return Tree.from_spec(self.tree, tokens)
 
