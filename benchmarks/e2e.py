@@ -18,7 +18,8 @@ Every figure is measured in this run, on the same model:
   synthetic  an EAGLE-3-shaped head (random, full vocabulary) on Chain(4), synthetic_accept=4
              (tau = 4): the measured speedup over plain, against the ideal
              tau / (t_verify(N) / t_decode + S * c), c = draft bytes / target bytes per step
-  batch      plain and synthetic chain at B = 1, 4, 16, 64: tokens/s and speedup
+  batch      plain, and the synthetic head (tau = 4) on Chain(4) and on an EAGLE-2 DynamicTree(4, 4, 16),
+             at B = 1, 4, 16, 64: tokens/s and speedup (plot: plots.py batch)
   profile    torch.profiler over --profile-steps plain decode steps after a 16-token prompt (one
              prefill chunk): device time per step by kernel kind (matmul, attention, copy,
              reduction, elementwise, other) against the wall time per step; the top ops by self
@@ -57,6 +58,7 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 tie_word_embeddings=False)
 TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024)
+BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16)}
 
 
 def make_target(shape: dict, device: str):
@@ -264,10 +266,11 @@ def main() -> None:
                 ids = prompt.expand(b, -1).contiguous()
                 plain, _ = step_ms(spec_for(None, None, b), ids, args.short, args.long, device)
                 head = Eagle3.for_target(model).to(device, torch.bfloat16)
-                spec, tau = step_ms(spec_for(head, specgraph.Chain(4), b, accept=4), ids, args.short, args.long,
-                                    device)
-                rows[f"b{b}"] = dict(plain_tok_s=b * 1e3 / plain, spec_tok_s=b * tau * 1e3 / spec,
-                                     speedup=tau * plain / spec)
+                row = dict(plain_tok_s=b * 1e3 / plain)
+                for name, tree in BATCH_TREES.items():  # the same head, the same forced depth 4
+                    spec, tau = step_ms(spec_for(head, tree, b, accept=4), ids, args.short, args.long, device)
+                    row.update({f"{name}_tok_s": b * tau * 1e3 / spec, f"{name}_speedup": tau * plain / spec})
+                rows[f"b{b}"] = row
                 save("batch", **rows)
         elif section in ("profile", "profile_verify"):  # plain decode, or verifying 8 nodes (one accepted)
             spec = spec_for(None, None) if section == "profile" else spec_for(NGram(), specgraph.Chain(7), accept=1)

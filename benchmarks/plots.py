@@ -3,6 +3,7 @@
     python3 benchmarks/plots.py history HEAD_DIR/history.json out.png    # a training run's curves
     python3 benchmarks/plots.py sweep RESULTS_DIR out.png                 # τ per tree from acceptance JSONs
     python3 benchmarks/plots.py compare out.png RUN.json [RUN.json ...]   # per-position acceptance, runs overlaid
+    python3 benchmarks/plots.py batch E2E.json out.png                    # e2e batch section: speedup vs batch
 """
 from __future__ import annotations
 
@@ -79,9 +80,28 @@ def compare(out: str, *runs: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def batch(path: str, out: str) -> None:
+    """Speedup over plain decode vs batch size, one line per tree (e2e.py's batch section)."""
+    r = json.loads(Path(path).read_text())
+    rows = sorted(((int(k[1:]), v) for k, v in r["batch"].items()), key=lambda kv: kv[0])
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    trees = sorted({k[: -len("_speedup")] for _, v in rows for k in v if k.endswith("_speedup")})
+    for tree in trees or ["chain"]:
+        key = f"{tree}_speedup" if trees else "speedup"  # runs before the tree rows had one chain, "speedup"
+        points = [(b, v[key]) for b, v in rows if key in v]
+        ax.plot([b for b, _ in points], [s for _, s in points], "o-", label=tree)
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set(xscale="log", xlabel="batch size", ylabel="speedup over plain decode",
+           title=f"{r['shape']}, synthetic τ = 4, {r['device']}")
+    ax.set_xticks([b for b, _ in rows], [str(b) for b, _ in rows])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
     command = sys.argv[1]
     if command == "compare":
         compare(*sys.argv[2:])
     else:
-        {"history": history, "sweep": sweep}[command](*sys.argv[2:4])
+        {"history": history, "sweep": sweep, "batch": batch}[command](*sys.argv[2:4])
