@@ -243,6 +243,21 @@ def test_streamer_and_stopping_criteria_match_model_generate():
     assert [c[0] for c in streamer.calls[1:-1]] == want  # one put per accepted token, in order
 
 
+def assert_one_compile_across_lengths(spec, model, batches, max_new_tokens: int = 16) -> None:
+    """Generate each batch of prompt lengths in turn: token-exact with HF greedy, and after the first
+    batch no new compiled graph (a new prompt length must recompile nothing)."""
+    graphs = None
+    for seed, lengths in enumerate(batches):
+        rows = prompts(20 + seed, lengths)
+        ids, mask = left_pad(rows)
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None)
+        for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+            assert got == hf_greedy(model, row, max_new_tokens=max_new_tokens, eos_token_id=None)
+        now = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert graphs is None or now == graphs, f"prompt lengths {lengths}: {now - graphs} new compiled graph(s)"
+        graphs = now
+
+
 @pytest.mark.parametrize("kind,whole_step", [("ngram", "1"), ("eagle3", "1"), ("medusa", "1"), ("eagle3", "0")])
 def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     """backend="inductor": the decode step (verify, compact, commit, and for EAGLE-3 the next EAGLE-2

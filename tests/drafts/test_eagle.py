@@ -17,7 +17,8 @@ from specgraph.drafts.autoregressive import chain_mask
 from specgraph.runtime.generate import prefill
 from specgraph.trees import expand_frontier, seed_frontier, select_tree
 from test_capture import tiny_model
-from test_generate import _homogeneity_p, _marginals, _small_vocab_model, generated_rows, hf_greedy, left_pad, prompts
+from test_generate import (_homogeneity_p, _marginals, _small_vocab_model, assert_one_compile_across_lengths,
+                           generated_rows, hf_greedy, left_pad, prompts)
 
 SMALL_STATIC = StaticTree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)))
 TREES = [Chain(3), SMALL_STATIC, DynamicTree(steps=3, topk=3, nodes=8)]
@@ -211,3 +212,12 @@ def test_one_token_prompts_start_from_an_empty_cache(kind):
         assert got == hf_greedy(model, row, max_new_tokens=15, eos_token_id=None)
     alone = spec.generate(torch.tensor([[7]]), max_new_tokens=15, eos_token_id=None)
     assert alone[0, 1:].tolist() == hf_greedy(model, [7], max_new_tokens=15, eos_token_id=None)
+
+
+def test_eagle1_inductor_compiles_once_across_prompt_lengths():
+    """backend="inductor": EAGLE-1's prompt pass, first tree and whole step compile once; prompts of new
+    lengths (one to three prompt-pass chunks) reuse them, token-exact."""
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, make_draft("eagle", model), tree=DynamicTree(steps=3, topk=2, nodes=6),
+                             max_length=128, backend="inductor")
+    assert_one_compile_across_lengths(spec, model, [[6], [40], [75]])

@@ -19,7 +19,8 @@ from specgraph.drafts import MTP
 from specgraph.drafts.autoregressive import chain_mask
 from test_capture import tiny_model
 from test_eagle import SMALL_STATIC, check_dynamic_row, oracle_logprobs, propose_once
-from test_generate import _small_vocab_model, generated_rows, hf_greedy, left_pad, prompts
+from test_generate import (_small_vocab_model, assert_one_compile_across_lengths, generated_rows, hf_greedy, left_pad,
+                           prompts)
 
 TARGET = {"deepseek": "llama", "mimo": "qwen2", "qwen3_next": "qwen3"}  # GLM-style, MiMo's own, key layout only
 PREFIX = {"deepseek": "model.layers.{L}.", "mimo": "model.mtp_layers.0.", "qwen3_next": "mtp."}
@@ -353,3 +354,10 @@ def test_save_pretrained_round_trips_through_from_target(layout, tmp_path):
                                       d.new_cache(1, 64, "cpu"), torch.zeros(1, dtype=torch.long), pairs,
                                       chain_mask(t, "cpu").unsqueeze(0))) for d in (again, draft))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_inductor_compiles_once_across_prompt_lengths(tmp_path):
+    """backend="inductor" with the MTP module: prompts of new lengths recompile nothing, token-exact."""
+    model, draft, _ = mtp_target("deepseek", tmp_path, extras=())
+    spec = specgraph.compile(model, draft, tree=DYNAMIC, max_length=128, backend="inductor")
+    assert_one_compile_across_lengths(spec, model, [[6], [40], [75]])
