@@ -191,12 +191,15 @@ def test_sampling_matches_plain_sampling_in_distribution(params):
     rows, positions, prompt = 2000, 4, [3, 4, 5, 3, 4, 5, 3, 4]  # repetitive: the n-gram draft gets accepted
     spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=rows, max_length=64)
     ids = torch.tensor([prompt] * rows)
+    # the bucket first samples with other parameters: it is reused below, with ``params`` set in place
+    spec.generate(ids, do_sample=True, max_new_tokens=2, eos_token_id=None, temperature=3.0, top_k=2, top_p=0.5)
     torch.manual_seed(10)
     out = spec.generate(ids, do_sample=True, max_new_tokens=positions, eos_token_id=None, return_dict_in_generate=True,
                         **params)
     torch.manual_seed(11)
     plain = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=positions,
                            eos_token_id=None, pad_token_id=0, **params)
+    assert len(spec.capture.decode_steps) == 1
     ours, theirs = _marginals(out["sequences"], len(prompt), positions, 12), _marginals(plain, len(prompt), positions, 12)
     for i in range(positions):
         assert _homogeneity_p(ours[i], theirs[i]) > 0.01, (i, ours[i], theirs[i])
@@ -292,6 +295,16 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     for row, got in zip(longer, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    if kind == "ngram" and whole_step == "1":  # sampling: a new temperature reuses the compiled step
+        hot = spec.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, do_sample=True,
+                            temperature=5.0)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        cold = spec.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, do_sample=True,
+                             temperature=1e-4)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        # the step read the new value: near-zero temperature samples the greedy tokens
+        assert torch.equal(cold, spec.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None))
+        assert not torch.equal(hot, cold)
     if kind == "eagle3" and whole_step == "1":  # the draft's pass over the prompt is compiled too
         (bucket,) = spec.capture.decode_steps.values()
         assert hasattr(bucket.session, "_prefill_chain")

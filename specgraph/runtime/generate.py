@@ -87,9 +87,13 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     # (the rest of the step then runs eagerly: a fallback for inductor bugs).
     whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
     mode = cuda_graph_mode(device) if whole_step else "off"
-    key = (id(draft), batch, repr(tree), max_length, repr(sampling), compiled, whole_step, mode, synthetic_accept)
+    # sampling's values are not in the key: the step reads them from tensors (DecodeStep.set_sampling)
+    key = (id(draft), batch, repr(tree), max_length, sampling is None, compiled, whole_step, mode, synthetic_accept)
     if key in capture.decode_steps:
-        return capture.decode_steps[key]
+        bucket = capture.decode_steps[key]
+        if sampling is not None:
+            bucket.step.set_sampling(sampling)
+        return bucket
     session = draft.session(tree, batch, max_length, device)
     if whole_step and hasattr(session, "compile_host_work"):  # e.g. the EAGLE drafts' pass over the prompt
         session.compile_host_work(lambda method: torch.compile(own_code(method), fullgraph=True, dynamic=False))
@@ -109,17 +113,18 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     propose = session.propose
     if whole_step and getattr(session, "proposes_on_device", False):
         propose = torch.compile(own_code(session.propose), fullgraph=True, dynamic=False)
-    capture.decode_steps[key] = Bucket(session, run, propose)
+    capture.decode_steps[key] = Bucket(session, run, propose, step)
     return capture.decode_steps[key]
 
 
 class Bucket(NamedTuple):
-    """What ``decode_step`` keeps per bucket: the draft session, the (compiled) step, and how the first
-    tree of a call is proposed (``propose(sequences, roots)``)."""
+    """What ``decode_step`` keeps per bucket: the draft session, the (compiled) step, how the first
+    tree of a call is proposed (``propose(sequences, roots)``), and the DecodeStep itself."""
 
     session: object
     run: object
     propose: object
+    step: object
 
 
 def cuda_graph_mode(device: torch.device) -> str:
@@ -224,7 +229,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
-    session, run, propose = decode_step(capture, draft, tree, b, max_length, sampling, compiled, synthetic_accept)
+    session, run, propose, _ = decode_step(capture, draft, tree, b, max_length, sampling, compiled, synthetic_accept)
     cache_len, features = prefill(capture, prompts, device, session.taps)
     session.prefill(prompts, features)
     sequences = [list(p) for p in prompts]

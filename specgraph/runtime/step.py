@@ -40,12 +40,25 @@ class DecodeStep:
         """``compiled_target``: call the bucket's own compiled graph (the rest of the step stays eager);
         otherwise the raw graph, so that compiling this whole step traces the target into it.
         ``synthetic_accept``: benchmarks only, not lossless (``verify_forced``)."""
-        self.capture, self.session, self.spec, self.sampling = capture, session, spec, sampling
+        self.capture, self.session, self.spec = capture, session, spec
+        # sampling parameters live in tensors updated in place (``set_sampling``): a compiled step, and
+        # its CUDA graph, read the current values, so a new temperature recompiles nothing
+        self.sampling = None if sampling is None else {
+            "temperature": torch.zeros((), dtype=torch.float32, device=capture.kv_device),
+            "top_k": torch.zeros((), dtype=torch.int64, device=capture.kv_device),
+            "top_p": torch.zeros((), dtype=torch.float32, device=capture.kv_device)}
+        if sampling is not None:
+            self.set_sampling(sampling)
         self.synthetic_accept = synthetic_accept
         self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
         self.target_fn = self.target.run if compiled_target else self.target.graph
         self.kv = capture.kv(batch)
         self.proposes_on_device = getattr(session, "proposes_on_device", False)
+
+    def set_sampling(self, sampling) -> None:
+        """Use ``sampling``'s temperature, top_k and top_p from the next step on (in place)."""
+        for name, value in self.sampling.items():
+            value.fill_(getattr(sampling, name))
 
     def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
         # rows that finished write their (ignored) tree at slot 0: their cache_len ran ahead by the
@@ -60,8 +73,7 @@ class DecodeStep:
         elif self.sampling is None:
             acc = verify_greedy(tree.tokens, tree.parents, tree.mask, logits.argmax(-1), self.spec.max_depth)
         else:
-            s = self.sampling
-            probs = sampling_probs(logits, s.temperature, s.top_k, s.top_p)
+            probs = sampling_probs(logits, **self.sampling)
             acc = verify_sample(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth)
         accept_len = torch.where(active, acc.accept_len, 0)
         torch.ops.specgraph.compact_kv(self.kv, base, acc.path, accept_len)
