@@ -14,6 +14,8 @@ MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
   sg_plain        specgraph.compile(model, None): plain decoding on the same engine, inductor
   sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64) (the measured best), inductor
+  sg_eagle3_treeN the same head and drafting, DynamicTree(8, 8, N): the tree budget (--budgets N ... adds them;
+                  plots.py budget GEN.json out.png draws tokens/s against plain decode per budget)
 (inductor methods replay the whole step as a CUDA graph; SPECGRAPH_CUDA_GRAPHS=0 turns that off:
 say so when reporting.)
 For every method: the median time of a one-token generate per prompt (a call's fixed cost:
@@ -53,6 +55,9 @@ def specgraph_method(model, method: str):
     """(draft, tree, backend) of a specgraph method."""
     from specgraph.models import load_default_draft
 
+    budget = method.removeprefix("sg_eagle3_tree")
+    if budget.isdigit():
+        return load_default_draft(), specgraph.DynamicTree(8, 8, int(budget)), "inductor"
     return {
         "sg_eager": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "eager"),
         "sg_inductor": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "inductor"),
@@ -147,9 +152,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--budgets", type=int, nargs="*", default=[],
+                        help="also run sg_eagle3_treeN for each tree budget N (nodes, root included; 2 .. 64)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="write a per-kernel profile per specgraph method")
     args = parser.parse_args()
+    bad = [n for n in args.budgets if not 2 <= n <= 64]
+    if bad:
+        parser.error(f"--budgets {bad}: a tree budget counts nodes, root included: 2 .. 64")
+    args.methods += [f"sg_eagle3_tree{n}" for n in args.budgets]
     model, tokenizer = load_gguf(dtype=torch.bfloat16)
     model = model.cuda().eval()
     rows = prompts(tokenizer, args.prompts)

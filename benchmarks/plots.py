@@ -4,6 +4,7 @@
     python3 benchmarks/plots.py sweep RESULTS_DIR out.png                 # τ per tree from acceptance JSONs
     python3 benchmarks/plots.py compare out.png RUN.json [RUN.json ...]   # per-position acceptance, runs overlaid
     python3 benchmarks/plots.py batch E2E.json out.png                    # e2e batch section: speedup vs batch
+    python3 benchmarks/plots.py budget GEN.json out.png                   # generate.py --budgets: speedup vs tree budget
 """
 from __future__ import annotations
 
@@ -99,9 +100,33 @@ def batch(path: str, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def budget(path: str, out: str) -> None:
+    """Tokens/s over specgraph's plain decode (and τ) per tree budget, from generate.py --budgets."""
+    r = json.loads(Path(path).read_text())
+    methods = r["methods"]
+    plain = methods["sg_plain"]["tokens_per_s"]
+    points = sorted((int(name.removeprefix("sg_eagle3_tree")), m) for name, m in methods.items()
+                    if name.removeprefix("sg_eagle3_tree").isdigit())
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot([n for n, _ in points], [m["tokens_per_s"] / plain for _, m in points], "o-", label="EAGLE-3 tree")
+    for n, m in points:
+        ax.annotate(f"τ {m['tau']:.2f}", (n, m["tokens_per_s"] / plain), fontsize=7, xytext=(3, 4),
+                    textcoords="offset points")
+    if "hf_static" in methods:
+        ax.axhline(methods["hf_static"]["tokens_per_s"] / plain, color="tab:red", lw=0.8, ls="--",
+                   label="HF static cache + compile")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":", label="specgraph plain decode")
+    ax.set(xscale="log", xlabel="tree budget (nodes)", ylabel="tokens/s over plain decode",
+           title=f"SmolLM2-135M bf16, batch 1, {r['gpu']}")
+    ax.set_xticks([n for n, _ in points], [str(n) for n, _ in points])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
     command = sys.argv[1]
     if command == "compare":
         compare(*sys.argv[2:])
     else:
-        {"history": history, "sweep": sweep, "batch": batch}[command](*sys.argv[2:4])
+        {"history": history, "sweep": sweep, "batch": batch, "budget": budget}[command](*sys.argv[2:4])
