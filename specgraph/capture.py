@@ -23,6 +23,7 @@ passes then rewrite it (specgraph/passes/). HF's export helpers are not used
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -168,7 +169,7 @@ def graph_context(program, info: TargetInfo, taps=None, logits_rows=None):
     users = [spec.arg.name for spec in signature.input_specs if spec.kind.name == "USER_INPUT"]
     params = {name: program.state_dict[target] for name, target in signature.inputs_to_parameters.items()}
     return GraphContext(info, kv=buffer_input["kv"], cache_len=users[2], tree_mask=users[3], taps=taps,
-                        logits_rows=logits_rows, params=params)
+                        logits_rows=logits_rows, params=params, gemv=os.environ.get("SPECGRAPH_GEMV") == "1")
 
 
 class CapturedStep:
