@@ -11,6 +11,8 @@ Every figure is measured in this run, on the same model:
              with q/k/v and gate/up each one product (fused_chain_ms: what fuse_projections runs)
   plain      specgraph.compile(model, None, backend="inductor"), whole step, CUDA graphs:
              ms per decoded token (steady state: the difference of two generation lengths)
+  plain_gemv the same plain decode with SPECGRAPH_GEMV=1 (the opt-in gemv_linears pass: decode-sized
+             products as specgraph::gemv instead of cuBLAS): ms per token, / plain, / floor
   trees      the same step under torch.compile's own CUDA graphs (SPECGRAPH_CUDA_GRAPHS=trees,
              reduce-overhead) instead of specgraph's hand-recorded one: what the host work costs
   verify     the same engine verifying N = 8 and N = 64 nodes per step (NGram draft, chain,
@@ -52,7 +54,8 @@ from specgraph.drafts import Eagle3, NGram  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
-SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile", "profile_verify")
+SECTIONS = ("floor", "cublas", "plain", "plain_gemv", "trees", "verify", "synthetic", "batch", "profile",
+            "profile_verify")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
                 tie_word_embeddings=False)
@@ -225,6 +228,16 @@ def main() -> None:
             extra = {f"x_{k}_{v}": ms / res[k][v] for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms"),
                                                                 ("cublas", "fused_chain_ms")) if k in res}
             save("plain", ms_per_token=ms, tau=tau, **extra)
+        elif section == "plain_gemv":  # the same plain decode with the gemv_linears pass (opt-in) on
+            os.environ["SPECGRAPH_GEMV"] = "1"
+            try:
+                ms, _ = step_ms(spec_for(None, None), prompt, args.short, args.long, device)
+            finally:
+                os.environ.pop("SPECGRAPH_GEMV")
+            extra = {"x_plain": ms / res["plain"]["ms_per_token"]} if "plain" in res else {}
+            if "floor" in res:
+                extra["x_floor"] = ms / res["floor"]["floor_ms"]
+            save("plain_gemv", ms_per_token=ms, **extra)
         elif section == "trees":
             os.environ["SPECGRAPH_CUDA_GRAPHS"] = "trees"
             try:

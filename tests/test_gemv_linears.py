@@ -37,3 +37,6 @@ def test_off_by_default(monkeypatch):
     driver = Driver(tiny_model("llama"), batch=1, max_length=96, seed=6)
     step = driver.capture.step(1, 1)
     assert not dict(step.pass_results)["gemv_linears"].modified and _count(step, GEMV) == 0
+    monkeypatch.setenv("SPECGRAPH_GEMV", "1")  # part of the bucket's key: the same Capture builds a gemv step
+    on = driver.capture.step(1, 1)
+    assert on is not step and _count(on, GEMV) > 0 and _count(step, GEMV) == 0
