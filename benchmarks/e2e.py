@@ -10,7 +10,8 @@ Every figure is measured in this run, on the same model:
              M = 1) captured as one CUDA graph: what a perfect engine would still pay; and the same
              with q/k/v and gate/up each one product (fused_chain_ms: what fuse_projections runs)
   plain      specgraph.compile(model, None, backend="inductor"), whole step, CUDA graphs:
-             ms per decoded token (steady state: the difference of two generation lengths)
+             ms per decoded token (steady state: the difference of two generation lengths), and
+             replay_ms_per_token: the recorded step graph replayed back to back (device time, no host)
   plain_gemv the same plain decode with SPECGRAPH_GEMV=1 (the opt-in gemv_linears pass: decode-sized
              products as specgraph::gemv instead of cuBLAS): ms per token, / plain, / floor
   trees      the same step under torch.compile's own CUDA graphs (SPECGRAPH_CUDA_GRAPHS=trees,
@@ -143,6 +144,42 @@ def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device: str, repe
     return statistics.median(per_step), statistics.median(per_token)
 
 
+def replay_ms(spec, steps: int = 64) -> float | None:
+    """Device time per decode step with no host loop: the bucket's recorded CUDA graph replayed
+    ``steps`` times back to back: the same kernels and bytes as a step (its token inputs stay the last
+    step's; it writes the next cache slots, and max_length leaves 128 past the longest generate).
+    None without a recorded graph."""
+    # the bucket this section's generate built last (the Capture, shared across compiles, keeps earlier ones)
+    graphs = [b.run.graph for b in spec.capture.decode_steps.values() if getattr(b.run, "graph", None) is not None]
+    if not graphs:
+        return None
+    graph = graphs[-1]
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / steps
+
+
+def decode_figures(spec, prompt, args, device, res) -> dict:
+    """ms per token through generate (host loop included) and per graph replay (device only), each
+    against the floor and the cuBLAS chains measured earlier in the run."""
+    ms, tau = step_ms(spec, prompt, args.short, args.long, device)
+    out = dict(ms_per_token=ms, tau=tau)
+    device_ms = replay_ms(spec, steps=64) if device == "cuda" else None
+    if device_ms is not None:
+        out["replay_ms_per_token"] = device_ms
+    for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms"), ("cublas", "fused_chain_ms")):
+        if k in res:
+            out[f"x_{k}_{v}"] = ms / res[k][v]
+            if device_ms is not None:
+                out[f"replay_x_{k}_{v}"] = device_ms / res[k][v]
+    return out
+
+
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("tree_attention", "merge_splits")),
     ("matmul", ("gemm", "nvjet", "cutlass", "splitk", "cublas", "sm90_xmma")),
@@ -224,20 +261,16 @@ def main() -> None:
         elif section == "cublas" and device == "cuda":
             save("cublas", chain_ms=cublas_chain_ms(model), fused_chain_ms=cublas_chain_ms(model, fused=True))
         elif section == "plain":
-            ms, tau = step_ms(spec_for(None, None), prompt, args.short, args.long, device)
-            extra = {f"x_{k}_{v}": ms / res[k][v] for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms"),
-                                                                ("cublas", "fused_chain_ms")) if k in res}
-            save("plain", ms_per_token=ms, tau=tau, **extra)
+            save("plain", **decode_figures(spec_for(None, None), prompt, args, device, res))
         elif section == "plain_gemv":  # the same plain decode with the gemv_linears pass (opt-in) on
             os.environ["SPECGRAPH_GEMV"] = "1"
             try:
-                ms, _ = step_ms(spec_for(None, None), prompt, args.short, args.long, device)
+                values = decode_figures(spec_for(None, None), prompt, args, device, res)
             finally:
                 os.environ.pop("SPECGRAPH_GEMV")
-            extra = {"x_plain": ms / res["plain"]["ms_per_token"]} if "plain" in res else {}
-            if "floor" in res:
-                extra["x_floor"] = ms / res["floor"]["floor_ms"]
-            save("plain_gemv", ms_per_token=ms, **extra)
+            if "plain" in res:
+                values["x_plain"] = values["ms_per_token"] / res["plain"]["ms_per_token"]
+            save("plain_gemv", **values)
         elif section == "trees":
             os.environ["SPECGRAPH_CUDA_GRAPHS"] = "trees"
             try:
