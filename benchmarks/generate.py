@@ -16,6 +16,8 @@ MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64) (the measured best), inductor
   sg_eagle3_treeN the same head and drafting, DynamicTree(8, 8, N): the tree budget (--budgets N ... adds them;
                   plots.py budget GEN.json out.png draws tokens/s against plain decode per budget)
+  sg_eagle3@TREE  the head on any tree spec (--trees TREE ...: chainK, dynamic:STEPS,TOPK,NODES, eagle1):
+                  fewer draft steps cost fewer launches per step, at the price of depth
 (inductor methods replay the whole step as a CUDA graph; SPECGRAPH_CUDA_GRAPHS=0 turns that off:
 say so when reporting.)
 For every method: the median time of a one-token generate per prompt (a call's fixed cost:
@@ -45,10 +47,19 @@ from transformers import StaticCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
+from specgraph.trees import parse_tree  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "specgraph" / "data" / "mt_bench_questions.jsonl"
 METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree", "hf_lookup",
            "hf_static")
+
+
+def _tree_spec(text: str) -> str:
+    try:
+        parse_tree(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def specgraph_method(model, method: str):
@@ -58,6 +69,8 @@ def specgraph_method(model, method: str):
     budget = method.removeprefix("sg_eagle3_tree")
     if budget.isdigit():
         return load_default_draft(), specgraph.DynamicTree(8, 8, int(budget)), "inductor"
+    if method.startswith("sg_eagle3@"):
+        return load_default_draft(), parse_tree(method.removeprefix("sg_eagle3@")), "inductor"
     return {
         "sg_eager": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "eager"),
         "sg_inductor": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "inductor"),
@@ -154,13 +167,15 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--budgets", type=int, nargs="*", default=[],
                         help="also run sg_eagle3_treeN for each tree budget N (nodes, root included; 2 .. 64)")
+    parser.add_argument("--trees", nargs="*", default=[], type=_tree_spec,
+                        help="also run sg_eagle3@TREE for each spec (chainK, dynamic:STEPS,TOPK,NODES, eagle1)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="write a per-kernel profile per specgraph method")
     args = parser.parse_args()
     bad = [n for n in args.budgets if not 2 <= n <= 64]
     if bad:
         parser.error(f"--budgets {bad}: a tree budget counts nodes, root included: 2 .. 64")
-    args.methods += [f"sg_eagle3_tree{n}" for n in args.budgets]
+    args.methods += [f"sg_eagle3_tree{n}" for n in args.budgets] + [f"sg_eagle3@{t}" for t in args.trees]
     model, tokenizer = load_gguf(dtype=torch.bfloat16)
     model = model.cuda().eval()
     rows = prompts(tokenizer, args.prompts)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import matplotlib
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -94,6 +95,7 @@ def batch(path: str, out: str) -> None:
     ax.axhline(1.0, color="gray", lw=0.8, ls=":")
     ax.set(xscale="log", xlabel="batch size", ylabel="speedup over plain decode",
            title=f"{r['shape']}, synthetic τ = 4, {r['device']}")
+    ax.minorticks_off()
     ax.set_xticks([b for b, _ in rows], [str(b) for b, _ in rows])
     ax.legend()
     fig.tight_layout()
@@ -108,17 +110,28 @@ def budget(path: str, out: str) -> None:
     points = sorted((int(name.removeprefix("sg_eagle3_tree")), m) for name, m in methods.items()
                     if name.removeprefix("sg_eagle3_tree").isdigit())
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot([n for n, _ in points], [m["tokens_per_s"] / plain for _, m in points], "o-", label="EAGLE-3 tree")
+    ax.plot([n for n, _ in points], [m["tokens_per_s"] / plain for _, m in points], "o-",
+            label="EAGLE-3, DynamicTree(8, 8, N)")
     for n, m in points:
         ax.annotate(f"τ {m['tau']:.2f}", (n, m["tokens_per_s"] / plain), fontsize=7, xytext=(3, 4),
                     textcoords="offset points")
+    from specgraph.trees import parse_tree  # other tree specs (generate.py --trees): one point each
+    for name, m in methods.items():
+        if name.startswith("sg_eagle3@"):
+            spec = name.removeprefix("sg_eagle3@")
+            n, y = parse_tree(spec).num_nodes, m["tokens_per_s"] / plain
+            ax.plot([n], [y], "s", color="tab:green")
+            ax.annotate(f"{spec} τ {m['tau']:.2f}", (n, y), fontsize=6, xytext=(3, -9), textcoords="offset points")
+            points.append((n, m))
     if "hf_static" in methods:
         ax.axhline(methods["hf_static"]["tokens_per_s"] / plain, color="tab:red", lw=0.8, ls="--",
                    label="HF static cache + compile")
     ax.axhline(1.0, color="gray", lw=0.8, ls=":", label="specgraph plain decode")
     ax.set(xscale="log", xlabel="tree budget (nodes)", ylabel="tokens/s over plain decode",
            title=f"SmolLM2-135M bf16, batch 1, {r['gpu']}")
-    ax.set_xticks([n for n, _ in points], [str(n) for n, _ in points])
+    ticks = sorted({n for n, _ in points})
+    ax.minorticks_off()
+    ax.set_xticks(ticks, [str(n) for n in ticks])
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
