@@ -144,24 +144,14 @@ def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device: str, repe
     return statistics.median(per_step), statistics.median(per_token)
 
 
-def replay_ms(spec, steps: int = 64) -> float | None:
+def step_graph_ms(spec, steps: int = 64) -> float | None:
     """Device time per decode step with no host loop: the bucket's recorded CUDA graph replayed
-    ``steps`` times back to back: the same kernels and bytes as a step (its token inputs stay the last
+    back to back (``replay_ms``): the same kernels and bytes as a step (its token inputs stay the last
     step's; it writes the next cache slots, and max_length leaves 128 past the longest generate).
     None without a recorded graph."""
     # the bucket this section's generate built last (the Capture, shared across compiles, keeps earlier ones)
     graphs = [b.run.graph for b in spec.capture.decode_steps.values() if getattr(b.run, "graph", None) is not None]
-    if not graphs:
-        return None
-    graph = graphs[-1]
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / steps
+    return replay_ms(graphs[-1].replay, steps) if graphs else None
 
 
 def decode_figures(spec, prompt, args, device, res) -> dict:
@@ -169,7 +159,7 @@ def decode_figures(spec, prompt, args, device, res) -> dict:
     against the floor and the cuBLAS chains measured earlier in the run."""
     ms, tau = step_ms(spec, prompt, args.short, args.long, device)
     out = dict(ms_per_token=ms, tau=tau)
-    device_ms = replay_ms(spec, steps=64) if device == "cuda" else None
+    device_ms = step_graph_ms(spec) if device == "cuda" else None
     if device_ms is not None:
         out["replay_ms_per_token"] = device_ms
     for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms"), ("cublas", "fused_chain_ms")):

@@ -43,11 +43,10 @@ class DecodeStep:
         self.capture, self.session, self.spec = capture, session, spec
         # sampling parameters live in tensors updated in place (``set_sampling``): a compiled step, and
         # its CUDA graph, read the current values, so a new temperature recompiles nothing
-        self.sampling = None if sampling is None else {
-            "temperature": torch.zeros((), dtype=torch.float32, device=capture.kv_device),
-            "top_k": torch.zeros((), dtype=torch.int64, device=capture.kv_device),
-            "top_p": torch.zeros((), dtype=torch.float32, device=capture.kv_device)}
+        self.sampling = None
         if sampling is not None:
+            self.sampling = {name: torch.zeros((), dtype=dtype, device=capture.kv_device) for name, dtype in
+                             (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32))}
             self.set_sampling(sampling)
         self.synthetic_accept = synthetic_accept
         self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
