@@ -17,7 +17,8 @@ Every figure is measured in this run, on the same model:
   trees      the same step under torch.compile's own CUDA graphs (SPECGRAPH_CUDA_GRAPHS=trees,
              reduce-overhead) instead of specgraph's hand-recorded one: what the host work costs
   verify     the same engine verifying N = 8 and N = 64 nodes per step (NGram draft, chain,
-             synthetic_accept=1 so each step emits one token): ms per step, and / plain
+             synthetic_accept=1 so each step emits one token): ms per step, and / plain; and the
+             recorded step graph replayed back to back (device time), and / plain's replay
   synthetic  an EAGLE-3-shaped head (random, full vocabulary) on Chain(4), synthetic_accept=4
              (tau = 4): the measured speedup over plain, against the ideal
              tau / (t_verify(N) / t_decode + S * c), c = draft bytes / target bytes per step
@@ -27,8 +28,9 @@ Every figure is measured in this run, on the same model:
              prefill chunk): device time per step by kernel kind (matmul, attention, copy,
              reduction, elementwise, other) against the wall time per step; the top ops by self
              CPU and device time in DIR/e2e-profile-DATE.txt
-  profile_verify  the same for verify steps of 8 nodes (NGram chain, synthetic_accept=1): where the
-             verify step's time over plain decode goes (DIR/e2e-profile-verify-DATE.txt)
+  profile_verify  the same for verify steps of --profile-verify-n nodes (NGram chain,
+             synthetic_accept=1): where the verify step's time over plain decode goes
+             (DIR/e2e-profile-verify-DATE.txt)
 --tiny: a 4-layer model of the same kinds (for a quick check of the script, not for numbers).
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 synthetic_accept output is NOT the model's (benchmarks only).
@@ -216,6 +218,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=32, help="decode steps the profile section records")
+    parser.add_argument("--profile-verify-n", type=int, default=64, help="nodes per step profile_verify records")
     args = parser.parse_args()
     begin = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -272,11 +275,16 @@ def main() -> None:
         elif section == "verify":
             out = {}
             for n in (8, 64):
-                ms, _ = step_ms(spec_for(NGram(), specgraph.Chain(n - 1), accept=1), prompt, args.short,
-                                args.short + 64, device)
+                spec = spec_for(NGram(), specgraph.Chain(n - 1), accept=1)
+                ms, _ = step_ms(spec, prompt, args.short, args.short + 64, device)
                 out[f"n{n}_ms"] = ms
                 if "plain" in res:
                     out[f"n{n}_x_decode"] = ms / res["plain"]["ms_per_token"]
+                device_ms = step_graph_ms(spec) if device == "cuda" else None
+                if device_ms is not None:
+                    out[f"n{n}_replay_ms"] = device_ms
+                    if "replay_ms_per_token" in res.get("plain", {}):
+                        out[f"n{n}_replay_x_decode"] = device_ms / res["plain"]["replay_ms_per_token"]
             save("verify", **out)
         elif section == "synthetic":
             head = Eagle3.for_target(model).to(device, torch.bfloat16)
@@ -308,15 +316,16 @@ def main() -> None:
                     row.update({f"{name}_tok_s": b * tau * 1e3 / spec, f"{name}_speedup": tau * plain / spec})
                 rows[f"b{b}"] = row
                 save("batch", **rows)
-        elif section in ("profile", "profile_verify"):  # plain decode, or verifying 8 nodes (one accepted)
-            spec = spec_for(None, None) if section == "profile" else spec_for(NGram(), specgraph.Chain(7), accept=1)
+        elif section in ("profile", "profile_verify"):  # plain decode, or verifying N nodes (one accepted)
+            n = args.profile_verify_n
+            spec = spec_for(None, None) if section == "profile" else spec_for(NGram(), specgraph.Chain(n - 1), accept=1)
             ms, kernels = profile_steps(spec, prompt[:, :16], args.profile_steps, device)
             text = (kernels.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
                     kernels.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
                                   row_limit=40, max_name_column_width=160))
             name = f"e2e-{section.replace('_', '-')}-{res['date']}.txt"
             (args.out / name).write_text(text)
-            save(section, file=name, steps=args.profile_steps, **ms)
+            save(section, file=name, steps=args.profile_steps, **({} if section == "profile" else {"nodes": n}), **ms)
     print(json.dumps(res, indent=2))
 
 
