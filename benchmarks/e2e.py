@@ -12,8 +12,6 @@ Every figure is measured in this run, on the same model:
   plain      specgraph.compile(model, None, backend="inductor"), whole step, CUDA graphs:
              ms per decoded token (steady state: the difference of two generation lengths), and
              replay_ms_per_token: the recorded step graph replayed back to back (device time, no host)
-  plain_gemv the same plain decode with SPECGRAPH_GEMV=1 (the opt-in gemv_linears pass: decode-sized
-             products as specgraph::gemv instead of cuBLAS): ms per token, / plain, / floor
   trees      the same step under torch.compile's own CUDA graphs (SPECGRAPH_CUDA_GRAPHS=trees,
              reduce-overhead) instead of specgraph's hand-recorded one: what the host work costs
   verify     the same engine verifying N = 8 and N = 64 nodes per step (NGram draft, chain,
@@ -57,7 +55,7 @@ from specgraph.drafts import Eagle3, NGram  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
-SECTIONS = ("floor", "cublas", "plain", "plain_gemv", "trees", "verify", "synthetic", "batch", "profile",
+SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile",
             "profile_verify")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
@@ -175,9 +173,9 @@ def decode_figures(spec, prompt, args, device, res) -> dict:
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("tree_attention", "merge_splits")),
     ("matmul", ("gemm", "nvjet", "cutlass", "splitk", "cublas", "sm90_xmma")),
-    ("copy", ("memcpy", "memset", "copy")),
-    ("reduction", ("triton_red", "triton_per")),
+    ("reduction", ("triton_red", "triton_per")),  # before copy: inductor's names hold "_to_copy"
     ("elementwise", ("triton_poi",)),
+    ("copy", ("memcpy", "memset", "copy", "kv_write", "compact_kv")),
 )
 
 
@@ -255,15 +253,6 @@ def main() -> None:
             save("cublas", chain_ms=cublas_chain_ms(model), fused_chain_ms=cublas_chain_ms(model, fused=True))
         elif section == "plain":
             save("plain", **decode_figures(spec_for(None, None), prompt, args, device, res))
-        elif section == "plain_gemv":  # the same plain decode with the gemv_linears pass (opt-in) on
-            os.environ["SPECGRAPH_GEMV"] = "1"
-            try:
-                values = decode_figures(spec_for(None, None), prompt, args, device, res)
-            finally:
-                os.environ.pop("SPECGRAPH_GEMV")
-            if "plain" in res:
-                values["x_plain"] = values["ms_per_token"] / res["plain"]["ms_per_token"]
-            save("plain_gemv", **values)
         elif section == "trees":
             os.environ["SPECGRAPH_CUDA_GRAPHS"] = "trees"
             try:

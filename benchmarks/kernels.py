@@ -2,7 +2,6 @@
 compact ops against their torch references, all measured in one run.
 
     python benchmarks/kernels.py [--quick] [--out DIR]
-    python benchmarks/kernels.py --gemv [--out DIR]     # only the M = 1..4 products: specgraph::gemv vs cuBLAS
 
 For every (shape, B, prefix, N), bf16: median time of
   tree      specgraph::tree_attention (the Triton kernel)
@@ -14,9 +13,6 @@ as the step graph runs); ``tree_eager_ms`` in the JSON adds the op's eager
 dispatch. Also reported: the bandwidth tree_attention achieves (K/V of prefix+tree read once, plus
 q and out) as a fraction of the device-to-device copy bandwidth measured in
 the same run. Trees are random depth-first trees of N nodes.
---gemv: the 8B-shaped decode's matrix products (q/k/v, o, gate/up, down, LM head) at M = 1 and 4,
-bf16, as cuBLAS (F.linear) and as specgraph::gemv over a small tile sweep, each a CUDA-graph replay,
-against the floor (weight bytes / copy bandwidth); DIR/gemv.json.
 """
 from __future__ import annotations
 
@@ -202,49 +198,12 @@ def sweep(bandwidth: float) -> None:
             print(f"# sweep N={n}: {ms:.4f} ms  block_m={bm} block_n={bn} num_warps={nw} num_stages={ns}")
 
 
-GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-               "lm_head": (128256, 4096)}  # (N, K) of the Llama-3.1-8B decode's products
-GEMV_TILES = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-              for bn in (8, 16, 32) for bk in (256, 512) for nw in (4, 8) for ns in (3, 5)]
-
-
-def bench_gemv(bandwidth: float) -> list[dict]:
-    """cuBLAS vs the best specgraph::gemv tile per (product, M); both graphed; bytes floor."""
-    from specgraph.kernels.gemv import gemv_triton
-
-    rows = []
-    for name, (n, k) in GEMV_SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (1, 4):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            want = F.linear(x, w)
-            cublas = graphed_ms(lambda: F.linear(x, w))
-            best = None
-            for tile in GEMV_TILES:
-                if m * tile["block_n"] * tile["block_k"] > 64 * 32 * tile["num_warps"]:  # > 64 fp32 per thread: spills
-                    continue
-                got = gemv_triton(x, w, **tile)
-                if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * k ** 0.5):
-                    raise AssertionError(f"gemv {name} M={m} {tile}: wrong result")
-                ms = graphed_ms(lambda: gemv_triton(x, w, **tile))
-                if best is None or ms < best[0]:
-                    best = (ms, tile)
-            floor = w.numel() * w.element_size() / bandwidth * 1e3
-            rows.append(dict(product=name, M=m, N=n, K=k, floor_ms=floor, cublas_ms=cublas, gemv_ms=best[0],
-                             tile=best[1], cublas_x_floor=cublas / floor, gemv_x_floor=best[0] / floor))
-            print(f"| {name} | {m} | {n}x{k} | {floor * 1e3:.1f} | {cublas * 1e3:.1f} ({cublas / floor:.2f}x) | "
-                  f"{best[0] * 1e3:.1f} ({best[0] / floor:.2f}x) | {best[1]} |", flush=True)
-        del w
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the acceptance configurations (B=32, 4k, 8B shapes)")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
     parser.add_argument("--budget-s", type=float, default=480, help="stop starting new configurations after this")
     parser.add_argument("--sweep", action="store_true", help="time tile configurations at the acceptance shapes first")
-    parser.add_argument("--gemv", action="store_true", help="only specgraph::gemv vs cuBLAS at 8B decode shapes")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     from tqdm import tqdm
@@ -252,12 +211,6 @@ def main() -> None:
     started = time.time()
     bandwidth = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    if args.gemv:
-        print("| product | M | N x K | floor us | cuBLAS us | gemv us (best tile) | tile |\n|---|---|---|---|---|---|---|")
-        rows = bench_gemv(bandwidth)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gemv.json").write_text(json.dumps(dict(bandwidth=bandwidth, gemv=rows), indent=1))
-        return
     if args.sweep:
         sweep(bandwidth)
     configs = [("llama8b", 32, 4096, n) for n in NODES]

@@ -23,7 +23,6 @@ passes then rewrite it (specgraph/passes/). HF's export helpers are not used
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass
 
 import torch
@@ -160,11 +159,6 @@ def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.T
     return program, info
 
 
-def gemv_enabled() -> bool:
-    """``SPECGRAPH_GEMV=1``: the gemv_linears pass runs (read when a bucket is captured; part of its key)."""
-    return os.environ.get("SPECGRAPH_GEMV") == "1"
-
-
 def graph_context(program, info: TargetInfo, taps=None, logits_rows=None):
     """Name the exported step's placeholders by role (the kv buffer; cache_len, tree_mask inputs)."""
     from .passes import GraphContext
@@ -174,7 +168,7 @@ def graph_context(program, info: TargetInfo, taps=None, logits_rows=None):
     users = [spec.arg.name for spec in signature.input_specs if spec.kind.name == "USER_INPUT"]
     params = {name: program.state_dict[target] for name, target in signature.inputs_to_parameters.items()}
     return GraphContext(info, kv=buffer_input["kv"], cache_len=users[2], tree_mask=users[3], taps=taps,
-                        logits_rows=logits_rows, params=params, gemv=gemv_enabled())
+                        logits_rows=logits_rows, params=params)
 
 
 class CapturedStep:
@@ -239,7 +233,7 @@ class Capture:
         self._kv: dict[int, torch.Tensor] = {}
 
     def step(self, batch: int, nodes: int, taps=None, logits_rows: tuple[int, int] | None = None) -> CapturedStep:
-        key = (batch, nodes, taps, logits_rows, gemv_enabled())
+        key = (batch, nodes, taps, logits_rows)
         if key not in self._steps:
             step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug,
                                 taps, logits_rows)

@@ -62,7 +62,7 @@ def test_every_node_matches_hf_on_its_root_path(driver):
 def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
     names = [name for name, _ in step.pass_results]
-    assert names == ["replace_attention", "tap_hidden_states", "prune_logits", "fuse_projections", "gemv_linears",
+    assert names == ["replace_attention", "tap_hidden_states", "prune_logits", "fuse_projections",
                      "inplace_cache_writes"]
     result = step.pass_results[0][1]
     assert [r.modified for _, r in step.pass_results[1:3]] == [False, False]  # nothing asked of them

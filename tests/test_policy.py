@@ -20,13 +20,15 @@ def run(policy, batch, cost_of, calls):
     return modes
 
 
-def test_the_cheaper_mode_wins_and_the_other_is_retried():
-    policy = MeasuredPolicy(explore_every=8)
-    modes = run(policy, 64, {"tree": 2.0, "plain": 1.0}, 40)
+def test_the_cheaper_mode_wins_and_the_other_is_retried_less_and_less():
+    policy = MeasuredPolicy(explore_every=8, max_explore_every=64)
+    modes = run(policy, 64, {"tree": 2.0, "plain": 1.0}, 400)
     assert modes[:4] == ["tree", "tree", "plain", "plain"]  # each mode's first call compiles: measured on its second
-    later = modes[4:]
-    assert later.count("tree") == sum(1 for i in range(4, 40) if i % 8 == 7)  # only the periodic retries
-    assert run(policy, 1, {"tree": 0.5, "plain": 1.0}, 12)[4:].count("plain") == 1  # batch sizes apart
+    retries = [i for i, mode in enumerate(modes) if mode == "tree" and i >= 4]
+    # the first retry explore_every calls after the leader is known (call 4), then each interval twice the last
+    # while the leader holds, up to max_explore_every
+    assert retries == [12, 28, 60, 124, 188, 252, 316, 380]
+    assert run(policy, 1, {"tree": 0.5, "plain": 1.0}, 13)[4:].count("plain") == 1  # batch sizes apart
 
 
 def test_a_change_in_cost_is_followed():
@@ -34,6 +36,20 @@ def test_a_change_in_cost_is_followed():
     run(policy, 8, {"tree": 1.0, "plain": 2.0}, 8)
     modes = run(policy, 8, {"tree": 3.0, "plain": 2.0}, 12)  # acceptance dropped: the tree got dearer
     assert modes[-4:].count("plain") >= 3
+
+
+def test_a_retry_that_finds_a_new_leader_starts_the_intervals_over():
+    policy = MeasuredPolicy(explore_every=4, max_explore_every=32)
+    run(policy, 2, {"tree": 2.0, "plain": 1.0}, 100)  # plain leads; the retries back off to every 32 calls
+    assert policy.interval[2] == 32
+    modes = run(policy, 2, {"tree": 0.5, "plain": 1.0}, 100)  # acceptance rose: the tree is cheaper now
+    tree_calls = [i for i, mode in enumerate(modes) if mode == "tree"]
+    # two retries 32 calls apart: the first averages the tree's cost to 1.25 (plain still leads), the second
+    # to 0.875 (the tree leads); from then on the tree runs, and plain's retries start over from explore_every
+    assert tree_calls[1] - tree_calls[0] == 32 and tree_calls[2] == tree_calls[1] + 1
+    found = tree_calls[1]
+    assert [i - found for i, mode in enumerate(modes) if mode == "plain" and i > found][:3] == [4, 12, 28]
+    assert policy.leader[2] == "tree"
 
 
 def test_measured_policy_is_lossless_in_both_modes():

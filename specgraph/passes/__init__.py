@@ -15,7 +15,6 @@ import torch
 
 from .pass_result import GraphContext, HiddenTaps, PassResult
 from .fuse_projections import fuse_projections, pack_projections
-from .gemv_linears import gemv_linears
 from .inplace_cache_writes import inplace_cache_writes
 from .prune_logits import prune_logits
 from .replace_attention import replace_attention
@@ -24,9 +23,8 @@ from .tap_hidden_states import tap_hidden_states
 # Taps first: they read layer boundaries from the module structure, before
 # prune_logits puts a slice in front of the LM head. Cache writes become in-place ops last
 # (replace_attention finds each layer's K/V through its scatter_ writes). Projections fuse after the
-# taps and the LM-head slice, which find their nodes through module paths; small-M products become
-# gemv after fusing (opt-in: SPECGRAPH_GEMV=1).
-PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections, gemv_linears, inplace_cache_writes)
+# taps and the LM-head slice, which find their nodes through module paths.
+PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections, inplace_cache_writes)
 
 
 def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None = None) -> list[tuple[str, PassResult]]:
@@ -51,5 +49,5 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
 
 
 __all__ = ["GraphContext", "HiddenTaps", "PassResult", "PIPELINE", "run_pipeline", "replace_attention",
-           "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections", "gemv_linears",
+           "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections",
            "inplace_cache_writes"]

@@ -45,7 +45,6 @@ class GraphContext:
     taps: HiddenTaps | None = None
     logits_rows: tuple[int, int] | None = None  # (start, stop) of node rows whose logits are computed
     params: dict | None = field(default=None, hash=False, compare=False)  # parameter placeholder -> its tensor
-    gemv: bool = False  # gemv_linears: products over <= 8 rows run as specgraph::gemv (SPECGRAPH_GEMV=1)
 
     def placeholder(self, gm: torch.fx.GraphModule, role: str) -> torch.fx.Node:
         name = getattr(self, role)

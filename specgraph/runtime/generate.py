@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..capture import gemv_enabled
 from .graphed import StaticStep
 from .step import DecodeStep, features_of
 
@@ -89,8 +88,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
     mode = cuda_graph_mode(device) if whole_step else "off"
     # sampling's values are not in the key: the step reads them from tensors (DecodeStep.set_sampling)
-    key = (id(draft), batch, repr(tree), max_length, sampling is None, compiled, whole_step, mode, synthetic_accept,
-           gemv_enabled())
+    key = (id(draft), batch, repr(tree), max_length, sampling is None, compiled, whole_step, mode, synthetic_accept)
     if key in capture.decode_steps:
         bucket = capture.decode_steps[key]
         if sampling is not None:
