@@ -30,6 +30,8 @@ Every figure is measured in this run, on the same model:
              synthetic_accept=1): where the verify step's time over plain decode goes
              (DIR/e2e-profile-verify-DATE.txt)
 --tiny: a 4-layer model of the same kinds (for a quick check of the script, not for numbers).
+--inductor KEY=VALUE ...: torch._inductor.config values for an experiment (combo_kernels=1,
+triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
@@ -50,7 +52,7 @@ from tqdm import tqdm
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import specgraph  # noqa: E402
-from generate import copy_bandwidth  # noqa: E402  (benchmarks/generate.py)
+from generate import copy_bandwidth, set_inductor_options  # noqa: E402  (benchmarks/generate.py)
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
@@ -217,7 +219,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=32, help="decode steps the profile section records")
     parser.add_argument("--profile-verify-n", type=int, default=64, help="nodes per step profile_verify records")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="torch._inductor.config values for an experiment, e.g. combo_kernels=1 triton.enable_pdl=1")
     args = parser.parse_args()
+    inductor = set_inductor_options(args.inductor)
     begin = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = make_target(TINY if args.tiny else LLAMA_8B, device)
@@ -225,7 +230,7 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
     res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                torch=torch.__version__, shape="tiny" if args.tiny else "Llama-3.1-8B", prompt=args.prompt,
-               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"])
+               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 

@@ -81,6 +81,28 @@ def specgraph_method(model, method: str):
 NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitudes
 
 
+def set_inductor_options(pairs: list[str]) -> dict:
+    """``--inductor KEY=VALUE ...``: torch._inductor.config values for an experiment (e.g.
+    ``combo_kernels=1``: independent kernels fused into one launch; ``triton.enable_pdl=1``:
+    programmatic dependent launch on Hopper). Returns what was set, for the results JSON."""
+    import torch._inductor.config as config
+
+    chosen = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        *path, leaf = key.split(".")
+        owner = config
+        for part in path:
+            owner = getattr(owner, part, None)
+        if not sep or owner is None or not hasattr(owner, leaf):
+            raise SystemExit(f"--inductor {pair!r}: want KEY=VALUE with KEY a torch._inductor.config name")
+        old = getattr(owner, leaf)
+        value = text.lower() in ("1", "true", "yes") if isinstance(old, bool) else type(old)(text)
+        setattr(owner, leaf, value)
+        chosen[key] = value
+    return chosen
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -171,7 +193,10 @@ def main() -> None:
                         help="also run sg_eagle3@TREE for each spec (chainK, dynamic:STEPS,TOPK,NODES, eagle1)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="write a per-kernel profile per specgraph method")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="torch._inductor.config values for an experiment, e.g. combo_kernels=1 triton.enable_pdl=1")
     args = parser.parse_args()
+    inductor = set_inductor_options(args.inductor)
     bad = [n for n in args.budgets if not 2 <= n <= 64]
     if bad:
         parser.error(f"--budgets {bad}: a tree budget counts nodes, root included: 2 .. 64")
@@ -183,7 +208,7 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     result = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   prompts=len(rows), max_new_tokens=args.max_new_tokens, copy_bandwidth_gbs=bandwidth / 1e9,
-                  floor_ms_per_step=weight_bytes / bandwidth * 1e3, methods={})
+                  floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor, methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()
