@@ -91,9 +91,10 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     ``synthetic_accept=k``: FOR BENCHMARKS ONLY, output is NOT the target's: every step accepts k
     nodes down the tree's first-child chain (as SGLang's simulated acceptance length does), to time
     the engine at a given τ without a trained head. Greedy only; generate warns on every call.
-    ``policy="measured"``: per batch size, generate runs the tree or plain decoding, whichever
-    measured fewer seconds per token (``runtime/policy.py``; both are lossless), so speculation
-    that loses — a large batch, a CPU — switches itself off. ``"fixed"`` (default): always the tree.
+    ``policy="measured"``: per batch size, generate runs the tree, a chain as deep as the tree (when
+    the tree is not one), or plain decoding, whichever measured fewer seconds per token
+    (``runtime/policy.py``; all lossless), so speculation that loses — a large batch, a CPU —
+    shrinks or switches itself off. ``"fixed"`` (default): always the tree.
     Everything that cannot be supported is refused here, all blockers at once.
     """
     blockers = []
@@ -117,8 +118,8 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
         blockers.append(f"synthetic_accept={synthetic_accept!r}: an int in 1 .. tree depth + 1 = {tree.max_depth + 1}")
     if policy not in ("fixed", "measured"):
-        blockers.append(f"policy={policy!r}: 'fixed' (always the tree) or 'measured' (the tree or plain "
-                        f"decoding, whichever measured faster)")
+        blockers.append(f"policy={policy!r}: 'fixed' (always the tree) or 'measured' (the tree, a chain as deep, "
+                        f"or plain decoding, whichever measured faster)")
     elif policy == "measured" and synthetic_accept is not None:
         blockers.append("policy='measured' with synthetic_accept: a benchmark of forced acceptance must run its tree")
     if not isinstance(max_batch, int) or max_batch < 1:
@@ -158,7 +159,15 @@ class SpecModel:
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
         self.capture = Capture.shared(model.eval(), config.max_length, config.backend)  # reused across compiles
         self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
-        self.policy = MeasuredPolicy() if config.policy == "measured" else None
+        # what generate may run per call: the tree; with policy="measured" also a chain as deep as the
+        # tree (a smaller tree: at a large batch it can win where the tree loses) and plain decoding
+        self.modes = {"tree": (draft, config.tree)}
+        if config.policy == "measured":
+            chain = Chain(config.tree.max_depth)
+            if not isinstance(config.tree, Chain) and not getattr(draft, "tree_problems", lambda t: [])(chain):
+                self.modes["chain"] = (draft, chain)
+            self.modes["plain"] = (_PLAIN, Chain(0))
+        self.policy = MeasuredPolicy(modes=tuple(self.modes)) if config.policy == "measured" else None
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
@@ -215,7 +224,7 @@ class SpecModel:
             warnings.warn(f"synthetic_accept={self.config.synthetic_accept}: acceptance is forced for benchmarking; "
                           f"the output is NOT the model's", stacklevel=2)
         mode = self.policy.choose(b) if self.policy else "tree"
-        draft, tree = (self.draft, self.config.tree) if mode == "tree" else (_PLAIN, Chain(0))
+        draft, tree = self.modes[mode]
         start = time.perf_counter()
         result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
                                       self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,

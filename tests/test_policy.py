@@ -52,6 +52,33 @@ def test_a_retry_that_finds_a_new_leader_starts_the_intervals_over():
     assert policy.leader[2] == "tree"
 
 
+def test_with_three_modes_the_cheapest_leads_and_the_others_are_retried_in_turn():
+    policy = MeasuredPolicy(modes=("tree", "chain", "plain"), explore_every=4, max_explore_every=8)
+    modes = run(policy, 64, {"tree": 2.0, "chain": 0.8, "plain": 1.0}, 40)
+    assert modes[:6] == ["tree", "tree", "chain", "chain", "plain", "plain"]  # compile, then measure, each
+    retries = [(i, mode) for i, mode in enumerate(modes) if i >= 6 and mode != "chain"]
+    assert retries == [(10, "tree"), (18, "plain"), (26, "tree"), (34, "plain")]  # 4, then 8 (the cap) apart
+
+
+def test_measured_policy_offers_a_chain_as_deep_as_the_tree():
+    from specgraph.drafts import Eagle3
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    head = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
+    spec = specgraph.compile(model, head, tree=specgraph.DynamicTree(steps=3, topk=2, nodes=6), max_length=128,
+                             policy="measured")
+    assert list(spec.modes) == ["tree", "chain", "plain"] and spec.modes["chain"][1] == Chain(3)
+    row = prompts(4, [20])[0]
+    want = hf_greedy(model, row, max_new_tokens=10, eos_token_id=None)
+    for _ in range(7):
+        out = spec.generate(torch.tensor([row]), max_new_tokens=10, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want
+    assert {mode for _, mode in spec.policy.cost} == {"tree", "chain", "plain"}  # each ran and was measured
+    chained = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="measured")
+    assert list(chained.modes) == ["tree", "plain"]  # a chain is its own smaller tree
+
+
 def test_measured_policy_is_lossless_in_both_modes():
     model = tiny_model("llama")
     spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="measured")
