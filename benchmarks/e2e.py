@@ -21,7 +21,8 @@ Every figure is measured in this run, on the same model:
              (tau = 4): the measured speedup over plain, against the ideal
              tau / (t_verify(N) / t_decode + S * c), c = draft bytes / target bytes per step
   batch      plain, and the synthetic head (tau = 4) on Chain(4) and on an EAGLE-2 DynamicTree(4, 4, 16),
-             at B = 1, 4, 16, 64: tokens/s and speedup (plot: plots.py batch)
+             at B = 1, 4, 16, 64 (--batches; --batch-trees picks the trees): tokens/s and speedup, saved after
+             every figure (plot: plots.py batch)
   profile    torch.profiler over --profile-steps plain decode steps after a 16-token prompt (one
              prefill chunk): device time per step by kernel kind (matmul, attention, copy,
              reduction, elementwise, other) against the wall time per step; the top ops by self
@@ -214,6 +215,8 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=16, help="new tokens of the shorter timed generation")
     parser.add_argument("--long", type=int, default=144, help="new tokens of the longer timed generation")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--batch-trees", nargs="+", default=list(BATCH_TREES), choices=list(BATCH_TREES),
+                        help="the trees the batch section runs (each against plain decode)")
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--tiny", action="store_true")
@@ -304,12 +307,14 @@ def main() -> None:
                 ids = prompt.expand(b, -1).contiguous()
                 plain, _ = step_ms(spec_for(None, None, b), ids, args.short, args.long, device)
                 head = Eagle3.for_target(model).to(device, torch.bfloat16)
-                row = dict(plain_tok_s=b * 1e3 / plain)
-                for name, tree in BATCH_TREES.items():  # the same head, the same forced depth 4
-                    spec, tau = step_ms(spec_for(head, tree, b, accept=4), ids, args.short, args.long, device)
-                    row.update({f"{name}_tok_s": b * tau * 1e3 / spec, f"{name}_speedup": tau * plain / spec})
-                rows[f"b{b}"] = row
-                save("batch", **rows)
+                rows[f"b{b}"] = row = dict(plain_ms_per_step=plain, plain_tok_s=b * 1e3 / plain)
+                save("batch", **rows)  # after every figure: a run stopped by its time limit keeps what it measured
+                for name in args.batch_trees:  # the same head, the same forced depth 4
+                    step, tau = step_ms(spec_for(head, BATCH_TREES[name], b, accept=4), ids, args.short, args.long,
+                                        device)
+                    row.update({f"{name}_ms_per_step": step, f"{name}_tau": tau,
+                                f"{name}_tok_s": b * tau * 1e3 / step, f"{name}_speedup": tau * plain / step})
+                    save("batch", **rows)
         elif section in ("profile", "profile_verify"):  # plain decode, or verifying N nodes (one accepted)
             n = args.profile_verify_n
             spec = spec_for(None, None) if section == "profile" else spec_for(NGram(), specgraph.Chain(n - 1), accept=1)
