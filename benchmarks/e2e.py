@@ -58,8 +58,7 @@ from specgraph.drafts import Eagle3, NGram  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
-SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile",
-            "profile_verify")
+SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile", "profile_verify")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
                 tie_word_embeddings=False)
@@ -162,7 +161,7 @@ def decode_figures(spec, prompt, args, device, res) -> dict:
     against the floor and the cuBLAS chains measured earlier in the run."""
     ms, tau = step_ms(spec, prompt, args.short, args.long, device)
     out = dict(ms_per_token=ms, tau=tau)
-    device_ms = step_graph_ms(spec) if device == "cuda" else None
+    device_ms = step_graph_ms(spec)  # None off CUDA: nothing recorded
     if device_ms is not None:
         out["replay_ms_per_token"] = device_ms
     for k, v in (("floor", "floor_ms"), ("cublas", "chain_ms"), ("cublas", "fused_chain_ms")):
@@ -277,7 +276,7 @@ def main() -> None:
                 out[f"n{n}_ms"] = ms
                 if "plain" in res:
                     out[f"n{n}_x_decode"] = ms / res["plain"]["ms_per_token"]
-                device_ms = step_graph_ms(spec) if device == "cuda" else None
+                device_ms = step_graph_ms(spec)  # None off CUDA: nothing recorded
                 if device_ms is not None:
                     out[f"n{n}_replay_ms"] = device_ms
                     if "replay_ms_per_token" in res.get("plain", {}):

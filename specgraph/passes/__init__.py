@@ -49,5 +49,4 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
 
 
 __all__ = ["GraphContext", "HiddenTaps", "PassResult", "PIPELINE", "run_pipeline", "replace_attention",
-           "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections",
-           "inplace_cache_writes"]
+           "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections", "inplace_cache_writes"]
