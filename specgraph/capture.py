@@ -227,6 +227,7 @@ class Capture:
         self.kv_device = next(model.parameters()).device
         self.decode_steps: dict = {}  # runtime.generate.decode_step's Bucket per (draft, B, tree, ...)
         self.readbacks: dict = {}  # runtime.generate's pinned host buffers per (B, D+2)
+        self.prefills: dict = {}  # runtime.generate.prefill's GraphedCall per (B, chunk, taps)
         self.info = TargetInfo.from_model(model)
         pack_projections(model)
         self._steps: dict[tuple, CapturedStep] = {}

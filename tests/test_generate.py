@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import specgraph
+from specgraph.runtime.graphed import GraphedCall
 from specgraph import Chain, CompileError
 from specgraph.drafts import Medusa, NGram
 from test_capture import tiny_model
@@ -295,6 +296,8 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     for row, got in zip(longer, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    (prefill,) = spec.capture.prefills.values()  # the prefill bucket over static buffers (a CUDA graph on CUDA)
+    assert isinstance(prefill, GraphedCall) and not prefill.cuda_graph and prefill.inputs is not None
     if kind == "ngram" and whole_step == "1":  # sampling: a new temperature reuses the compiled step
         hot = spec.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, do_sample=True,
                             temperature=5.0)

@@ -9,7 +9,7 @@ import torch
 
 import specgraph
 from specgraph.drafts import Eagle3, NGram
-from specgraph.runtime.graphed import StaticStep
+from specgraph.runtime.graphed import GraphedCall, StaticStep
 from specgraph.runtime.step import StepOut
 from specgraph.trees import Chain, Tree
 from test_capture import tiny_model
@@ -71,6 +71,24 @@ def test_a_mismatched_input_is_refused_by_name():
         step(Tree.from_spec(Chain(3), torch.arange(12).view(3, 4)), torch.tensor([5, 7]), torch.tensor([True, True]))
 
 
+def test_a_graphed_call_runs_on_its_static_buffers():
+    seen = []
+
+    def fn(x, y):
+        seen.append((x.data_ptr(), y.data_ptr()))
+        return x + y
+
+    call = GraphedCall(fn, cuda_graph=False, name="the test call")
+    first = call(torch.ones(2, 3), torch.arange(3.0).expand(2, -1))  # an expanded input: a dense buffer
+    second = call(torch.zeros(2, 3), torch.full((2, 3), 5.0))
+    assert seen[0] == seen[1]  # the same buffers, the new values copied in
+    assert first.tolist() == [[1.0, 2.0, 3.0]] * 2 and second.tolist() == [[5.0] * 3] * 2
+    with pytest.raises(RuntimeError, match=r"input 1: the test call was recorded for \(2, 3\) torch.float32, got \(3, 3\)"):
+        call(torch.ones(2, 3), torch.ones(3, 3))
+    with pytest.raises(RuntimeError, match="the test call was recorded for 2 inputs, got 1"):
+        call(torch.ones(2, 3))
+
+
 def test_an_unknown_cuda_graphs_setting_is_refused(monkeypatch):
     from specgraph.runtime.generate import cuda_graph_mode
 
@@ -125,3 +143,29 @@ def test_recorded_sampling_draws_afresh_each_replay(monkeypatch):
     assert _graphed_steps(spec)[0].recordings == 1
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["eagle3", "ngram"])
+def test_recorded_prefill_is_token_exact_on_cuda(kind, monkeypatch):
+    """The prefill bucket as a CUDA graph: prompts of several chunks and new lengths replay one
+    recording (the EAGLE-3 draft's features are copied out of it per chunk), token-exact."""
+    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
+    model = tiny_model("llama").cuda()
+    torch.manual_seed(0)
+    if kind == "ngram":
+        draft, tree = NGram(), Chain(3)
+    else:
+        draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)).cuda(), specgraph.DynamicTree(3, 2, 6)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=320, backend="inductor")
+    for seed, lengths in enumerate(([150, 70], [40, 201], [131, 131])):  # 1 to 4 chunks of 64
+        rows = prompts(30 + seed, lengths)
+        ids, mask = left_pad(rows)
+        out = spec.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, eos_token_id=None)
+        for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+            one = torch.tensor([row], device="cuda")
+            want = model.generate(one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=16,
+                                  eos_token_id=None, pad_token_id=0)[0, len(row):]
+            assert got == want.tolist()
+    (call,) = spec.capture.prefills.values()
+    assert call.recordings == 1 and call.graph is not None

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from .graphed import StaticStep
+from .graphed import GraphedCall, StaticStep
 from .step import DecodeStep, features_of
 
 # prefill chunk: as wide as tree attention goes (64 rows; a chain mask of 64 bits): each chunk reads
@@ -41,13 +41,23 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
     """Write every prompt but its last token into the batch's cache.
 
     returns cache_len [B] and, with ``taps``, the draft features of every
-    written token [B, T-1, F] (None otherwise).
+    written token [B, T-1, F] (None otherwise). Under ``backend="inductor"`` the
+    chunk bucket runs as a ``GraphedCall`` kept on ``capture`` (a CUDA graph on
+    CUDA: one replay per chunk instead of every kernel launched from the host).
     """
     b = len(prompts)
     # a chunk is a chain, so it must be shallower than the narrowest sliding window, and fit the cache
     chunk = min([PREFILL_NODES, capture.max_length] + [w for w in capture.info.layer_windows if w > 0])
     step = capture.step(b, chunk, taps=taps, logits_rows=(chunk - 1, chunk))
-    chain = _chain_mask(chunk, device).expand(b, -1)
+    graphed = capture.backend == "inductor"
+    if graphed:
+        key = (b, chunk, taps)
+        if key not in capture.prefills:
+            capture.prefills[key] = GraphedCall(step, cuda_graph_mode(device) == "manual",
+                                                f"the prefill bucket (B={b}, {chunk} rows)")
+        step = capture.prefills[key]
+    # contiguous inputs: the graphed call's static buffers are, and the compiled bucket guards on strides
+    chain = _chain_mask(chunk, device).expand(b, -1).contiguous()
     lengths = [len(p) - 1 for p in prompts]
     total = max(lengths)
     starts = list(range(0, total, chunk))
@@ -60,9 +70,10 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
         ids = torch.tensor([(p[:-1] + [0] * (start + chunk))[start:start + chunk] for p in prompts], device=device)
         # rows whose prompt ended write padding past their length: those slots are overwritten before being read
         cache_len = torch.full((b,), start, device=device)
-        out = step(ids, start + torch.arange(chunk, device=device).expand(b, -1), cache_len, chain)
-        if taps is not None:
-            features.append(features_of(out[1])[:, done - start:])
+        out = step(ids, start + torch.arange(chunk, device=device).expand(b, -1).contiguous(), cache_len, chain)
+        if taps is not None:  # a graphed call's outputs are overwritten by its next replay: kept as a copy
+            kept = features_of(out[1])[:, done - start:]
+            features.append(kept.clone() if graphed else kept)
         done = start + chunk
     merged = torch.cat(features, 1) if features else None
     return torch.tensor(lengths, device=device), merged

@@ -34,9 +34,9 @@ from .step import StepOut
 _TREE_TENSORS = [f.name for f in dataclasses.fields(Tree) if f.name != "max_depth"]
 
 
-def _copy_in(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
+def _copy_in(static: torch.Tensor, value: torch.Tensor, what: str, owner: str = "the decode step") -> None:
     if static.shape != value.shape or static.dtype != value.dtype:
-        raise RuntimeError(f"{what}: the decode step was recorded for {tuple(static.shape)} {static.dtype}, "
+        raise RuntimeError(f"{what}: {owner} was recorded for {tuple(static.shape)} {static.dtype}, "
                            f"got {tuple(value.shape)} {value.dtype}")
     static.copy_(value)
 
@@ -117,3 +117,49 @@ class StaticStep:
             self.graph.replay()
             emitted, accept_len = self.outputs
         return StepOut(emitted, accept_len, self.cache_len, self.tree if self.next_tree else None)
+
+
+class GraphedCall:
+    """``fn(*inputs)`` over static input buffers, recorded as one CUDA graph: the compiled prefill
+    bucket (``generate.prefill``), whose kernels would otherwise be launched one by one from the
+    host on every prompt chunk (~420 per SmolLM2 chunk: 17.6 ms of host time under the H200 profiler).
+
+    Inputs are tensors of fixed shape, dtype and strides (copied into the static buffers taken from
+    the first call); the output is whatever ``fn`` returns (tensors, in tuples or lists), which with
+    ``cuda_graph`` are the graph's own tensors, overwritten by the next call: the caller clones what
+    it keeps. ``cuda_graph``: warm up on the first call, record on the second, replay after;
+    without it (CPU) ``fn`` runs on the static buffers each call, so the CPU tests exercise them."""
+
+    def __init__(self, fn: Callable, cuda_graph: bool, name: str = "the graphed call"):
+        self.fn, self.cuda_graph, self.name = fn, cuda_graph, name
+        self.inputs: list[torch.Tensor] | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.recordings = 0
+
+    def __call__(self, *args: torch.Tensor):
+        first = self.inputs is None
+        if first:
+            self.inputs = [a.clone(memory_format=torch.contiguous_format) for a in args]
+        else:
+            if len(args) != len(self.inputs):
+                raise RuntimeError(f"{self.name} was recorded for {len(self.inputs)} inputs, got {len(args)}")
+            for i, (static, value) in enumerate(zip(self.inputs, args)):
+                _copy_in(static, value, f"input {i}", self.name)
+        if not self.cuda_graph:
+            return self.fn(*self.inputs)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.outputs
+        if first:  # warm-up (compiles, autotunes, and is a real call), on a side stream as capture needs
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        self.graph = torch.cuda.CUDAGraph()  # record; recording runs nothing, so replay once now
+        with torch.cuda.graph(self.graph):
+            self.outputs = self.fn(*self.inputs)
+        self.recordings += 1
+        self.graph.replay()
+        return self.outputs
