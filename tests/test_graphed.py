@@ -83,7 +83,7 @@ def test_a_graphed_call_runs_on_its_static_buffers():
     second = call(torch.zeros(2, 3), torch.full((2, 3), 5.0))
     assert seen[0] == seen[1]  # the same buffers, the new values copied in
     assert first.tolist() == [[1.0, 2.0, 3.0]] * 2 and second.tolist() == [[5.0] * 3] * 2
-    with pytest.raises(RuntimeError, match=r"input 1: the test call was recorded for \(2, 3\) torch.float32, got \(3, 3\)"):
+    with pytest.raises(RuntimeError, match=r"input 1: the test call was recorded for \(2, 3\) torch.float32, got"):
         call(torch.ones(2, 3), torch.ones(3, 3))
     with pytest.raises(RuntimeError, match="the test call was recorded for 2 inputs, got 1"):
         call(torch.ones(2, 3))
