@@ -169,3 +169,6 @@ def test_recorded_prefill_is_token_exact_on_cuda(kind, monkeypatch):
             assert got == want.tolist()
     (call,) = spec.capture.prefills.values()
     assert call.recordings == 1 and call.graph is not None
+    if kind == "eagle3":  # the draft's own pass over the prompt (chunks of 32) is recorded once too
+        (bucket,) = spec.capture.decode_steps.values()
+        assert bucket.session._prefill_chain.recordings == 1

@@ -110,7 +110,9 @@ class ARSession:
     def compile_host_work(self, compile_fn) -> None:
         """Compile the draft passes prefill runs (``compile_fn(method) -> callable``): every prompt
         chunk is then CHAIN_CHUNK rows wide, one compiled shape (the padding past the prompt writes
-        slots of the cache's spare 64 that later commits overwrite before they are read)."""
+        slots of the cache's spare 64 that later commits overwrite before they are read). The
+        callable may be a recorded CUDA graph (``runtime.graphed.GraphedCall``): its output is read
+        (copied into ``last``) before the next chunk runs, and it mutates only ``kv``, in place."""
         self._prefill_chain = compile_fn(self._chain)
 
     # ------------------------------------------------------------------ generate protocol

@@ -107,7 +107,10 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
         return bucket
     session = draft.session(tree, batch, max_length, device)
     if whole_step and hasattr(session, "compile_host_work"):  # e.g. the EAGLE drafts' pass over the prompt
-        session.compile_host_work(lambda method: torch.compile(own_code(method), fullgraph=True, dynamic=False))
+        # compiled, over static inputs, and on CUDA recorded as a graph like the target's prefill chunks
+        session.compile_host_work(lambda method: GraphedCall(
+            torch.compile(own_code(method), fullgraph=True, dynamic=False), mode == "manual",
+            f"the draft's pass over the prompt (B={batch})"))
     step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step,
                       synthetic_accept=synthetic_accept)
     run = step
