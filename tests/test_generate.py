@@ -298,9 +298,10 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     (prefill,) = spec.capture.prefills.values()  # the prefill bucket over static buffers (a CUDA graph on CUDA)
     assert isinstance(prefill, GraphedCall) and not prefill.cuda_graph and prefill.inputs is not None
-    if kind == "eagle3" and whole_step == "1":  # and the draft's pass over the prompt
+    if whole_step == "1":  # so are the first propose and (EAGLE) the draft's pass over the prompt
         (bucket,) = spec.capture.decode_steps.values()
-        assert isinstance(bucket.session._prefill_chain, GraphedCall)
+        assert isinstance(bucket.propose, GraphedCall) and bucket.propose.inputs is not None
+        assert kind != "eagle3" or isinstance(bucket.session._prefill_chain, GraphedCall)
     if kind == "ngram" and whole_step == "1":  # sampling: a new temperature reuses the compiled step
         hot = spec.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, do_sample=True,
                             temperature=5.0)

@@ -87,6 +87,10 @@ def test_a_graphed_call_runs_on_its_static_buffers():
         call(torch.ones(2, 3), torch.ones(3, 3))
     with pytest.raises(RuntimeError, match="the test call was recorded for 2 inputs, got 1"):
         call(torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="input 0: the test call was recorded with a tensor there"):
+        call(None, torch.ones(2, 3))
+    passes_none = GraphedCall(lambda nothing, x: x * 2 if nothing is None else x, cuda_graph=False)
+    assert passes_none(None, torch.ones(2)).tolist() == [2.0, 2.0] and passes_none(None, torch.zeros(2)).sum() == 0
 
 
 def test_an_unknown_cuda_graphs_setting_is_refused(monkeypatch):
@@ -148,8 +152,9 @@ def test_recorded_sampling_draws_afresh_each_replay(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["eagle3", "ngram"])
 def test_recorded_prefill_is_token_exact_on_cuda(kind, monkeypatch):
-    """The prefill bucket as a CUDA graph: prompts of several chunks and new lengths replay one
-    recording (the EAGLE-3 draft's features are copied out of it per chunk), token-exact."""
+    """What a call runs before its first step, as CUDA graphs: the prefill bucket, the draft's pass
+    over the prompt and the first propose. Prompts of several chunks and new lengths replay one
+    recording each (the session state they read is written in place), token-exact."""
     monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
     model = tiny_model("llama").cuda()
     torch.manual_seed(0)
@@ -169,6 +174,7 @@ def test_recorded_prefill_is_token_exact_on_cuda(kind, monkeypatch):
             assert got == want.tolist()
     (call,) = spec.capture.prefills.values()
     assert call.recordings == 1 and call.graph is not None
+    (bucket,) = spec.capture.decode_steps.values()
+    assert bucket.propose.recordings == 1  # the first propose of a call, recorded once
     if kind == "eagle3":  # the draft's own pass over the prompt (chunks of 32) is recorded once too
-        (bucket,) = spec.capture.decode_steps.values()
         assert bucket.session._prefill_chain.recordings == 1

@@ -70,8 +70,10 @@ class ARSession:
         self.draft, self.tree, self.batch = draft, tree, batch
         self.kv = draft.new_cache(batch, max_length + MAX_NODES, device)
         self.taps = draft.taps
+        # prefill writes these two in place (a recorded first propose reads them at fixed addresses)
         self.length = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.last: torch.Tensor | None = None  # [B, H] draft output at the last committed pair
+        self.last = torch.zeros(batch, draft.config.hidden_size, dtype=next(draft.parameters()).dtype,
+                                device=device)  # [B, H] draft output at the last committed pair
         self.device = device
         if not isinstance(tree, DynamicTree):
             parents = tree.parents()
@@ -120,8 +122,7 @@ class ARSession:
     def prefill(self, prompts: list[list[int]], features: torch.Tensor) -> None:
         """features [B, T-1, F]: the target's features of every prefilled token."""
         lengths = [len(p) - 1 for p in prompts]
-        hidden = self.draft.config.hidden_size
-        self.last = torch.zeros(self.batch, hidden, dtype=next(self.draft.parameters()).dtype, device=self.device)
+        self.last.zero_()
         chain = getattr(self, "_prefill_chain", None)
         for start in range(0, max(lengths), CHAIN_CHUNK):
             stop = min(start + CHAIN_CHUNK, max(lengths))
@@ -137,7 +138,7 @@ class ARSession:
             for row, n in enumerate(lengths):
                 if start < n <= stop:
                     self.last[row] = out[row, n - 1 - start]
-        self.length = torch.tensor(lengths, device=self.device)
+        self.length.copy_(torch.tensor(lengths, device=self.device))
 
     @torch.no_grad()
     def propose(self, sequences, roots: torch.Tensor) -> Tree:

@@ -90,7 +90,7 @@ class NGramSession:
     def prefill(self, prompts, features) -> None:
         for row, prompt in enumerate(prompts):
             self.seq[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
-        self.length = torch.tensor([len(p) for p in prompts], device=self.device)
+        self.length.copy_(torch.tensor([len(p) for p in prompts], device=self.device))  # in place: see ARSession
 
     def propose(self, sequences, roots: torch.Tensor) -> Tree:
         k = self.tree.num_nodes - 1

@@ -123,10 +123,13 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
         run = _trees_step(compiled_step, session) if mode == "trees" else \
             StaticStep(compiled_step, session, cuda_graph=mode == "manual")
     # The first tree of a call: a device-proposing draft's propose, compiled like the step (eagerly it
-    # is thousands of small launches: an EAGLE-2 tree of 8 draft steps is ~4,300 aten ops)
+    # is thousands of small launches: an EAGLE-2 tree of 8 draft steps is ~4,300 aten ops), over a static
+    # roots buffer and on CUDA recorded as a graph: it reads the session's state at fixed addresses (each
+    # session's prefill writes it in place) and returns a Tree the step copies in before the next call
     propose = session.propose
     if whole_step and getattr(session, "proposes_on_device", False):
-        propose = torch.compile(own_code(session.propose), fullgraph=True, dynamic=False)
+        propose = GraphedCall(torch.compile(own_code(session.propose), fullgraph=True, dynamic=False),
+                              mode == "manual", f"the first propose (B={batch})")
     capture.decode_steps[key] = Bucket(session, run, propose, step)
     return capture.decode_steps[key]
 

@@ -120,12 +120,13 @@ class StaticStep:
 
 
 class GraphedCall:
-    """``fn(*inputs)`` over static input buffers, recorded as one CUDA graph: the compiled prefill
-    bucket (``generate.prefill``), whose kernels would otherwise be launched one by one from the
-    host on every prompt chunk (~420 per SmolLM2 chunk: 17.6 ms of host time under the H200 profiler).
+    """``fn(*inputs)`` over static input buffers, recorded as one CUDA graph: what ``generate`` runs
+    once per call outside the step (the compiled prefill bucket, the EAGLE drafts' pass over the
+    prompt, the first propose), whose kernels would otherwise be launched one by one from the host
+    (~420 per SmolLM2 prefill chunk: 17.6 ms of host time under the H200 profiler).
 
-    Inputs are tensors of fixed shape, dtype and strides (copied into the static buffers taken from
-    the first call); the output is whatever ``fn`` returns (tensors, in tuples or lists), which with
+    Inputs are tensors of fixed shape and dtype (copied into dense static buffers taken from the
+    first call), or None (passed on as None every call); the output is whatever ``fn`` returns (tensors, in tuples or lists), which with
     ``cuda_graph`` are the graph's own tensors, overwritten by the next call: the caller clones what
     it keeps. ``cuda_graph``: warm up on the first call, record on the second, replay after;
     without it (CPU) ``fn`` runs on the static buffers each call, so the CPU tests exercise them."""
@@ -136,14 +137,19 @@ class GraphedCall:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.recordings = 0
 
-    def __call__(self, *args: torch.Tensor):
+    def __call__(self, *args: torch.Tensor | None):
         first = self.inputs is None
         if first:
-            self.inputs = [a.clone(memory_format=torch.contiguous_format) for a in args]
+            self.inputs = [None if a is None else a.clone(memory_format=torch.contiguous_format) for a in args]
         else:
             if len(args) != len(self.inputs):
                 raise RuntimeError(f"{self.name} was recorded for {len(self.inputs)} inputs, got {len(args)}")
             for i, (static, value) in enumerate(zip(self.inputs, args)):
+                if static is None or value is None:
+                    if static is not value:
+                        raise RuntimeError(f"input {i}: {self.name} was recorded with "
+                                           f"{'None' if static is None else 'a tensor'} there")
+                    continue
                 _copy_in(static, value, f"input {i}", self.name)
         if not self.cuda_graph:
             return self.fn(*self.inputs)
