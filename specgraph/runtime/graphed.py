@@ -126,10 +126,11 @@ class GraphedCall:
     (~420 per SmolLM2 prefill chunk: 17.6 ms of host time under the H200 profiler).
 
     Inputs are tensors of fixed shape and dtype (copied into dense static buffers taken from the
-    first call), or None (passed on as None every call); the output is whatever ``fn`` returns (tensors, in tuples or lists), which with
-    ``cuda_graph`` are the graph's own tensors, overwritten by the next call: the caller clones what
-    it keeps. ``cuda_graph``: warm up on the first call, record on the second, replay after;
-    without it (CPU) ``fn`` runs on the static buffers each call, so the CPU tests exercise them."""
+    first call), or None (passed on as None every call). The output is whatever ``fn`` returns
+    (tensors, in tuples, lists or dataclasses); with ``cuda_graph`` they are the graph's own
+    tensors, overwritten by the next call: the caller copies what it keeps. ``cuda_graph``: warm up
+    on the first call, record on the second, replay after; without it (CPU) ``fn`` runs on the
+    static buffers each call, so the CPU tests exercise them."""
 
     def __init__(self, fn: Callable, cuda_graph: bool, name: str = "the graphed call"):
         self.fn, self.cuda_graph, self.name = fn, cuda_graph, name
