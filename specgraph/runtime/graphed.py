@@ -41,6 +41,28 @@ def _copy_in(static: torch.Tensor, value: torch.Tensor, what: str, owner: str = 
     static.copy_(value)
 
 
+def _run_recorded(owner, body: Callable, first: bool):
+    """``body()`` as a CUDA graph kept on ``owner`` (its ``graph``, ``outputs``, ``recordings``): the
+    first call is a warm-up (it compiles, autotunes and is a real call) on a side stream, as capture
+    needs; the second records, and since recording runs nothing, replays once; later calls replay."""
+    if owner.graph is not None:
+        owner.graph.replay()
+        return owner.outputs
+    if first:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = body()
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+    owner.graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(owner.graph):
+        owner.outputs = body()
+    owner.recordings += 1
+    owner.graph.replay()
+    return owner.outputs
+
+
 class StaticStep:
     """``run(tree, cache_len, active) -> StepOut`` over static buffers; see the module docstring.
 
@@ -98,24 +120,7 @@ class StaticStep:
         if first:
             self._bind(tree, cache_len, active)
         self._load(tree, cache_len, active)
-        if not self.cuda_graph:
-            emitted, accept_len = self._body()
-        elif self.graph is not None:
-            self.graph.replay()
-            emitted, accept_len = self.outputs
-        elif first:  # warm-up (compiles, autotunes, and is a real step), on a side stream as capture needs
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                emitted, accept_len = self._body()
-            torch.cuda.current_stream().wait_stream(side)
-        else:  # record; recording runs nothing, so the replay right after is this call's step
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.outputs = self._body()
-            self.recordings += 1
-            self.graph.replay()
-            emitted, accept_len = self.outputs
+        emitted, accept_len = _run_recorded(self, self._body, first) if self.cuda_graph else self._body()
         return StepOut(emitted, accept_len, self.cache_len, self.tree if self.next_tree else None)
 
 
@@ -154,19 +159,4 @@ class GraphedCall:
                 _copy_in(static, value, f"input {i}", self.name)
         if not self.cuda_graph:
             return self.fn(*self.inputs)
-        if self.graph is not None:
-            self.graph.replay()
-            return self.outputs
-        if first:  # warm-up (compiles, autotunes, and is a real call), on a side stream as capture needs
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                out = self.fn(*self.inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            return out
-        self.graph = torch.cuda.CUDAGraph()  # record; recording runs nothing, so replay once now
-        with torch.cuda.graph(self.graph):
-            self.outputs = self.fn(*self.inputs)
-        self.recordings += 1
-        self.graph.replay()
-        return self.outputs
+        return _run_recorded(self, lambda: self.fn(*self.inputs), first)
