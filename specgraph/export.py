@@ -19,7 +19,7 @@ The host (or an engine's runtime) adds accept_len to cache_len and feeds
 kv_out back as kv. specgraph's ops are lowered by their decompositions
 (``kernels.DECOMPOSITIONS``: the plain-torch references), so the ONNX file
 uses the default domain only and TensorRT's ONNX parser can read it. The
-mutating ops (``kv_write``, ``compact_kv``) are traced as their references,
+mutating ops (``kv_write``, ``tree_attention_write``, ``compact_kv``) are traced as their references,
 whose in-place scatters torch.export functionalizes (it keeps a mutating
 custom op as an ``auto_functionalized`` node that no decomposition removes).
 """
@@ -33,6 +33,7 @@ import torch
 from .kernels import DECOMPOSITIONS
 from .kernels.compact_kv import compact_kv_reference
 from .kernels.kv_write import kv_write_reference
+from .kernels.tree_attention import tree_attention_write_reference
 from .kernels.verify import verify_greedy
 
 ONNX_OPSET = 20
@@ -49,6 +50,8 @@ class VerifyStep(torch.nn.Module):
         graph = copy.deepcopy(step.graph.graph)
         for node in graph.find_nodes(op="call_function", target=torch.ops.specgraph.kv_write.default):
             node.target = kv_write_reference  # traced as plain in-place scatters
+        for node in graph.find_nodes(op="call_function", target=torch.ops.specgraph.tree_attention_write.default):
+            node.target = tree_attention_write_reference  # the scatters, then tree_attention's decomposition
         placeholders = {n.name: n for n in graph.find_nodes(op="placeholder")}
         for node in [n for n in graph.find_nodes(op="get_attr") if "fused_from" in n.meta]:
             # fuse_projections' joined weight is a view aliasing the parameters, which export cannot lift

@@ -63,7 +63,7 @@ def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
     names = [name for name, _ in step.pass_results]
     assert names == ["replace_attention", "tap_hidden_states", "prune_logits", "fuse_projections",
-                     "inplace_cache_writes"]
+                     "inplace_cache_writes", "fold_cache_writes"]
     result = step.pass_results[0][1]
     assert [r.modified for _, r in step.pass_results[1:3]] == [False, False]  # nothing asked of them
     info = step.info
@@ -79,16 +79,19 @@ def test_pass_counters(driver):
         groups, 5 * groups // 2, 0)
     linears = graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
     assert len(linears) == 4 * info.num_layers + 1  # qkv, o, gate_up, down per layer; the LM head
+    # every layer's write folded into its attention: one launch reads the step's K/V and writes them to the cache
+    assert dict(step.pass_results)["fold_cache_writes"].counters == {"writes_folded": info.num_layers,
+                                                                      "writes_unfolded": 0}
     kv = [n for n in graph.find_nodes(op="placeholder") if n.name == step.context.kv][0]
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    writes = {n.args[1]: n for n in graph.find_nodes(op="call_function", target=torch.ops.specgraph.kv_write.default)}
-    assert sorted(writes) == list(range(info.num_layers))  # one in-place write per layer, K and V together
-    assert not graph.find_nodes(op="call_function", target=torch.ops.aten.scatter_.src)
-    for node in graph.find_nodes(op="call_function", target=torch.ops.specgraph.tree_attention.default):
-        # the kernel reads the layer's cache itself, after its write: GQA un-expanded, no repeat_kv in between
-        k, v = node.args[1], node.args[2]
-        assert k.target == v.target == torch.ops.aten.select.int and k.args[0] is v.args[0] is kv
-        assert k.args[2] + 1 == v.args[2] and order[writes[k.args[2] // 2]] < order[k] < order[node]
+    for target in (torch.ops.specgraph.kv_write.default, torch.ops.specgraph.tree_attention.default,
+                   torch.ops.aten.scatter_.src):
+        assert not graph.find_nodes(op="call_function", target=target), target
+    assert not [n for n in kv.users if n.target == torch.ops.aten.select.int]  # nothing else reads a layer's cache
+    folded = graph.find_nodes(op="call_function", target=torch.ops.specgraph.tree_attention_write.default)
+    assert sorted(n.args[2] for n in folded) == list(range(info.num_layers))
+    for node in folded:  # the step's own K/V (un-expanded: the kernel does GQA), in the cache's dtype
+        key, value = (node.args[i].meta["val"] for i in (3, 4))
+        assert node.args[1] is kv and key.shape == value.shape == (driver.batch, info.num_kv_heads, 8, info.head_dim)
 
 
 def test_steps_with_compaction_keep_hf_cache(driver):

@@ -20,7 +20,13 @@ prefix (flash-decoding) when B*H_kv programs cannot fill the GPU; the 64-slot
 window under the mask is then one more program of its own, so no program does
 two dependent rounds of loads (unsplit, the one program does both). No
 mask tensor larger than [B, R] exists. Unused window slots never reach a
-dot product (V is loaded as 0 there: 0 * garbage would be NaN).
+dot product (V is loaded as 0 there: 0 * garbage would be NaN). Split, the
+tile's last program to finish merges the partials (arrival counters), so a
+call is one launch.
+
+``specgraph::tree_attention_write`` (below) is the same launch writing the
+step's K/V into the cache first: window slot j is row j of this step, read
+from the new K/V, and one program per (row, KV head) stores them.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .bitmask import bit_or, mask_to_matrix, node_bits, popcount64
+from .kv_write import kv_write_reference
 
 WINDOW_SLOTS = 64
 LOG2E = 1.4426950408889634
@@ -61,14 +68,17 @@ def _online_softmax_step(acc, m_i, l_i, s, v, UPCAST: tl.constexpr):
 
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, CacheLen, Mask, Out, PartO, PartLse,
+    Q, K, V, CacheLen, Mask, Out, PartO, PartLse, NewK, NewV, Arrived,
     stride_qb, stride_qh, stride_qr, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mr,
-    H_KV, R, S_MAX, qk_scale, window,
+    stride_nkb, stride_nkh, stride_nkn, stride_nkd,
+    stride_nvb, stride_nvh, stride_nvn, stride_nvd,
+    H_KV, R, N_NEW, S_MAX, qk_scale, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr,
+    WRITE_NEW: tl.constexpr, MERGE_HERE: tl.constexpr, SPLITS_POW2: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # tile of the G*R (group head, query row) pairs: fastest, so tiles share K/V in L2
     pid_bh = tl.program_id(1)  # b * H_KV + kv head
@@ -115,8 +125,19 @@ def _tree_attention_kernel(
         offs = tl.arange(0, WINDOW_SLOTS)
         slots = cache_len + offs
         used = (((tl.reduce(tree_mask, 0, bit_or) >> offs) & 1) != 0) & (slots < S_MAX)
-        k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, mask=used[None, :], other=0.0)
-        v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd, mask=used[:, None], other=0.0)
+        if WRITE_NEW:  # window slot j holds new row j: read it from NewK/NewV, and one program writes it
+            fresh = (offs < N_NEW) & (slots < S_MAX)
+            used = used & fresh
+            nk_base = NewK + b.to(tl.int64) * stride_nkb + kvh.to(tl.int64) * stride_nkh
+            nv_base = NewV + b.to(tl.int64) * stride_nvb + kvh.to(tl.int64) * stride_nvh
+            k = tl.load(nk_base + offs[None, :] * stride_nkn + dims[:, None] * stride_nkd, mask=fresh[None, :], other=0.0)
+            v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
+            if pid_m == 0:  # prefix programs read only slots < cache_len: no race with these writes
+                tl.store(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, k, mask=fresh[None, :])
+                tl.store(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd, v, mask=fresh[:, None])
+        else:
+            k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, mask=used[None, :], other=0.0)
+            v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd, mask=used[:, None], other=0.0)
         ancestor = ((tree_mask[:, None] >> offs[None, :]) & 1) != 0
         s = tl.where(ancestor & used[None, :], _dot(q, k, UPCAST) * qk_scale, float("-inf"))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, UPCAST)
@@ -131,6 +152,29 @@ def _tree_attention_kernel(
         part = row_id * NUM_SPLITS + pid_s
         tl.store(PartO + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
         tl.store(PartLse + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
+        if MERGE_HERE:  # the tile's last program to finish merges its splits: no second launch
+            tile = pid_bh * tl.num_programs(0) + pid_m
+            tl.debug_barrier()  # every thread's partial stored before the release below (CUTLASS's semaphore)
+            arrived = tl.atomic_add(Arrived + tile, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if arrived == NUM_SPLITS - 1:
+                tl.store(Arrived + tile, 0)  # all NUM_SPLITS arrived: reset for the next launch
+                splits = tl.arange(0, SPLITS_POW2)
+                lse_all = tl.load(PartLse + row_id[:, None] * NUM_SPLITS + splits[None, :], cache_modifier=".cg",
+                                  mask=row_ok[:, None] & (splits < NUM_SPLITS)[None, :], other=float("-inf"))
+                top = tl.max(lse_all, 1)
+                top = tl.where(top == float("-inf"), 0.0, top)
+                total = tl.sum(tl.exp2(lse_all - top[:, None]), 1)
+                merged = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+                for split in range(NUM_SPLITS):
+                    weight = tl.exp2(tl.load(PartLse + row_id * NUM_SPLITS + split, mask=row_ok, other=float("-inf"),
+                                             cache_modifier=".cg") - top)
+                    o = tl.load(PartO + (row_id * NUM_SPLITS + split)[:, None] * HEAD_DIM + dims[None, :],
+                                mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                    merged += o * weight[:, None]
+                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+                tl.store(Out + row_id[:, None] * HEAD_DIM + dims[None, :], merged.to(Out.dtype.element_ty),
+                         mask=row_ok[:, None])
 
 
 @triton.jit
@@ -146,6 +190,25 @@ def _merge_splits_kernel(PartO, PartLse, Out, NUM_SPLITS: tl.constexpr, SPLITS_P
     total = tl.sum(weight, 0)
     out = tl.sum(o * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(Out + row * HEAD_DIM + dims, out.to(Out.dtype.element_ty))
+
+
+ARRIVAL_SLOTS = 1 << 16  # tiles (b, kv head, m tile) one launch may split: B * H_kv * m_tiles
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The per-device arrival counters of split programs ([ARRIVAL_SLOTS] int32, zero between launches:
+    each tile's merging program resets its own). None for more tiles (then a merge launch runs).
+
+    Launches on one stream never overlap, so they may share the counters; kernels of this module must
+    not run concurrently on two streams of one device."""
+    if tiles > ARRIVAL_SLOTS:
+        return None
+    if device not in _arrivals:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # allocated inside a graph capture they would live in its pool: merge by launch this once
+        _arrivals[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return _arrivals[device]
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,8 +241,16 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
 
 
 def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: float, window: int,
-                          num_splits: int | None = None, **override) -> torch.Tensor:
-    """Launch the Triton kernel (CUDA, or the interpreter with TRITON_INTERPRET=1)."""
+                          num_splits: int | None = None, new_kv: tuple | None = None, merge_here: bool = True,
+                          **override) -> torch.Tensor:
+    """Launch the Triton kernel (CUDA, or the interpreter with TRITON_INTERPRET=1).
+
+    ``new_kv = (key, value)``, each ``[B, H_kv, N, D]``: the step's rows, written into the caches at
+    slots ``cache_len + i`` by the same launch; the window reads them from here, not from the cache
+    (``tree_attention_write``).
+    Split over the prefix, the last program of each tile to finish merges the splits (``merge_here``;
+    False: a second launch, ``_merge_splits_kernel``, does).
+    """
     b, h, r, d = q.shape
     h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
     config = launch_config(q, h_kv, s_max, num_splits, **override)
@@ -190,15 +261,20 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
         part_lse = torch.empty((b * h * r * splits,), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
+    new_k, new_v = new_kv if new_kv is not None else (k_cache, v_cache)  # unused without WRITE_NEW
+    arrived = _arrival_counters(q.device, m_tiles * b * h_kv) if splits > 1 and merge_here else None
     _tree_attention_kernel[(m_tiles, b * h_kv, splits)](
-        q, k_cache, v_cache, cache_len, tree_mask, out, part_o, part_lse,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(),
-        h_kv, r, s_max, scale * LOG2E, window,
+        q, k_cache, v_cache, cache_len, tree_mask, out, part_o, part_lse, new_k, new_v,
+        arrived if arrived is not None else cache_len,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *new_k.stride(), *new_v.stride(),
+        h_kv, r, new_k.shape[2], s_max, scale * LOG2E, window,
         G=h // h_kv, HEAD_DIM=d, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], NUM_SPLITS=splits,
-        PREFIX_SPLITS=max(splits - 1, 1), HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        PREFIX_SPLITS=max(splits - 1, 1), HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS,
+        WRITE_NEW=new_kv is not None, MERGE_HERE=arrived is not None, SPLITS_POW2=triton.next_power_of_2(splits),
         UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
-    if splits > 1:
+    if splits > 1 and arrived is None:
         _merge_splits_kernel[(b * h * r,)](part_o, part_lse, out, NUM_SPLITS=splits,
                                            SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=d)
     return out
@@ -301,3 +377,55 @@ def _tree_attention_cuda(q, k_cache, v_cache, cache_len, tree_mask, scale, windo
 def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask, scale, window):
     _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
     return q.new_empty(q.shape)  # contiguous, like the real output
+
+
+# ----------------------------------------------------------------------------- the op with the cache write
+def tree_attention_write_reference(q, kv, layer: int, key, value, cache_len, tree_mask, scale: float,
+                                   window: int) -> torch.Tensor:
+    """Plain torch: write row i's K/V at slot ``cache_len + i`` of layer ``layer`` (in place), then
+    ``tree_attention`` over the layer's caches with only window slots ``0 .. R-1`` nameable."""
+    b, _, r, _ = key.shape
+    slots = cache_len.to(torch.int64).view(b, 1) + torch.arange(r, device=key.device)  # [B, R]
+    kv_write_reference(kv, layer, slots.view(b, 1, r, 1).expand_as(key), key, value)
+    own = tree_mask if r == WINDOW_SLOTS else tree_mask & ((1 << r) - 1)
+    return tree_attention_reference(q, kv[2 * layer], kv[2 * layer + 1], cache_len, own, scale, window)
+
+
+def _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window) -> None:
+    if kv.dim() != 5 or kv.shape[0] % 2 or not 0 <= layer < kv.shape[0] // 2:
+        raise ValueError(f"tree_attention_write: kv must be [2L, B, H_kv, S_max, D] and layer in 0 .. L-1; got "
+                         f"{tuple(kv.shape)}, layer {layer}")
+    _check(q, kv[2 * layer], kv[2 * layer + 1], cache_len, tree_mask, scale, window)
+    want = (q.shape[0], kv.shape[2], q.shape[2], kv.shape[4])
+    problems = [f"{name} must be [B, H_kv, R, D] = {list(want)} in the cache's dtype {kv.dtype}; got "
+                f"{tuple(t.shape)} {t.dtype}" for name, t in (("key", key), ("value", value))
+                if tuple(t.shape) != want or t.dtype != kv.dtype]
+    if problems:
+        raise ValueError("tree_attention_write: " + "; ".join(problems))
+
+
+# flexible_layout, as for kv_write: the kernel takes any strides, so inductor need not restride kv.
+@torch.library.custom_op("specgraph::tree_attention_write", mutates_args=("kv",), tags=(torch.Tag.flexible_layout,))
+def tree_attention_write(q: torch.Tensor, kv: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
+                         cache_len: torch.Tensor, tree_mask: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """``kv_write`` of the step's rows at slots ``cache_len + i``, then ``tree_attention`` over layer
+    ``layer``'s caches (``kv[2l]``, ``kv[2l+1]``), in one launch on CUDA. q [B, H, R, D]; key, value
+    [B, H_kv, R, D]; kv [2L, B, H_kv, S_max, D] written in place; out [B, H, R, D]. Window slots >= R
+    are not read (in a step the mask names only rows of this step). CPU: the reference."""
+    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+    return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+
+
+@tree_attention_write.register_kernel("cuda")
+def _tree_attention_write_cuda(q, kv, layer, key, value, cache_len, tree_mask, scale, window):
+    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+    if os.environ.get("SPECGRAPH_REFERENCE_KERNELS") == "1" or q.shape[-1] not in (16, 32, 64, 128, 256):
+        return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+    return tree_attention_triton(q, kv[2 * layer], kv[2 * layer + 1], cache_len, tree_mask, scale, window,
+                                 new_kv=(key, value))
+
+
+@tree_attention_write.register_fake
+def _tree_attention_write_fake(q, kv, layer, key, value, cache_len, tree_mask, scale, window):
+    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+    return q.new_empty(q.shape)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .pass_result import GraphContext, HiddenTaps, PassResult
+from .fold_cache_writes import fold_cache_writes
 from .fuse_projections import fuse_projections, pack_projections
 from .inplace_cache_writes import inplace_cache_writes
 from .prune_logits import prune_logits
@@ -21,10 +22,12 @@ from .replace_attention import replace_attention
 from .tap_hidden_states import tap_hidden_states
 
 # Taps first: they read layer boundaries from the module structure, before
-# prune_logits puts a slice in front of the LM head. Cache writes become in-place ops last
-# (replace_attention finds each layer's K/V through its scatter_ writes). Projections fuse after the
-# taps and the LM-head slice, which find their nodes through module paths.
-PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections, inplace_cache_writes)
+# prune_logits puts a slice in front of the LM head. Cache writes become in-place ops late
+# (replace_attention finds each layer's K/V through its scatter_ writes), then fold into the attention
+# that reads them. Projections fuse after the taps and the LM-head slice, which find their nodes
+# through module paths.
+PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections, inplace_cache_writes,
+            fold_cache_writes)
 
 
 def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None = None) -> list[tuple[str, PassResult]]:
@@ -49,4 +52,5 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
 
 
 __all__ = ["GraphContext", "HiddenTaps", "PassResult", "PIPELINE", "run_pipeline", "replace_attention",
-           "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections", "inplace_cache_writes"]
+           "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections", "inplace_cache_writes",
+           "fold_cache_writes"]

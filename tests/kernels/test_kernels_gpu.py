@@ -5,7 +5,8 @@ import torch
 
 import specgraph.kernels  # noqa: F401
 from specgraph.kernels.compact_kv import compact_kv_reference
-from specgraph.kernels.tree_attention import tree_attention_reference, tree_attention_triton
+from specgraph.kernels.tree_attention import (tree_attention_reference, tree_attention_triton,
+                                               tree_attention_write_reference)
 from attention_cases import make_case, oracle
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +40,42 @@ def test_long_context_128k():
     case.cache_len.fill_(131072 - 64)
     torch.testing.assert_close(tree_attention_triton(*case.args()).float(), tree_attention_reference(*case.args()).float(),
                                atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
+@pytest.mark.parametrize("h_kv, g, d", [(8, 4, 128), (3, 3, 64), (1, 4, 256)])
+@pytest.mark.parametrize("r", [1, 8, 64])
+def test_write_and_attend_at_real_shapes_replayed_in_a_cuda_graph(h_kv, g, d, r):
+    """tree_attention_write: eager and replayed (split programs merge through arrival counters that
+    must be back at zero for every replay) against the reference, cache bit for bit."""
+    b, s_max, layer = 4, 4096 + 64, 1
+    case = make_case(13, b=b, h_kv=h_kv, g=g, d=d, r=r, s_max=s_max, lanes=False, window=0, dtype=torch.bfloat16,
+                     poison=False).to(device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(4, b, h_kv, s_max, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    key = torch.randn(b, h_kv, r, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    value = torch.randn(b, h_kv, r, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cache_len = case.cache_len.clone()
+
+    def call(cache):
+        return torch.ops.specgraph.tree_attention_write(case.q, cache, layer, key, value, cache_len, case.mask,
+                                                        case.scale, 0)
+
+    def check(got, got_kv):
+        want_kv = kv.clone()
+        want = tree_attention_write_reference(case.q, want_kv, layer, key, value, cache_len, case.mask, case.scale, 0)
+        assert torch.equal(got_kv, want_kv)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+    static_kv = kv.clone()
+    check(call(static_kv), static_kv)  # eager; also warms up (compiles) before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(static_kv)
+    for lengths in (case.cache_len, torch.tensor([0, 100, 4000, 2047]), torch.tensor([4095 - r, 1, 63, 64])):
+        cache_len.copy_(lengths)
+        static_kv.copy_(kv)
+        graph.replay()
+        check(out, static_kv)
 
 
 def test_step_ops_replay_in_a_cuda_graph():

@@ -86,6 +86,22 @@ def test_triton_sliding_window_and_lanes():
                                    tree_attention_reference(*case.args()), atol=TOLERANCE[torch.float32], rtol=0)
 
 
+@needs_triton
+@pytest.mark.parametrize("seed", range(3))
+def test_splits_merged_by_their_last_program_or_a_second_launch(seed):
+    from specgraph.kernels import tree_attention as module
+
+    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    case = make_case(300 + seed, dtype=torch.float32).to(device=device)
+    want = tree_attention_reference(*case.args())
+    for splits in (2, 9):
+        here = tree_attention_triton(*case.args(), num_splits=splits)
+        launched = tree_attention_triton(*case.args(), num_splits=splits, merge_here=False)
+        torch.testing.assert_close(here, want, atol=TOLERANCE[torch.float32], rtol=0)
+        torch.testing.assert_close(here, launched, atol=1e-6, rtol=0)
+    assert not module._arrivals[case.q.device].any()  # every tile reset its counter for the next launch
+
+
 def test_op_errors_name_the_argument():
     case = make_case(0, b=2, h_kv=2, g=2, d=16, r=4)
     op = torch.ops.specgraph.tree_attention

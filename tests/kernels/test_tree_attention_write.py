@@ -1,0 +1,131 @@
+"""tree_attention_write: the step's K/V written at slots cache_len + i and attended in one op.
+
+Oracle: the cache written slot by slot in Python, then per-query float64 SDPA over exactly the keys
+each root path may see (attention_cases.oracle). The Triton kernel (interpreted on CPU, native on
+GPU) against the reference: the same output within the dtype's tolerance, the same cache bit for bit.
+"""
+import os
+
+import pytest
+import torch
+
+import specgraph.kernels  # noqa: F401  (registers the ops)
+from specgraph.kernels.tree_attention import tree_attention_triton, tree_attention_write_reference
+from attention_cases import Case, make_case, oracle
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # as tree_attention's
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                                  reason="Triton needs a GPU or TRITON_INTERPRET=1")
+
+
+def write_case(seed: int, dtype=torch.float64, layers: int = 2, **kw):
+    """(case over the cache before the write, kv, layer, key, value): the step's slots hold NaN before
+    the write, so reading the cache there instead of the new rows would show."""
+    case = make_case(seed, lanes=False, **kw)  # a tree of R nodes: its mask names window slots 0 .. R-1 only
+    b, h_kv, s_max, d = case.k.shape
+    r = case.q.shape[2]
+    gen = torch.Generator().manual_seed(seed)
+    layer = seed % layers
+    kv = torch.randn(2 * layers, b, h_kv, s_max, d, generator=gen, dtype=torch.float64)
+    kv[2 * layer], kv[2 * layer + 1] = case.k.double(), case.v.double()
+    for row in range(b):
+        c = int(case.cache_len[row])
+        kv[2 * layer:2 * layer + 2, row, :, c:c + r] = float("nan")
+    key = torch.randn(b, r, h_kv, d, generator=gen, dtype=torch.float64).transpose(1, 2)  # strided, as a projection's
+    value = torch.randn(b, h_kv, r, d, generator=gen, dtype=torch.float64)
+    return case.to(dtype=dtype), kv.to(dtype), layer, key.to(dtype), value.to(dtype)
+
+
+def written_by_hand(kv, layer, key, value, cache_len):
+    out = kv.clone()
+    for row in range(key.shape[0]):
+        for i in range(key.shape[2]):
+            out[2 * layer, row, :, int(cache_len[row]) + i] = key[row, :, i]
+            out[2 * layer + 1, row, :, int(cache_len[row]) + i] = value[row, :, i]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reference_writes_then_attends(seed):
+    case, kv, layer, key, value = write_case(seed)
+    want_kv = written_by_hand(kv, layer, key, value, case.cache_len)
+    got = tree_attention_write_reference(case.q, kv, layer, key, value, case.cache_len, case.mask, case.scale,
+                                         case.window)
+    torch.testing.assert_close(kv, want_kv, equal_nan=True, atol=0, rtol=0)  # other layers, other slots untouched
+    after = Case(case.q, want_kv[2 * layer], want_kv[2 * layer + 1], case.cache_len, case.mask, case.scale, case.window)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, oracle(after), atol=1e-5, rtol=1e-5)
+
+
+def test_window_slots_past_the_rows_are_not_read():
+    case, kv, layer, key, value = write_case(3, r=4, poison=True)
+    mask = case.mask | (1 << 5)  # names window slot 5: no row of this step, NaN in the cache
+    got = tree_attention_write_reference(case.q, kv, layer, key, value, case.cache_len, mask, case.scale, case.window)
+    want = tree_attention_write_reference(case.q, kv.clone(), layer, key, value, case.cache_len, case.mask,
+                                          case.scale, case.window)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_matches_reference(seed, dtype):
+    case, kv, layer, key, value = write_case(200 + seed, dtype=dtype, window=0 if seed % 2 else None)
+    case, kv, key, value = case.to(device=DEVICE), kv.to(DEVICE), key.to(DEVICE), value.to(DEVICE)
+    want_kv = kv.clone()
+    want = tree_attention_write_reference(case.q, want_kv, layer, key, value, case.cache_len, case.mask, case.scale,
+                                          case.window)
+    for num_splits in (None, 1, 3):
+        got_kv = kv.clone()
+        got = tree_attention_triton(case.q, got_kv[2 * layer], got_kv[2 * layer + 1], case.cache_len, case.mask,
+                                    case.scale, case.window, num_splits=num_splits, new_kv=(key, value))
+        assert not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+        torch.testing.assert_close(got_kv, want_kv, equal_nan=True, atol=0, rtol=0)
+
+
+@needs_triton
+def test_triton_never_writes_past_the_cache():
+    case, kv, layer, key, value = write_case(5, dtype=torch.float32, b=2, r=8, s_max=90, window=0)
+    case.cache_len[:] = torch.tensor([86, 10])  # row 0: slots 86 .. 93, four of them past S_max = 90
+    case, kv, key, value = case.to(device=DEVICE), kv.to(DEVICE), key.to(DEVICE), value.to(DEVICE)
+    got_kv = kv.clone()
+    tree_attention_triton(case.q, got_kv[2 * layer], got_kv[2 * layer + 1], case.cache_len, case.mask, case.scale, 0,
+                          new_kv=(key, value))
+    want_kv = kv.clone()
+    want_kv[2 * layer:2 * layer + 2, 0, :, 86:] = torch.stack([key, value])[:, 0, :, :4]
+    want_kv[2 * layer:2 * layer + 2, 1, :, 10:18] = torch.stack([key, value])[:, 1]
+    torch.testing.assert_close(got_kv, want_kv, equal_nan=True, atol=0, rtol=0)  # row 1's slots 0.. untouched too
+
+
+def test_op_errors_name_the_argument():
+    case, kv, layer, key, value = write_case(1, dtype=torch.float32, r=4)
+    op = torch.ops.specgraph.tree_attention_write
+    with pytest.raises(ValueError, match="key must be"):
+        op(case.q, kv, layer, key[:, :, :3], value, case.cache_len, case.mask, 1.0, 0)
+    with pytest.raises(ValueError, match="value must be .* dtype"):
+        op(case.q, kv, layer, key, value.double(), case.cache_len, case.mask, 1.0, 0)
+    with pytest.raises(ValueError, match="layer 2"):
+        op(case.q, kv, 2, key, value, case.cache_len, case.mask, 1.0, 0)
+
+
+class _Step(torch.nn.Module):
+    def __init__(self, kv):
+        super().__init__()
+        self.register_buffer("kv", kv)
+
+    def forward(self, q, key, value, cache_len, mask):
+        return torch.ops.specgraph.tree_attention_write(q, self.kv, 1, key, value, cache_len, mask, 0.25, 0) * 2
+
+
+def test_op_under_compile_writes_the_buffer_in_place():
+    case, kv, layer, key, value = write_case(1, dtype=torch.float32, r=5, window=0)
+    args = (case.q, key, value, case.cache_len, case.mask)
+    eager, compiled = _Step(kv.clone()), _Step(kv.clone())
+    want = eager(*args)
+    got = torch.compile(compiled, fullgraph=True)(*args)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled.kv, eager.kv, equal_nan=True, atol=0, rtol=0)
+    assert not torch.equal(eager.kv.nan_to_num(), kv.nan_to_num())  # the write happened
