@@ -49,7 +49,7 @@ def _is_step_slots(index, cache_len: torch.fx.Node, rows: int) -> bool:
     return False
 
 
-def _layer_plan(write: torch.fx.Node, kv, cache_len, reads_of: dict):
+def _layer_plan(write: torch.fx.Node, cache_len, reads_of: dict):
     """(reads, attention) if layer ``write.args[1]``'s write can fold into its attention, else the reason."""
     layer = int(write.args[1])
     reads = reads_of.get(2 * layer, []), reads_of.get(2 * layer + 1, [])
@@ -60,8 +60,11 @@ def _layer_plan(write: torch.fx.Node, kv, cache_len, reads_of: dict):
     attention = next(iter(users)) if len(users) == 1 else None
     if attention is None or attention.target != TREE_ATTENTION or attention.args[1:3] != (k_read, v_read):
         return f"layer {layer}: its caches feed {sorted(u.name for u in users)}, not one tree_attention"
-    rows = attention.args[0].meta["val"].shape[2]
-    if write.args[3].meta["val"].shape[2] != rows or not _is_step_slots(write.args[2], cache_len, rows):
+    q_val, key_val = attention.args[0].meta.get("val"), write.args[3].meta.get("val")
+    if q_val is None or key_val is None:
+        return f"layer {layer}: no shape recorded on the query or the new keys"
+    rows = q_val.shape[2]
+    if key_val.shape[2] != rows or not _is_step_slots(write.args[2], cache_len, rows):
         return f"layer {layer}: the write's slots are not cache_len + arange({rows}) of the attention's rows"
     return (k_read, v_read), attention
 
@@ -75,7 +78,7 @@ def fold_cache_writes(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
             reads_of.setdefault(int(node.args[2]), []).append(node)
     folded, unfolded = 0, []
     for write in list(graph.find_nodes(op="call_function", target=KV_WRITE)):
-        plan = _layer_plan(write, kv, cache_len, reads_of)
+        plan = _layer_plan(write, cache_len, reads_of)
         if isinstance(plan, str):
             unfolded.append(plan)
             continue
