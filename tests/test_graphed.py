@@ -105,27 +105,36 @@ def _graphed_steps(spec):
     return [bucket.run for bucket in spec.capture.decode_steps.values() if isinstance(bucket.run, StaticStep)]
 
 
+def _compile_on_cuda(kind, chain, dynamic, batch, max_length):
+    """A tiny Llama on CUDA with an n-gram draft over ``Chain(chain)`` or EAGLE-3 over ``DynamicTree(*dynamic)``."""
+    model = tiny_model("llama").cuda()
+    torch.manual_seed(0)
+    if kind == "ngram":
+        draft, tree = NGram(), Chain(chain)
+    else:
+        draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)).cuda(), specgraph.DynamicTree(*dynamic)
+    return model, specgraph.compile(model, draft, tree=tree, max_batch=batch, max_length=max_length, backend="inductor")
+
+
+def _assert_matches_hf(model, spec, rows, new_tokens):
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new_tokens, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+        one = torch.tensor([row], device="cuda")  # the oracle: HF greedy on the same device
+        want = model.generate(one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=new_tokens,
+                              eos_token_id=None, pad_token_id=0)[0, len(row):]
+        assert got == want.tolist()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,batch", [("eagle3", 1), ("eagle3", 2), ("ngram", 2)])
 def test_recorded_step_is_token_exact_on_cuda(kind, batch, monkeypatch):
     monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
-    model = tiny_model("llama").cuda()
-    torch.manual_seed(0)
-    if kind == "ngram":
-        draft, tree = NGram(), Chain(4)
-    else:
-        draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)).cuda(), specgraph.DynamicTree(4, 3, 10)
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=batch, max_length=160, backend="inductor")
+    model, spec = _compile_on_cuda(kind, 4, (4, 3, 10), batch, 160)
     rows = prompts(3, [11, 30][:batch])
     for call in range(2):  # the second call reuses the recorded graph with new prompts copied in
         rows = [r[::-1] for r in rows] if call else rows
-        ids, mask = left_pad(rows)
-        out = spec.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, eos_token_id=None)
-        for row, got in zip(rows, generated_rows(out, ids.shape[1])):
-            one = torch.tensor([row], device="cuda")  # the oracle: HF greedy on the same device
-            want = model.generate(one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=40,
-                                  eos_token_id=None, pad_token_id=0)[0, len(row):]
-            assert got == want.tolist()
+        _assert_matches_hf(model, spec, rows, 40)
     (step,) = _graphed_steps(spec)
     assert step.recordings == 1 and step.graph is not None
 
@@ -156,22 +165,9 @@ def test_recorded_prefill_is_token_exact_on_cuda(kind, monkeypatch):
     over the prompt and the first propose. Prompts of several chunks and new lengths replay one
     recording each (the session state they read is written in place), token-exact."""
     monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
-    model = tiny_model("llama").cuda()
-    torch.manual_seed(0)
-    if kind == "ngram":
-        draft, tree = NGram(), Chain(3)
-    else:
-        draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)).cuda(), specgraph.DynamicTree(3, 2, 6)
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=320, backend="inductor")
+    model, spec = _compile_on_cuda(kind, 3, (3, 2, 6), 2, 320)
     for seed, lengths in enumerate(([150, 70], [40, 201], [131, 131])):  # 1 to 4 chunks of 64
-        rows = prompts(30 + seed, lengths)
-        ids, mask = left_pad(rows)
-        out = spec.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, eos_token_id=None)
-        for row, got in zip(rows, generated_rows(out, ids.shape[1])):
-            one = torch.tensor([row], device="cuda")
-            want = model.generate(one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=16,
-                                  eos_token_id=None, pad_token_id=0)[0, len(row):]
-            assert got == want.tolist()
+        _assert_matches_hf(model, spec, prompts(30 + seed, lengths), 16)
     (call,) = spec.capture.prefills.values()
     assert call.recordings == 1 and call.graph is not None
     (bucket,) = spec.capture.decode_steps.values()
