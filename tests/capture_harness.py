@@ -61,7 +61,7 @@ class Driver:
         for row in range(self.batch):
             p = random_parents(self.rng, nodes)
             t = [self.tokens[row][-1]] + [self.rng.randrange(self.vocab) for _ in range(nodes - 1)]
-            if good_path:
+            if good_path and nodes > 1:  # a lone root has no path to draft
                 leaf = self.rng.choice([i for i in range(nodes) if i not in p])
                 path = root_path(p, leaf)
                 for node, token in zip(path[1:], self.greedy_continuation(row, len(path) - 1)):

@@ -1,6 +1,8 @@
 """Capture + replace_attention on tiny random configs of six architectures:
 every node's logits equal the HF eager model on that node's root path alone;
 after several verify/compact steps the cache equals HF's own."""
+import importlib
+
 import pytest
 import torch
 import transformers
@@ -63,7 +65,7 @@ def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
     names = [name for name, _ in step.pass_results]
     assert names == ["replace_attention", "tap_hidden_states", "prune_logits", "fuse_projections",
-                     "inplace_cache_writes", "fold_cache_writes"]
+                     "inplace_cache_writes", "fold_cache_writes", "fold_rotary"]
     result = step.pass_results[0][1]
     assert [r.modified for _, r in step.pass_results[1:3]] == [False, False]  # nothing asked of them
     info = step.info
@@ -92,6 +94,54 @@ def test_pass_counters(driver):
     for node in folded:  # the step's own K/V (un-expanded: the kernel does GQA), in the cache's dtype
         key, value = (node.args[i].meta["val"] for i in (3, 4))
         assert node.args[1] is kv and key.shape == value.shape == (driver.batch, info.num_kv_heads, 8, info.head_dim)
+    # 8 rows per sequence: above fold_rotary.MAX_ROWS, the RoPE stays in the graph
+    assert dict(step.pass_results)["fold_rotary"].counters == {"rotary_folded": 0, "rotary_unfolded": info.num_layers}
+    assert all(len(n.args) == 9 for n in folded)
+
+
+def _assert_rope_folded(step, model):
+    """Every layer's RoPE (whole head_dim, rotate_half) moved into its attention: no rotate_half left,
+    one cos/sin pair per rotary table."""
+    layers = step.info.num_layers
+    assert dict(step.pass_results)["fold_rotary"].counters == {"rotary_folded": layers, "rotary_unfolded": 0}
+    graph = step.program.graph_module.graph
+    folded = graph.find_nodes(op="call_function", target=torch.ops.specgraph.tree_attention_write.default)
+    assert len(folded) == layers and all(len(n.args) == 11 for n in folded)
+    assert not graph.find_nodes(op="call_function", target=torch.ops.aten.neg.default)
+    tables = {(n.args[9], n.args[10]) for n in folded}
+    assert len(tables) == (2 if "gemma3" in type(model).__name__.lower() else 1)  # Gemma-3: local + global
+
+
+def test_single_row_step_rotates_in_attention_and_matches_hf(driver):
+    """R = 1 (plain decoding): fold_rotary moves every layer's RoPE into tree_attention_write; each
+    row's logits still equal HF eager's."""
+    _assert_rope_folded(driver.capture.step(driver.batch, 1), driver.model)
+    check_tree_against_hf(driver, nodes=1, tol=TOL)
+
+
+def test_multi_row_fold_is_exact_when_allowed(driver, monkeypatch):
+    """The fold is correct at any R (MAX_ROWS is a measured speed limit, not a correctness one): raised,
+    a 5-node tree folds and every node still matches HF on its root path."""
+    monkeypatch.setattr(importlib.import_module("specgraph.passes.fold_rotary"), "MAX_ROWS", 64)
+    _assert_rope_folded(driver.capture.step(driver.batch, 5), driver.model)
+    check_tree_against_hf(driver, nodes=5, tol=TOL)
+
+
+def test_partial_rotary_stays_apart_and_exact():
+    """Phi-3 with half its head_dim rotated: fold_rotary cannot prove the rotate_half form, leaves every
+    layer's RoPE in the graph (counted), and the graph still matches HF on every root path."""
+    model_cls, config_cls, extra = CONFIGS["phi3"]
+    config = getattr(transformers, config_cls)(**COMMON, **extra, partial_rotary_factor=0.5)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    d = Driver(model, batch=2, max_length=96, seed=2)
+    d.prefill([[d.rng.randrange(3, 101) for _ in range(length)] for length in (9, 30)])
+    step = d.capture.step(2, 1)
+    assert dict(step.pass_results)["fold_rotary"].counters == {"rotary_folded": 0, "rotary_unfolded": 2}
+    check_tree_against_hf(d, nodes=1, tol=TOL)
+    check_tree_against_hf(d, nodes=8, tol=TOL)
 
 
 def test_steps_with_compaction_keep_hf_cache(driver):
@@ -147,3 +197,33 @@ def _path(parents, i):
     from capture_harness import root_path
 
     return root_path(parents, i)
+
+
+def test_skipping_speed_up_passes_keeps_logits_and_cache(monkeypatch):
+    """SPECGRAPH_SKIP_PASSES (A/B measurements): without the folds the step computes the same logits and
+    writes the same cache; a pass the graph needs cannot be skipped."""
+    from specgraph.capture import Capture
+
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 101, (2, 1), generator=gen)  # one row per sequence: both folds apply
+    cache_len = torch.tensor([0, 5])
+    positions = cache_len.unsqueeze(1)
+    chain = torch.ones(2, 1, dtype=torch.int64)
+    full = Capture(model, 64).step(2, 1)
+    assert [name for name, _ in full.pass_results][-1] == "fold_rotary"
+    _assert_rope_folded(full, model)
+    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_rotary, fold_cache_writes")
+    bare = Capture(model, 64).step(2, 1)
+    assert [name for name, _ in bare.pass_results][-1] == "inplace_cache_writes"
+    graph = bare.program.graph_module.graph
+    assert graph.find_nodes(op="call_function", target=torch.ops.aten.neg.default)  # RoPE left in the graph
+    for step in (full, bare):
+        step.kv.copy_(torch.randn(step.kv.shape, generator=torch.Generator().manual_seed(4)))
+    with torch.no_grad():
+        torch.testing.assert_close(full(ids, positions, cache_len, chain), bare(ids, positions, cache_len, chain),
+                                   atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full.kv, bare.kv, atol=1e-6, rtol=1e-6)
+    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "replace_attention")
+    with pytest.raises(ValueError, match="only speed-up passes may be skipped"):
+        Capture(model, 64).step(2, 1)

@@ -15,13 +15,13 @@ from specgraph.export import INPUTS, ONNX_OPSET, OUTPUTS, export_onnx
 from test_capture import TOL, tiny_model
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_onnx_verify_step_matches_hf_and_the_reference(arch, tmp_path):
+@pytest.mark.parametrize("arch,nodes", [("llama", 8), ("gemma3", 8), ("llama", 1)])  # 1: RoPE folded into attention
+def test_onnx_verify_step_matches_hf_and_the_reference(arch, nodes, tmp_path):
     model = tiny_model(arch)
     driver = Driver(model, batch=2, max_length=96, seed=3)
     rng = driver.rng
     driver.prefill([[rng.randrange(3, 101) for _ in range(n)] for n in (9, 30)])
-    spec = specgraph.Chain(7)  # bucket of 8 nodes, paths up to 8 long: any 8-node tree fits
+    spec = specgraph.Chain(nodes - 1)  # bucket of N nodes, paths up to N long: any N-node tree fits
     path = export_onnx(driver.capture, spec, tmp_path / "step.onnx", batch=2)
 
     exported = onnx.load(path)
@@ -30,7 +30,7 @@ def test_onnx_verify_step_matches_hf_and_the_reference(arch, tmp_path):
     assert [i.name for i in exported.graph.input] == list(INPUTS)
     assert [o.name for o in exported.graph.output] == list(OUTPUTS)
 
-    tokens, parents, mask, depth = driver.random_tree(nodes=8)
+    tokens, parents, mask, depth = driver.random_tree(nodes=nodes)
     kv = driver.capture.kv(2).clone()
     feed = dict(input_ids=tokens, positions=driver.cache_len.unsqueeze(1) + depth, cache_len=driver.cache_len,
                 tree_mask=mask, parents=parents, kv=kv)

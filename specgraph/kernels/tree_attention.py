@@ -55,6 +55,24 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _half_turn(dims, HEAD_DIM: tl.constexpr):
+    """rotate_half's source index: dimension d reads d + D/2 (mod D)."""
+    return (dims + HEAD_DIM // 2) % HEAD_DIM
+
+
+@triton.jit
+def _half_sign(dims, HEAD_DIM: tl.constexpr):
+    """rotate_half's sign: -1 on the first half (it takes -x2), +1 on the second (x1)."""
+    return tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
+
+
+@triton.jit
+def _rotate(x, x_turned, cos, sin, sign):
+    """RoPE: x * cos + rotate_half(x) * sin in float32, rounded once to x's dtype (as inductor fuses it)."""
+    return (x.to(tl.float32) * cos.to(tl.float32) + sign * x_turned.to(tl.float32) * sin.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def _online_softmax_step(acc, m_i, l_i, s, v, UPCAST: tl.constexpr):
     """Fold one tile of base-2 logits s [M, N] and values v [N, D] into the running state."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -68,17 +86,19 @@ def _online_softmax_step(acc, m_i, l_i, s, v, UPCAST: tl.constexpr):
 
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, CacheLen, Mask, Out, PartO, PartLse, NewK, NewV, Arrived,
+    Q, K, V, CacheLen, Mask, Out, PartO, PartLse, NewK, NewV, Arrived, Cos, Sin,
     stride_qb, stride_qh, stride_qr, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mr,
     stride_nkb, stride_nkh, stride_nkn, stride_nkd,
     stride_nvb, stride_nvh, stride_nvn, stride_nvd,
+    stride_cb, stride_cr, stride_cd,
     H_KV, R, N_NEW, S_MAX, qk_scale, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr,
-    WRITE_NEW: tl.constexpr, MERGE_HERE: tl.constexpr, SPLITS_POW2: tl.constexpr, UPCAST: tl.constexpr,
+    WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, MERGE_HERE: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # tile of the G*R (group head, query row) pairs: fastest, so tiles share K/V in L2
     pid_bh = tl.program_id(1)  # b * H_KV + kv head
@@ -92,8 +112,13 @@ def _tree_attention_kernel(
     h = kvh * G + g
     dims = tl.arange(0, HEAD_DIM)
 
-    q_ptr = Q + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + r[:, None] * stride_qr + dims[None, :] * stride_qd
-    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [M, D]
+    q_row = Q + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + r[:, None] * stride_qr
+    q = tl.load(q_row + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)  # [M, D]
+    if ROPE:  # q arrives unrotated: rotate row r by its position's cos/sin (rotate_half convention)
+        cos_row = b.to(tl.int64) * stride_cb + r[:, None] * stride_cr + dims[None, :] * stride_cd
+        q = _rotate(q, tl.load(q_row + _half_turn(dims, HEAD_DIM)[None, :] * stride_qd, mask=row_ok[:, None], other=0.0),
+                    tl.load(Cos + cos_row, mask=row_ok[:, None], other=0.0),
+                    tl.load(Sin + cos_row, mask=row_ok[:, None], other=0.0), _half_sign(dims, HEAD_DIM)[None, :])
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     cache_len = tl.load(CacheLen + b).to(tl.int32)
@@ -132,6 +157,12 @@ def _tree_attention_kernel(
             nv_base = NewV + b.to(tl.int64) * stride_nvb + kvh.to(tl.int64) * stride_nvh
             k = tl.load(nk_base + offs[None, :] * stride_nkn + dims[:, None] * stride_nkd, mask=fresh[None, :], other=0.0)
             v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
+            if ROPE:  # row j's key, rotated by row j's cos/sin, is what the cache stores: [D, 64] tiles
+                cos_col = b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr + dims[:, None] * stride_cd
+                k = _rotate(k, tl.load(nk_base + offs[None, :] * stride_nkn + _half_turn(dims, HEAD_DIM)[:, None] * stride_nkd,
+                                       mask=fresh[None, :], other=0.0),
+                            tl.load(Cos + cos_col, mask=fresh[None, :], other=0.0),
+                            tl.load(Sin + cos_col, mask=fresh[None, :], other=0.0), _half_sign(dims, HEAD_DIM)[:, None])
             if pid_m == 0:  # prefix programs read only slots < cache_len: no race with these writes
                 tl.store(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, k, mask=fresh[None, :])
                 tl.store(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd, v, mask=fresh[:, None])
@@ -159,37 +190,42 @@ def _tree_attention_kernel(
             tl.debug_barrier()
             if arrived == NUM_SPLITS - 1:
                 tl.store(Arrived + tile, 0)  # all NUM_SPLITS arrived: reset for the next launch
-                splits = tl.arange(0, SPLITS_POW2)
-                lse_all = tl.load(PartLse + row_id[:, None] * NUM_SPLITS + splits[None, :], cache_modifier=".cg",
-                                  mask=row_ok[:, None] & (splits < NUM_SPLITS)[None, :], other=float("-inf"))
-                top = tl.max(lse_all, 1)
-                top = tl.where(top == float("-inf"), 0.0, top)
-                total = tl.sum(tl.exp2(lse_all - top[:, None]), 1)
-                merged = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-                for split in range(NUM_SPLITS):
-                    weight = tl.exp2(tl.load(PartLse + row_id * NUM_SPLITS + split, mask=row_ok, other=float("-inf"),
-                                             cache_modifier=".cg") - top)
-                    o = tl.load(PartO + (row_id * NUM_SPLITS + split)[:, None] * HEAD_DIM + dims[None, :],
-                                mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                    merged += o * weight[:, None]
-                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+                merged = _merge_partials(PartO, PartLse, row_id, row_ok, BLOCK_M, NUM_SPLITS, SPLITS_POW2, HEAD_DIM)
                 tl.store(Out + row_id[:, None] * HEAD_DIM + dims[None, :], merged.to(Out.dtype.element_ty),
                          mask=row_ok[:, None])
 
 
 @triton.jit
-def _merge_splits_kernel(PartO, PartLse, Out, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # one (b, h, r) row
-    splits = tl.arange(0, SPLITS_POW2)
+def _merge_partials(PartO, PartLse, row_id, row_ok, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The LSE-weighted sum of rows ``row_id`` [M]'s NUM_SPLITS partial outputs: [M, D] float32.
+    ``.cg`` loads: the partials were stored by other programs of this launch (read past L1)."""
     dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(PartLse + row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    o = tl.load(PartO + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :], mask=(splits < NUM_SPLITS)[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(o * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(Out + row * HEAD_DIM + dims, out.to(Out.dtype.element_ty))
+    splits = tl.arange(0, SPLITS_POW2)
+    lse_all = tl.load(PartLse + row_id[:, None] * NUM_SPLITS + splits[None, :], cache_modifier=".cg",
+                      mask=row_ok[:, None] & (splits < NUM_SPLITS)[None, :], other=float("-inf"))
+    top = tl.max(lse_all, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row no split saw a key for
+    total = tl.sum(tl.exp2(lse_all - top[:, None]), 1)
+    merged = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for split in range(NUM_SPLITS):
+        weight = tl.exp2(tl.load(PartLse + row_id * NUM_SPLITS + split, mask=row_ok, other=float("-inf"),
+                                 cache_modifier=".cg") - top)
+        o = tl.load(PartO + (row_id * NUM_SPLITS + split)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        merged += o * weight[:, None]
+    return merged / tl.where(total == 0.0, 1.0, total)[:, None]
+
+
+@triton.jit
+def _merge_splits_kernel(PartO, PartLse, Out, ROWS, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """The merge as a launch of its own (no arrival counters): BLOCK_ROWS (b, h, r) rows per program."""
+    row_id = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = row_id < ROWS
+    merged = _merge_partials(PartO, PartLse, row_id, row_ok, BLOCK_ROWS, NUM_SPLITS, SPLITS_POW2, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)
+    tl.store(Out + row_id[:, None] * HEAD_DIM + dims[None, :], merged.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 ARRIVAL_SLOTS = 1 << 16  # tiles (b, kv head, m tile) one launch may split: B * H_kv * m_tiles
@@ -241,13 +277,14 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
 
 
 def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: float, window: int,
-                          num_splits: int | None = None, new_kv: tuple | None = None, merge_here: bool = True,
-                          **override) -> torch.Tensor:
+                          num_splits: int | None = None, new_kv: tuple | None = None, rope: tuple | None = None,
+                          merge_here: bool = True, **override) -> torch.Tensor:
     """Launch the Triton kernel (CUDA, or the interpreter with TRITON_INTERPRET=1).
 
     ``new_kv = (key, value)``, each ``[B, H_kv, N, D]``: the step's rows, written into the caches at
     slots ``cache_len + i`` by the same launch; the window reads them from here, not from the cache
-    (``tree_attention_write``).
+    (``tree_attention_write``). ``rope = (cos, sin)``, each ``[B, R, D]`` (with ``new_kv`` only): q and the
+    new keys arrive unrotated and are rotated in the kernel, ``x * cos + rotate_half(x) * sin``.
     Split over the prefix, the last program of each tile to finish merges the splits (``merge_here``;
     False: a second launch, ``_merge_splits_kernel``, does).
     """
@@ -262,21 +299,28 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
     else:
         part_o = part_lse = out  # unused
     new_k, new_v = new_kv if new_kv is not None else (k_cache, v_cache)  # unused without WRITE_NEW
+    assert rope is None or new_kv is not None, "rope rotates the step's new keys: pass new_kv too"
+    cos, sin = rope if rope is not None else (q, q)  # unused without ROPE
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
     arrived = _arrival_counters(q.device, m_tiles * b * h_kv) if splits > 1 and merge_here else None
     _tree_attention_kernel[(m_tiles, b * h_kv, splits)](
         q, k_cache, v_cache, cache_len, tree_mask, out, part_o, part_lse, new_k, new_v,
-        arrived if arrived is not None else cache_len,
+        arrived if arrived is not None else cache_len, cos, sin,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *new_k.stride(), *new_v.stride(),
+        *cos.stride()[-3:],
         h_kv, r, new_k.shape[2], s_max, scale * LOG2E, window,
         G=h // h_kv, HEAD_DIM=d, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], NUM_SPLITS=splits,
         PREFIX_SPLITS=max(splits - 1, 1), HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS,
-        WRITE_NEW=new_kv is not None, MERGE_HERE=arrived is not None, SPLITS_POW2=triton.next_power_of_2(splits),
+        WRITE_NEW=new_kv is not None, ROPE=rope is not None, MERGE_HERE=arrived is not None, SPLITS_POW2=triton.next_power_of_2(splits),
         UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if splits > 1 and arrived is None:
-        _merge_splits_kernel[(b * h * r,)](part_o, part_lse, out, NUM_SPLITS=splits,
-                                           SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=d)
+        rows, block_rows = b * h * r, 16
+        _merge_splits_kernel[(triton.cdiv(rows, block_rows),)](
+            part_o, part_lse, out, rows, NUM_SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=d,
+            BLOCK_ROWS=block_rows)
     return out
 
 
@@ -380,10 +424,20 @@ def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask, scale, windo
 
 
 # ----------------------------------------------------------------------------- the op with the cache write
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``apply_rotary_pos_emb`` for one tensor, op for op in x's dtype: x [B, H, R, D]; cos, sin [B, R, D]."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
+    return (x * cos.unsqueeze(1) + turned * sin.unsqueeze(1)).to(x.dtype)
+
+
 def tree_attention_write_reference(q, kv, layer: int, key, value, cache_len, tree_mask, scale: float,
-                                   window: int) -> torch.Tensor:
+                                   window: int, cos=None, sin=None) -> torch.Tensor:
     """Plain torch: write row i's K/V at slot ``cache_len + i`` of layer ``layer`` (in place), then
-    ``tree_attention`` over the layer's caches with only window slots ``0 .. R-1`` nameable."""
+    ``tree_attention`` over the layer's caches with only window slots ``0 .. R-1`` nameable. With
+    ``cos``/``sin``, q and key are rotated first (``rotary_reference``)."""
+    if cos is not None:
+        q, key = rotary_reference(q, cos, sin), rotary_reference(key, cos, sin)
     b, _, r, _ = key.shape
     slots = cache_len.to(torch.int64).view(b, 1) + torch.arange(r, device=key.device)  # [B, R]
     kv_write_reference(kv, layer, slots.view(b, 1, r, 1).expand_as(key), key, value)
@@ -391,7 +445,7 @@ def tree_attention_write_reference(q, kv, layer: int, key, value, cache_len, tre
     return tree_attention_reference(q, kv[2 * layer], kv[2 * layer + 1], cache_len, own, scale, window)
 
 
-def _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window) -> None:
+def _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos=None, sin=None) -> None:
     if kv.dim() != 5 or kv.shape[0] % 2 or not 0 <= layer < kv.shape[0] // 2:
         raise ValueError(f"tree_attention_write: kv must be [2L, B, H_kv, S_max, D] and layer in 0 .. L-1; got "
                          f"{tuple(kv.shape)}, layer {layer}")
@@ -400,6 +454,13 @@ def _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window) 
     problems = [f"{name} must be [B, H_kv, R, D] = {list(want)} in the cache's dtype {kv.dtype}; got "
                 f"{tuple(t.shape)} {t.dtype}" for name, t in (("key", key), ("value", value))
                 if tuple(t.shape) != want or t.dtype != kv.dtype]
+    if (cos is None) != (sin is None):
+        problems.append("cos and sin go together: pass both (q and key unrotated) or neither (rotated)")
+    elif cos is not None:
+        rope = (q.shape[0], q.shape[2], q.shape[3])
+        problems += [f"{name} must be [B, R, D] = {list(rope)}, floating point, D even; got {tuple(t.shape)} "
+                     f"{t.dtype}" for name, t in (("cos", cos), ("sin", sin))
+                     if tuple(t.shape) != rope or not t.is_floating_point() or rope[2] % 2]
     if problems:
         raise ValueError("tree_attention_write: " + "; ".join(problems))
 
@@ -407,25 +468,28 @@ def _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window) 
 # flexible_layout, as for kv_write: the kernel takes any strides, so inductor need not restride kv.
 @torch.library.custom_op("specgraph::tree_attention_write", mutates_args=("kv",), tags=(torch.Tag.flexible_layout,))
 def tree_attention_write(q: torch.Tensor, kv: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
-                         cache_len: torch.Tensor, tree_mask: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+                         cache_len: torch.Tensor, tree_mask: torch.Tensor, scale: float, window: int,
+                         cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """``kv_write`` of the step's rows at slots ``cache_len + i``, then ``tree_attention`` over layer
     ``layer``'s caches (``kv[2l]``, ``kv[2l+1]``), in one launch on CUDA. q [B, H, R, D]; key, value
     [B, H_kv, R, D]; kv [2L, B, H_kv, S_max, D] written in place; out [B, H, R, D]. Window slots >= R
-    are not read (in a step the mask names only rows of this step). CPU: the reference."""
-    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
-    return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+    are not read (in a step the mask names only rows of this step). With ``cos``, ``sin`` [B, R, D], q
+    and key arrive unrotated and the op applies RoPE (``rotary_reference``) first. CPU: the reference."""
+    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
+    return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
 
 
 @tree_attention_write.register_kernel("cuda")
-def _tree_attention_write_cuda(q, kv, layer, key, value, cache_len, tree_mask, scale, window):
-    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+def _tree_attention_write_cuda(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos=None, sin=None):
+    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
     if os.environ.get("SPECGRAPH_REFERENCE_KERNELS") == "1" or q.shape[-1] not in (16, 32, 64, 128, 256):
-        return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+        return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos,
+                                              sin)
     return tree_attention_triton(q, kv[2 * layer], kv[2 * layer + 1], cache_len, tree_mask, scale, window,
-                                 new_kv=(key, value))
+                                 new_kv=(key, value), rope=None if cos is None else (cos, sin))
 
 
 @tree_attention_write.register_fake
-def _tree_attention_write_fake(q, kv, layer, key, value, cache_len, tree_mask, scale, window):
-    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window)
+def _tree_attention_write_fake(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos=None, sin=None):
+    _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
     return q.new_empty(q.shape)

@@ -7,7 +7,8 @@ import specgraph.kernels  # noqa: F401
 from specgraph.kernels.compact_kv import compact_kv_reference
 from specgraph.kernels.tree_attention import (tree_attention_reference, tree_attention_triton,
                                                tree_attention_write_reference)
-from attention_cases import make_case, oracle
+from attention_cases import Case, make_case, oracle
+from test_tree_attention_write import rope_tables
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -44,9 +45,11 @@ def test_long_context_128k():
 
 @pytest.mark.parametrize("h_kv, g, d", [(8, 4, 128), (3, 3, 64), (1, 4, 256)])
 @pytest.mark.parametrize("r", [1, 8, 64])
-def test_write_and_attend_at_real_shapes_replayed_in_a_cuda_graph(h_kv, g, d, r):
+@pytest.mark.parametrize("rope", [False, True], ids=["rotated", "rope_in_kernel"])
+def test_write_and_attend_at_real_shapes_replayed_in_a_cuda_graph(h_kv, g, d, r, rope):
     """tree_attention_write: eager and replayed (split programs merge through arrival counters that
-    must be back at zero for every replay) against the reference, cache bit for bit."""
+    must be back at zero for every replay) against the reference, cache bit for bit; with RoPE in the
+    kernel (cos/sin at each replay's positions), the cache within one bf16 rounding."""
     b, s_max, layer = 4, 4096 + 64, 1
     case = make_case(13, b=b, h_kv=h_kv, g=g, d=d, r=r, s_max=s_max, lanes=False, window=0, dtype=torch.bfloat16,
                      poison=False).to(device="cuda")
@@ -55,15 +58,20 @@ def test_write_and_attend_at_real_shapes_replayed_in_a_cuda_graph(h_kv, g, d, r)
     key = torch.randn(b, h_kv, r, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     value = torch.randn(b, h_kv, r, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     cache_len = case.cache_len.clone()
+    tables = [t.cuda() for t in rope_tables(case, torch.bfloat16)] if rope else [None, None]
 
     def call(cache):
         return torch.ops.specgraph.tree_attention_write(case.q, cache, layer, key, value, cache_len, case.mask,
-                                                        case.scale, 0)
+                                                        case.scale, 0, *tables)
 
     def check(got, got_kv):
         want_kv = kv.clone()
-        want = tree_attention_write_reference(case.q, want_kv, layer, key, value, cache_len, case.mask, case.scale, 0)
-        assert torch.equal(got_kv, want_kv)
+        want = tree_attention_write_reference(case.q, want_kv, layer, key, value, cache_len, case.mask, case.scale, 0,
+                                              *tables)
+        if rope:  # the kernel rounds x * cos + rotate_half(x) * sin once, the reference op by op
+            torch.testing.assert_close(got_kv, want_kv, atol=1.6e-2, rtol=1.6e-2)
+        else:
+            assert torch.equal(got_kv, want_kv)
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
 
     static_kv = kv.clone()
@@ -73,6 +81,10 @@ def test_write_and_attend_at_real_shapes_replayed_in_a_cuda_graph(h_kv, g, d, r)
         out = call(static_kv)
     for lengths in (case.cache_len, torch.tensor([0, 100, 4000, 2047]), torch.tensor([4095 - r, 1, 63, 64])):
         cache_len.copy_(lengths)
+        if rope:  # the tables follow the positions: cache_len + depth
+            moved = Case(case.q, case.k, case.v, cache_len.cpu(), case.mask.cpu(), case.scale, 0)
+            for table, fresh in zip(tables, rope_tables(moved, torch.bfloat16)):
+                table.copy_(fresh)
         static_kv.copy_(kv)
         graph.replay()
         check(out, static_kv)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import specgraph.kernels  # noqa: F401  (registers the ops)
+from specgraph.kernels.bitmask import mask_to_matrix
 from specgraph.kernels.tree_attention import tree_attention_triton, tree_attention_write_reference
 from attention_cases import Case, make_case, oracle
 
@@ -109,6 +110,70 @@ def test_op_errors_name_the_argument():
         op(case.q, kv, layer, key, value.double(), case.cache_len, case.mask, 1.0, 0)
     with pytest.raises(ValueError, match="layer 2"):
         op(case.q, kv, 2, key, value, case.cache_len, case.mask, 1.0, 0)
+
+
+def rope_tables(case, dtype, theta: float = 10000.0):
+    """cos, sin [B, R, D] at each node's position cache_len + depth, as HF's rotary embedding builds them."""
+    b, _, r, d = case.q.shape
+    depth = mask_to_matrix(case.mask, 64).sum(-1) - 1  # [B, R]
+    positions = (case.cache_len.view(b, 1) + depth).double()
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d)
+    angles = torch.cat([positions.unsqueeze(-1) * inv_freq] * 2, dim=-1)  # [B, R, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reference_rotates_like_hf(seed):
+    """With cos/sin, the op equals HF's apply_rotary_pos_emb on q and key, then the unrotated op."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    case, kv, layer, key, value = write_case(300 + seed)
+    cos, sin = rope_tables(case, torch.float64)
+    q_rot, key_rot = apply_rotary_pos_emb(case.q, key, cos, sin)  # unsqueeze_dim=1: [B, H, R, D]
+    want_kv = kv.clone()
+    want = tree_attention_write_reference(q_rot, want_kv, layer, key_rot, value, case.cache_len, case.mask,
+                                          case.scale, case.window)
+    got_kv = kv.clone()
+    got = tree_attention_write_reference(case.q, got_kv, layer, key, value, case.cache_len, case.mask, case.scale,
+                                         case.window, cos, sin)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got_kv, want_kv, equal_nan=True, atol=1e-12, rtol=1e-12)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(3))
+def test_triton_rotates_like_the_reference(seed, dtype):
+    """RoPE in the kernel: q rotated at load, the new keys rotated before the window reads and the cache
+    stores them. The cache within one rounding of the reference's (fp32 math, rounded once, as inductor
+    fuses it, against HF's op-by-op rounding), the output within the dtype's tolerance."""
+    case, kv, layer, key, value = write_case(400 + seed, dtype=dtype, window=0 if seed % 2 else None)
+    cos, sin = rope_tables(case, dtype)
+    case, kv, key, value = case.to(device=DEVICE), kv.to(DEVICE), key.to(DEVICE), value.to(DEVICE)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    want_kv = kv.clone()
+    want = tree_attention_write_reference(case.q, want_kv, layer, key, value, case.cache_len, case.mask, case.scale,
+                                          case.window, cos, sin)
+    cache_tol = {torch.float32: 1e-6, torch.bfloat16: 1.6e-2}[dtype]
+    for num_splits in (None, 3):
+        got_kv = kv.clone()
+        got = tree_attention_triton(case.q, got_kv[2 * layer], got_kv[2 * layer + 1], case.cache_len, case.mask,
+                                    case.scale, case.window, num_splits=num_splits, new_kv=(key, value),
+                                    rope=(cos, sin))
+        assert not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+        torch.testing.assert_close(got_kv.float(), want_kv.float(), equal_nan=True, atol=cache_tol, rtol=cache_tol)
+        assert torch.equal(got_kv.isnan(), want_kv.isnan())  # the same slots written, nothing past them
+
+
+def test_rope_errors_name_the_argument():
+    case, kv, layer, key, value = write_case(2, dtype=torch.float32, r=4)
+    cos, sin = rope_tables(case, torch.float32)
+    op = torch.ops.specgraph.tree_attention_write
+    with pytest.raises(ValueError, match="cos and sin go together"):
+        op(case.q, kv, layer, key, value, case.cache_len, case.mask, 1.0, 0, cos, None)
+    with pytest.raises(ValueError, match=r"sin must be \[B, R, D\]"):
+        op(case.q, kv, layer, key, value, case.cache_len, case.mask, 1.0, 0, cos, sin[:, :3])
 
 
 class _Step(torch.nn.Module):
