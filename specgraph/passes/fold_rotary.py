@@ -65,7 +65,7 @@ def _table(node):
 
 def _turned_source(node):
     """``x`` when node is rotate_half(x) = ``cat([-x[..., D/2:], x[..., :D/2]], -1)``; else None."""
-    if not (_call(node, aten.cat.default) and len(node.args[0]) == 2):
+    if not (_call(node, aten.cat.default) and len(node.args[0]) == 2 and _val(node) is not None):
         return None
     rank = _val(node).dim()
     if len(node.args) > 1 and not _last_dim(node.args[1], rank):
@@ -75,8 +75,8 @@ def _turned_source(node):
         return None
     high = neg.args[0]
     x = low.args[0]
-    if high.args[0] is not x or _val(x) is None:
-        return None
+    if high.args[0] is not x or _val(x) is None or any(len(s.args) > 4 and s.args[4] != 1 for s in (low, high)):
+        return None  # another tensor, or a strided slice
     d = _val(x).shape[-1]
     low_ok = _last_dim(low.args[1], rank) and tuple(low.args[2:4]) == (0, d // 2)
     high_ok = _last_dim(high.args[1], rank) and high.args[2] == d // 2 and (len(high.args) < 4 or high.args[3] >= d)
