@@ -30,8 +30,8 @@ NO_OP_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 ASSERT_METADATA = aten._assert_tensor_metadata.default
 # Rows per sequence up to which the fold is measured faster (H200, Llama-3.1-8B shape, 2026-12-01): the
 # plain decode step (R = 1) 4.856 -> 4.789-4.804 ms; but an 8-row verify step 5.13 -> 6.19 ms (64 rows:
-# 5.79 -> 5.83). Not yet profiled; a suspect: ptxas reports 156 bytes of spills for the 4-warp R = 8
-# variant against 60 unrotated, none at 8 warps. Raise this once a multi-row variant measures faster.
+# 5.79 -> 5.83). Not yet profiled (ptxas: the 4-warp R = 8 variant spills 156 bytes against 60
+# unrotated, but outside its loops). Raise this once a multi-row variant measures faster.
 MAX_ROWS = 1
 
 
