@@ -34,6 +34,8 @@ Every figure is measured in this run, on the same model:
 --inductor KEY=VALUE ...: torch._inductor.config values for an experiment (combo_kernels=1,
 triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
+SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B;
+the JSON records it.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
 from __future__ import annotations
@@ -232,7 +234,8 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
     res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                torch=torch.__version__, shape="tiny" if args.tiny else "Llama-3.1-8B", prompt=args.prompt,
-               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor)
+               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
+               skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 

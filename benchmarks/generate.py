@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -208,7 +209,8 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     result = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   prompts=len(rows), max_new_tokens=args.max_new_tokens, copy_bandwidth_gbs=bandwidth / 1e9,
-                  floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor, methods={})
+                  floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor,
+                  skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""), methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()
