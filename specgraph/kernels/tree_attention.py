@@ -116,8 +116,8 @@ def _tree_attention_kernel(
     q = tl.load(q_row + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)  # [M, D]
     if ROPE:  # q arrives unrotated: rotate row r by its position's cos/sin (rotate_half convention)
         cos_row = b.to(tl.int64) * stride_cb + r[:, None] * stride_cr + dims[None, :] * stride_cd
-        q = _rotate(q, tl.load(q_row + _half_turn(dims, HEAD_DIM)[None, :] * stride_qd, mask=row_ok[:, None], other=0.0),
-                    tl.load(Cos + cos_row, mask=row_ok[:, None], other=0.0),
+        q_turned = tl.load(q_row + _half_turn(dims, HEAD_DIM)[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        q = _rotate(q, q_turned, tl.load(Cos + cos_row, mask=row_ok[:, None], other=0.0),
                     tl.load(Sin + cos_row, mask=row_ok[:, None], other=0.0), _half_sign(dims, HEAD_DIM)[None, :])
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
@@ -159,9 +159,9 @@ def _tree_attention_kernel(
             v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
             if ROPE:  # row j's key, rotated by row j's cos/sin, is what the cache stores: [D, 64] tiles
                 cos_col = b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr + dims[:, None] * stride_cd
-                k = _rotate(k, tl.load(nk_base + offs[None, :] * stride_nkn + _half_turn(dims, HEAD_DIM)[:, None] * stride_nkd,
-                                       mask=fresh[None, :], other=0.0),
-                            tl.load(Cos + cos_col, mask=fresh[None, :], other=0.0),
+                turned = _half_turn(dims, HEAD_DIM)[:, None] * stride_nkd
+                k_turned = tl.load(nk_base + offs[None, :] * stride_nkn + turned, mask=fresh[None, :], other=0.0)
+                k = _rotate(k, k_turned, tl.load(Cos + cos_col, mask=fresh[None, :], other=0.0),
                             tl.load(Sin + cos_col, mask=fresh[None, :], other=0.0), _half_sign(dims, HEAD_DIM)[:, None])
             if pid_m == 0:  # prefix programs read only slots < cache_len: no race with these writes
                 tl.store(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, k, mask=fresh[None, :])
@@ -312,7 +312,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
         h_kv, r, new_k.shape[2], s_max, scale * LOG2E, window,
         G=h // h_kv, HEAD_DIM=d, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], NUM_SPLITS=splits,
         PREFIX_SPLITS=max(splits - 1, 1), HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS,
-        WRITE_NEW=new_kv is not None, ROPE=rope is not None, MERGE_HERE=arrived is not None, SPLITS_POW2=triton.next_power_of_2(splits),
+        WRITE_NEW=new_kv is not None, ROPE=rope is not None, MERGE_HERE=arrived is not None,
+        SPLITS_POW2=triton.next_power_of_2(splits),
         UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )

@@ -26,8 +26,8 @@ from .tap_hidden_states import tap_hidden_states
 # Taps first: they read layer boundaries from the module structure, before
 # prune_logits puts a slice in front of the LM head. Cache writes become in-place ops late
 # (replace_attention finds each layer's K/V through its scatter_ writes), then fold into the attention
-# that reads them, and the RoPE of q and k folds into that attention last. Projections fuse after the taps and the LM-head slice, which find their nodes
-# through module paths.
+# that reads them, and the RoPE of q and k folds into that attention last. Projections fuse after the
+# taps and the LM-head slice, which find their nodes through module paths.
 PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections, inplace_cache_writes,
             fold_cache_writes, fold_rotary)
 # Passes that only make the graph faster: the graph is correct without them (SPECGRAPH_SKIP_PASSES).

@@ -23,10 +23,10 @@ import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
 from .pass_result import GraphContext, PassResult
+from .replace_attention import CASTS
 
 aten = torch.ops.aten
 TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
-NO_OP_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 ASSERT_METADATA = aten._assert_tensor_metadata.default
 # Rows per sequence up to which the fold is measured faster (H200, Llama-3.1-8B shape, 2026-12-01): the
 # plain decode step (R = 1) 4.856 -> 4.789-4.804 ms; but an 8-row verify step 5.13 -> 6.19 ms (64 rows:
@@ -45,7 +45,7 @@ def _call(node, target) -> bool:
 
 def _strip_no_op_casts(node):
     """Past casts to the dtype the tensor already has (export keeps ``x.to(kv.dtype)`` when equal)."""
-    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in NO_OP_CASTS
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in CASTS
            and _val(node) is not None and _val(node.args[0]) is not None
            and _val(node).dtype == _val(node.args[0]).dtype):
         node = node.args[0]
