@@ -20,7 +20,7 @@ import os
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, PassResult, walk_back
 
 aten = torch.ops.aten
 KV_WRITE = torch.ops.specgraph.kv_write.default
@@ -31,19 +31,13 @@ SHAPE_OPS = {aten.expand.default, aten.expand_as.default, aten.view.default, ate
 CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.unsqueeze.default, aten.view.default}
 
 
-def _strip(node, targets):
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets:
-        node = node.args[0]
-    return node
-
-
 def _is_step_slots(index, cache_len: torch.fx.Node, rows: int) -> bool:
     """``index`` is, up to shape ops, ``cache_len + arange(rows)``."""
-    add = _strip(index, SHAPE_OPS)
+    add = walk_back(index, SHAPE_OPS)
     if not (isinstance(add, torch.fx.Node) and add.target == aten.add.Tensor and len(add.args) == 2):
         return False
     for base, ramp in (add.args, add.args[::-1]):
-        if (_strip(base, CASTS) is cache_len and isinstance(ramp, torch.fx.Node) and ramp.target == aten.arange.default
+        if (walk_back(base, CASTS) is cache_len and isinstance(ramp, torch.fx.Node) and ramp.target == aten.arange.default
                 and tuple(ramp.args) == (rows,)):
             return True
     return False

@@ -22,7 +22,7 @@ import os
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, PassResult, walk_back
 from .replace_attention import CASTS
 
 aten = torch.ops.aten
@@ -43,13 +43,10 @@ def _call(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
-def _strip_no_op_casts(node):
-    """Past casts to the dtype the tensor already has (export keeps ``x.to(kv.dtype)`` when equal)."""
-    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in CASTS
-           and _val(node) is not None and _val(node.args[0]) is not None
-           and _val(node).dtype == _val(node.args[0]).dtype):
-        node = node.args[0]
-    return node
+def _no_op_cast(node) -> bool:
+    """A cast to the dtype the tensor already has (export keeps ``x.to(kv.dtype)`` when equal)."""
+    return (_val(node) is not None and _val(node.args[0]) is not None
+            and _val(node).dtype == _val(node.args[0]).dtype)
 
 
 def _last_dim(dim, rank: int) -> bool:
@@ -86,7 +83,7 @@ def _turned_source(node):
 def _rope_parts(node):
     """(x, cos, sin, the rotated node) when ``node`` is HF's ``x * cos.unsqueeze(1) + rotate_half(x) *
     sin.unsqueeze(1)`` in x's own dtype; else None."""
-    node = rotated_out = _strip_no_op_casts(node)
+    node = rotated_out = walk_back(node, CASTS, keep=_no_op_cast)
     if _call(node, aten.cat.default) and len(node.args[0]) == 2 and _val(node.args[0][1]) is not None \
             and _val(node.args[0][1]).shape[-1] == 0:  # partial-rotary code at factor 1: nothing passes through
         node = node.args[0][0]

@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+def walk_back(node, targets, keep=lambda node: True):
+    """Follow ``args[0]`` back from ``node`` while it is a call of one of ``targets`` that ``keep``
+    accepts (views, casts: ops that do not change what a matcher looks for)."""
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+           and keep(node)):
+        node = node.args[0]
+    return node
+
+
 @dataclass
 class PassResult:
     graph_module: torch.fx.GraphModule

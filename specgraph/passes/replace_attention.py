@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, PassResult, walk_back
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -39,18 +39,6 @@ OTHER_SDPA = {name for name in ("_scaled_dot_product_flash_attention", "_scaled_
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _through_views(node):
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
-        node = node.args[0]
-    return node
-
-
-def _strip_casts(node):
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in CASTS:
-        node = node.args[0]
-    return node
-
-
 def _layer_name(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else node.name
@@ -58,7 +46,7 @@ def _layer_name(node: torch.fx.Node) -> str:
 
 def _cache_slot(node, kv: torch.fx.Node):
     """(write node, cache index) if ``node`` is, up to views, a write into kv[index]."""
-    write = _through_views(node)
+    write = walk_back(node, VIEW_OPS)
     if isinstance(write, torch.fx.Node) and write.op == "call_function" and write.target == CACHE_WRITE:
         select = write.args[0]
         if (isinstance(select, torch.fx.Node) and select.target == aten.select.int and select.args[0] is kv
@@ -93,13 +81,13 @@ def replace_attention(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
             problems.append("keys/values do not come from the KV cache (cross-attention or precomputed keys)")
         elif k_slot % 2 or v_slot != k_slot + 1:
             problems.append(f"keys from cache {k_slot} and values from cache {v_slot} are not one layer's K and V")
-        mask = _through_views(a.get("attn_mask"))
+        mask = walk_back(a.get("attn_mask"), VIEW_OPS)
         if a.get("is_causal"):
             problems.append("is_causal=True: causal attention without the tree mask")
         if not (isinstance(mask, torch.fx.Node) and mask.target == TREE_MASK):
             problems.append("the attention mask is not the tree mask alone (an added bias such as ALiBi or "
                             "attention sinks, or a mask the model built itself)")
-        elif _strip_casts(mask.args[0]) is not cache_len or _strip_casts(mask.args[1]) is not tree_mask:
+        elif walk_back(mask.args[0], CASTS) is not cache_len or walk_back(mask.args[1], CASTS) is not tree_mask:
             problems.append("the tree mask is not built from the step's cache_len and tree_mask")
         if a.get("dropout_p", 0.0) not in (0, 0.0):
             problems.append(f"dropout_p={a['dropout_p']} (put the model in eval mode)")
