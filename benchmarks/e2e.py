@@ -1,7 +1,7 @@
-"""End-to-end decode cost on a Llama-3.1-8B-shaped target with random bf16 weights (GPU).
+"""End-to-end decode cost on a Llama-3.1-8B-shaped target (or --shape smollm2) with random bf16 weights (GPU).
 
     python benchmarks/e2e.py [--sections floor cublas plain verify synthetic batch profile] [--prompt 1024]
-                             [--budget-s 500] [--out DIR] [--tiny]
+                             [--budget-s 500] [--out DIR] [--shape llama8b|smollm2|tiny]
 
 Every figure is measured in this run, on the same model:
   floor      bytes streamed per decode step (all weights but the embedding table, plus the KV cache
@@ -23,14 +23,16 @@ Every figure is measured in this run, on the same model:
   batch      plain, and the synthetic head (tau = 4) on Chain(4) and on an EAGLE-2 DynamicTree(4, 4, 16),
              at B = 1, 4, 16, 64 (--batches; --batch-trees picks the trees): tokens/s and speedup, saved after
              every figure (plot: plots.py batch)
-  profile    torch.profiler over --profile-steps plain decode steps after a 16-token prompt (one
-             prefill chunk): device time per step by kernel kind (matmul, attention, copy,
-             reduction, elementwise, other) against the wall time per step; the top ops by self
-             CPU and device time in DIR/e2e-profile-DATE.txt
+  profile    torch.profiler over --profile-steps plain decode steps at the prompt's context (the
+             recorded step graph replayed back to back): device time per step by kernel kind
+             (matmul, attention, copy, reduction, elementwise, other) against the wall time per
+             step; the top ops by self CPU and device time in DIR/e2e-profile-DATE.txt
   profile_verify  the same for verify steps of --profile-verify-n nodes (NGram chain,
              synthetic_accept=1): where the verify step's time over plain decode goes
              (DIR/e2e-profile-verify-DATE.txt)
---tiny: a 4-layer model of the same kinds (for a quick check of the script, not for numbers).
+--shape smollm2: SmolLM2-135M's config with random weights (the small-model regime, where launches
+and not bytes set the step's time); --tiny: a 4-layer model of the same kinds (for a quick check of
+the script, not for numbers).
 --inductor KEY=VALUE ...: torch._inductor.config values for an experiment (combo_kernels=1,
 triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
@@ -64,8 +66,12 @@ SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch",
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
                 tie_word_embeddings=False)
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+               tie_word_embeddings=True, rms_norm_eps=1e-5)  # SmolLM2-135M's config, random weights
 TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024)
+SHAPES = {"llama8b": ("Llama-3.1-8B", LLAMA_8B), "smollm2": ("SmolLM2-135M", SMOLLM2), "tiny": ("tiny", TINY)}
 BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16)}
 
 
@@ -84,9 +90,12 @@ def sync(device: str) -> None:
 
 
 def streamed_bytes(model, context: int) -> tuple[int, int]:
-    """(weight bytes read per decode step: all but the input embedding table, KV bytes at ``context``)."""
+    """(weight bytes read per decode step: all but the input embedding table, which a tied LM head
+    streams whole, KV bytes at ``context``)."""
     embed = model.get_input_embeddings().weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    if model.get_output_embeddings().weight is embed:  # tied: the LM head reads the table every step
+        weights += embed.numel() * embed.element_size()
     c = model.config
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * context * 2
     return weights, kv
@@ -184,18 +193,25 @@ KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
 
 
 def profile_steps(spec, prompt: torch.Tensor, steps: int, device: str):
-    """torch.profiler over ``steps`` plain decode steps after a one-chunk prefill (so the decode steps
-    dominate what is recorded). Returns ({kind}_ms: device time per step by kernel kind, and the
-    host's wall time per step), and the profiler's key averages."""
+    """torch.profiler over ``steps`` decode steps at the prompt's full context: on CUDA the bucket's
+    recorded step graph replayed back to back (device work only, as ``step_graph_ms``); elsewhere
+    ``generate`` itself. Returns ({kind}_ms: device time per step by kernel kind, and the wall time
+    per step), and the profiler's key averages."""
     spec.generate(prompt, max_new_tokens=steps, eos_token_id=None)  # compiled and recorded
+    graphs = [b.run.graph for b in spec.capture.decode_steps.values() if getattr(b.run, "graph", None) is not None]
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
-        out = spec.generate(prompt, max_new_tokens=steps, eos_token_id=None, return_dict_in_generate=True)
+        if graphs:
+            for _ in range(steps):
+                graphs[-1].replay()
+            taken = steps
+        else:
+            out = spec.generate(prompt, max_new_tokens=steps, eos_token_id=None, return_dict_in_generate=True)
+            taken = len(out["accept_lens"])
         sync(device)
         wall = time.perf_counter() - start
-    taken = len(out["accept_lens"])
     per_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
     for event in prof.events():  # the device's own events (kernels, copies): no double counting
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -205,7 +221,7 @@ def profile_steps(spec, prompt: torch.Tensor, steps: int, device: str):
         per_kind[kind] += event.time_range.elapsed_us() / 1e3 / taken
     table = prof.key_averages()
     ms = {f"{kind}_ms": value for kind, value in per_kind.items()}
-    ms.update(device_ms=sum(per_kind.values()), wall_ms=wall * 1e3 / taken)
+    ms.update(device_ms=sum(per_kind.values()), wall_ms=wall * 1e3 / taken, replayed=bool(graphs))
     return ms, table
 
 
@@ -220,7 +236,9 @@ def main() -> None:
                         help="the trees the batch section runs (each against plain decode)")
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--shape", default="llama8b", choices=SHAPES,
+                        help="the target's config (random bf16 weights): llama8b, smollm2 (SmolLM2-135M), tiny")
+    parser.add_argument("--tiny", action="store_true", help="= --shape tiny")
     parser.add_argument("--profile-steps", type=int, default=32, help="decode steps the profile section records")
     parser.add_argument("--profile-verify-n", type=int, default=64, help="nodes per step profile_verify records")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
@@ -229,11 +247,12 @@ def main() -> None:
     inductor = set_inductor_options(args.inductor)
     begin = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = make_target(TINY if args.tiny else LLAMA_8B, device)
+    shape_name, shape = SHAPES["tiny" if args.tiny else args.shape]
+    model = make_target(shape, device)
     max_length = args.prompt + args.long + 128
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
     res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               torch=torch.__version__, shape="tiny" if args.tiny else "Llama-3.1-8B", prompt=args.prompt,
+               torch=torch.__version__, shape=shape_name, prompt=args.prompt,
                cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
                skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -320,7 +339,7 @@ def main() -> None:
         elif section in ("profile", "profile_verify"):  # plain decode, or verifying N nodes (one accepted)
             n = args.profile_verify_n
             spec = spec_for(None, None) if section == "profile" else spec_for(NGram(), specgraph.Chain(n - 1), accept=1)
-            ms, kernels = profile_steps(spec, prompt[:, :16], args.profile_steps, device)
+            ms, kernels = profile_steps(spec, prompt, args.profile_steps, device)
             text = (kernels.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
                     kernels.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
                                   row_limit=40, max_name_column_width=160))

@@ -1,7 +1,7 @@
 """Kernel benchmark (GPU): tree_attention against its peers, and the verify /
 compact ops against their torch references, all measured in one run.
 
-    python benchmarks/kernels.py [--quick] [--out DIR]
+    python benchmarks/kernels.py [--quick] [--decode] [--out DIR]
 
 For every (shape, B, prefix, N), bf16: median time of
   tree      specgraph::tree_attention (the Triton kernel)
@@ -198,12 +198,75 @@ def sweep(bandwidth: float) -> None:
             print(f"# sweep N={n}: {ms:.4f} ms  block_m={bm} block_n={bn} num_warps={nw} num_stages={ns}")
 
 
+DECODE_CASES = ("16:1", "1024:1", "4096:1", "1024:8")  # context:rows R, at batch 1
+DECODE_SPLITS = (None, 1, 3, 5, 9, 17, 33)  # None: launch_config's choice; else prefix splits + 1
+
+
+def decode_sweep(bandwidth: float, shapes, cases, out: Path) -> list[dict]:
+    """The folded op (``tree_attention_write`` with RoPE, as the decode step runs it) at batch-1
+    shapes: launch_config's choice with and without RoPE, then tiles x warps x splits with RoPE.
+    Prints the default and the best five per case; every row goes to ``out`` (after each case)."""
+    import itertools
+
+    from specgraph.kernels.tree_attention import launch_config, tree_attention_triton
+
+    rows = []
+    for shape, case_text in itertools.product(shapes, cases):
+        context, r = map(int, case_text.split(":"))
+        h, h_kv, d = SHAPES[shape]
+        s_max = max(context, 1024) + 272  # as e2e's max_length leaves past the prompt
+        g = torch.Generator(device="cuda").manual_seed(0)
+        rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        q, k, v, new_k, new_v = rand(1, h, r, d), rand(1, h_kv, s_max, d), rand(1, h_kv, s_max, d), \
+            rand(1, h_kv, r, d), rand(1, h_kv, r, d)
+        angles = torch.arange(context, context + r, device="cuda")[None, :, None] * 1e-2
+        cos, sin = angles.cos().expand(1, r, d).to(torch.bfloat16), angles.sin().expand(1, r, d).to(torch.bfloat16)
+        cache_len = torch.tensor([context], device="cuda", dtype=torch.int32)
+        chain = torch.tensor([[(1 << (i + 1)) - 1 for i in range(r)]], device="cuda")  # row i sees rows 0..i
+        floor_ms = (2 * h_kv * (context + r) * d * 2 + 2 * h * r * d * 2) / bandwidth * 1e3
+        default = launch_config(q, h_kv, s_max)
+        case = dict(shape=shape, context=context, R=r, floor_ms=floor_ms)
+
+        def run(rope: bool, splits=None, **override):
+            fn = lambda: tree_attention_triton(q, k, v, cache_len, chain, d**-0.5, 0, num_splits=splits,  # noqa: E731
+                                               new_kv=(new_k, new_v), rope=(cos, sin) if rope else None,
+                                               **override)
+            try:
+                return graphed_ms(fn)
+            except Exception:  # noqa: BLE001 - out of registers / shared memory: not a candidate
+                return float("inf")
+
+        results = [dict(case, config="default", rope=True, ms=run(True), splits=default["num_splits"],
+                        block_m=default["block_m"], num_warps=default["num_warps"]),
+                   dict(case, config="default", rope=False, ms=run(False), splits=default["num_splits"],
+                        block_m=default["block_m"], num_warps=default["num_warps"])]
+        if r == 1:
+            kd, vd = k[:, :, : context + 1], v[:, :, : context + 1]
+            sdpa = lambda: F.scaled_dot_product_attention(q, kd, vd, scale=d**-0.5, enable_gqa=True)  # noqa: E731
+            results.append(dict(case, config="sdpa decode (peer)", rope=False, ms=graphed_ms(sdpa)))
+        for bm, nw, splits in itertools.product((16, 32, 64), (4, 8), DECODE_SPLITS):
+            results.append(dict(case, config="sweep", rope=True, block_m=bm, num_warps=nw, ms=run(True, splits, block_m=bm, num_warps=nw),
+                                splits=splits or launch_config(q, h_kv, s_max, block_m=bm)["num_splits"]))
+        rows += results
+        print(f"# decode {shape} context={context} R={r}: floor {floor_ms * 1e3:.2f} us")
+        best = sorted((x for x in results if x["config"] == "sweep"), key=lambda x: x["ms"])[:5]
+        for x in results[:3] + best:
+            print(f"#   {x['ms'] * 1e3:7.2f} us  {x['config']:<18} rope={x['rope']!s:<5} block_m={x.get('block_m')} "
+                  f"num_warps={x.get('num_warps')} splits={x.get('splits')}", flush=True)
+        out.write_text(json.dumps(dict(bandwidth=bandwidth, decode=rows), indent=1))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the acceptance configurations (B=32, 4k, 8B shapes)")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
     parser.add_argument("--budget-s", type=float, default=480, help="stop starting new configurations after this")
     parser.add_argument("--sweep", action="store_true", help="time tile configurations at the acceptance shapes first")
+    parser.add_argument("--decode", action="store_true",
+                        help="only the batch-1 decode sweep of the folded op (RoPE on/off, tiles, warps, splits)")
+    parser.add_argument("--decode-shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--decode-cases", nargs="+", default=list(DECODE_CASES), metavar="CONTEXT:ROWS")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     from tqdm import tqdm
@@ -211,6 +274,10 @@ def main() -> None:
     started = time.time()
     bandwidth = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    if args.decode:
+        args.out.mkdir(parents=True, exist_ok=True)
+        decode_sweep(bandwidth, args.decode_shapes, args.decode_cases, args.out / "kernels-decode.json")
+        return
     if args.sweep:
         sweep(bandwidth)
     configs = [("llama8b", 32, 4096, n) for n in NODES]

@@ -260,15 +260,17 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     b, h, r, d = q.shape
     rows = (h // h_kv) * r
     wide = d * q.element_size() > 256  # D=256 in 16-bit, or D>=128 in fp32: halve the tiles (shared memory)
-    # Tiles below 64 rows measured slower on the H200 (benchmarks/kernels.py --sweep): pad instead.
-    config = dict(block_m=min(64 if wide else 128, max(64, triton.next_power_of_2(rows))),
-                  block_n=32 if wide else 64, num_stages=3)
+    # Measured on the H200 (benchmarks/kernels.py): when the grid cannot fill the GPU (it is split
+    # over the prefix: batch-1 decode, short verify steps), 16-row tiles with 8 warps beat 32- and
+    # 64-row ones by 15-35% up to 32 rows (--decode); at B = 32, 64-row tiles (--sweep).
+    sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
+    block_m = 16 if rows <= 32 and b * h_kv * triton.cdiv(rows, 16) < sms else min(64 if wide else 128, max(64, triton.next_power_of_2(rows)))
+    config = dict(block_m=block_m, block_n=32 if wide else 64, num_stages=3)
     config.update(override)
     if "num_warps" not in config:
-        config["num_warps"] = 8 if config["block_m"] * d >= 128 * 128 else 4
+        config["num_warps"] = 8 if config["block_m"] * d >= 128 * 128 or config["block_m"] == 16 else 4
     m_tiles = triton.cdiv(rows, config["block_m"])
     if num_splits is None:
-        sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
         programs = b * h_kv * m_tiles  # split the prefix only when the grid cannot fill the SMs
         prefix_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, 4 * config["block_n"]), 63)
         num_splits = 1 if programs >= sms or prefix_splits <= 1 else prefix_splits + 1  # + the window's program
