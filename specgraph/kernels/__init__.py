@@ -5,6 +5,9 @@ Imports nothing else of specgraph. Importing this package registers the
 aten ops (``ExportedProgram.run_decompositions(DECOMPOSITIONS)``: what ONNX
 and TensorRT export lower to).
 """
+import hashlib
+from pathlib import Path
+
 import torch
 
 from . import compact_kv as _compact_kv  # noqa: F401
@@ -17,3 +20,19 @@ DECOMPOSITIONS = {
     torch.ops.specgraph.tree_attention_mask.default: lambda *a: _tree_attention.allowed_keys(*a).unsqueeze(1),
     torch.ops.specgraph.verify_greedy.default: _verify.verify_greedy_decomposition,
 }
+
+
+def _tag_compile_caches() -> None:
+    """torch.compile's on-disk caches key a graph by its ops' names, not their code: a graph cached
+    against an older fake impl (another output layout, say) would fail its stride asserts after an
+    upgrade. A digest of this package's sources joins ``torch.compiler.config.cache_key_tag``."""
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return
+    sources = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.py")))
+    tag = "specgraph-" + hashlib.sha256(sources).hexdigest()[:16]
+    if tag not in config.cache_key_tag:
+        config.cache_key_tag = f"{config.cache_key_tag}+{tag}" if config.cache_key_tag else tag
+
+
+_tag_compile_caches()

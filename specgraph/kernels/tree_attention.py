@@ -10,7 +10,8 @@ Contract (settled):
                               ancestor-or-self of query i (depth = popcount-1)
   scale: float; window: int   0 = full attention; else keys at positions
                               > q_pos - window, q_pos = cache_len + depth(i)
-  out:      [B, H, R, D] contiguous, q's dtype
+  out:      [B, H, R, D] in q's dtype, laid out as [B, R, H, D] (``rows_major``: the
+            model's transpose(1, 2) back to rows is then free)
 Query i attends to every committed key (inside the sliding window, if any)
 and to exactly the window slots its mask row names.
 
@@ -42,6 +43,12 @@ from .kv_write import kv_write_reference
 
 WINDOW_SLOTS = 64
 LOG2E = 1.4426950408889634
+
+
+def rows_major(b: int, h: int, r: int, d: int, **kwargs) -> torch.Tensor:
+    """An empty [B, H, R, D] tensor laid out as [B, R, H, D]: the ops' output layout, so the
+    model's ``transpose(1, 2).reshape(B, R, H * D)`` before o_proj is a view, not a copy."""
+    return torch.empty((b, r, h, d), **kwargs).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -88,6 +95,7 @@ def _online_softmax_step(acc, m_i, l_i, s, v, UPCAST: tl.constexpr):
 def _tree_attention_kernel(
     Q, K, V, CacheLen, Mask, Out, PartO, PartLse, NewK, NewV, Arrived, Cos, Sin,
     stride_qb, stride_qh, stride_qr, stride_qd,
+    stride_ob, stride_oh, stride_or,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mr,
@@ -175,10 +183,10 @@ def _tree_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    # rows of [B, H, R] are contiguous in Out/PartO/PartLse
-    row_id = (b.to(tl.int64) * (H_KV * G) + h) * R + r
+    out_row = Out + b.to(tl.int64) * stride_ob + h[:, None].to(tl.int64) * stride_oh + r[:, None] * stride_or
+    row_id = (b.to(tl.int64) * (H_KV * G) + h) * R + r  # rows of [B, H, R] are contiguous in PartO/PartLse
     if NUM_SPLITS == 1:
-        tl.store(Out + row_id[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out_row + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
         part = row_id * NUM_SPLITS + pid_s
         tl.store(PartO + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
@@ -191,8 +199,7 @@ def _tree_attention_kernel(
             if arrived == NUM_SPLITS - 1:
                 tl.store(Arrived + tile, 0)  # all NUM_SPLITS arrived: reset for the next launch
                 merged = _merge_partials(PartO, PartLse, row_id, row_ok, BLOCK_M, NUM_SPLITS, SPLITS_POW2, HEAD_DIM)
-                tl.store(Out + row_id[:, None] * HEAD_DIM + dims[None, :], merged.to(Out.dtype.element_ty),
-                         mask=row_ok[:, None])
+                tl.store(out_row + dims[None, :], merged.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -218,14 +225,16 @@ def _merge_partials(PartO, PartLse, row_id, row_ok, BLOCK_M: tl.constexpr, NUM_S
 
 
 @triton.jit
-def _merge_splits_kernel(PartO, PartLse, Out, ROWS, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+def _merge_splits_kernel(PartO, PartLse, Out, ROWS, H, R, stride_ob, stride_oh, stride_or, NUM_SPLITS: tl.constexpr,
+                         SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """The merge as a launch of its own (no arrival counters): BLOCK_ROWS (b, h, r) rows per program."""
     row_id = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = row_id < ROWS
     merged = _merge_partials(PartO, PartLse, row_id, row_ok, BLOCK_ROWS, NUM_SPLITS, SPLITS_POW2, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
-    tl.store(Out + row_id[:, None] * HEAD_DIM + dims[None, :], merged.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    b, h, r = row_id // (H * R), row_id // R % H, row_id % R
+    out_row = Out + b * stride_ob + h * stride_oh + r * stride_or
+    tl.store(out_row[:, None] + dims[None, :], merged.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 ARRIVAL_SLOTS = 1 << 16  # tiles (b, kv head, m tile) one launch may split: B * H_kv * m_tiles
@@ -264,7 +273,8 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     # over the prefix: batch-1 decode, short verify steps), 16-row tiles with 8 warps beat 32- and
     # 64-row ones by 15-35% up to 32 rows (--decode); at B = 32, 64-row tiles (--sweep).
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
-    block_m = 16 if rows <= 32 and b * h_kv * triton.cdiv(rows, 16) < sms else min(64 if wide else 128, max(64, triton.next_power_of_2(rows)))
+    small_grid = rows <= 32 and b * h_kv * triton.cdiv(rows, 16) < sms
+    block_m = 16 if small_grid else min(64 if wide else 128, max(64, triton.next_power_of_2(rows)))
     config = dict(block_m=block_m, block_n=32 if wide else 64, num_stages=3)
     config.update(override)
     if "num_warps" not in config:
@@ -294,7 +304,7 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
     h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
     config = launch_config(q, h_kv, s_max, num_splits, **override)
     m_tiles, splits = config["m_tiles"], config["num_splits"]
-    out = torch.empty((b, h, r, d), dtype=q.dtype, device=q.device)
+    out = rows_major(b, h, r, d, dtype=q.dtype, device=q.device)
     if splits > 1:
         part_o = torch.empty((b * h * r * splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b * h * r * splits,), dtype=torch.float32, device=q.device)
@@ -309,7 +319,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
     _tree_attention_kernel[(m_tiles, b * h_kv, splits)](
         q, k_cache, v_cache, cache_len, tree_mask, out, part_o, part_lse, new_k, new_v,
         arrived if arrived is not None else cache_len, cos, sin,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *new_k.stride(), *new_v.stride(),
+        *q.stride(), *out.stride()[:3], *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *new_k.stride(),
+        *new_v.stride(),
         *cos.stride()[-3:],
         h_kv, r, new_k.shape[2], s_max, scale * LOG2E, window,
         G=h // h_kv, HEAD_DIM=d, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], NUM_SPLITS=splits,
@@ -322,8 +333,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
     if splits > 1 and arrived is None:
         rows, block_rows = b * h * r, 16
         _merge_splits_kernel[(triton.cdiv(rows, block_rows),)](
-            part_o, part_lse, out, rows, NUM_SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=d,
-            BLOCK_ROWS=block_rows)
+            part_o, part_lse, out, rows, h, r, *out.stride()[:3], NUM_SPLITS=splits,
+            SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=d, BLOCK_ROWS=block_rows)
     return out
 
 
@@ -384,7 +395,9 @@ def tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale: f
     scores = (qg @ k_cache.float().transpose(-1, -2)).view(b, h_kv, g, r, s_max) * scale
     scores = scores.masked_fill(~allowed.view(b, 1, 1, r, s_max), float("-inf"))
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row with no key at all -> zeros
-    return (probs.view(b, h_kv, g * r, s_max) @ v).view(b, h, r, d).to(q.dtype).contiguous()
+    out = (probs.view(b, h_kv, g * r, s_max) @ v).view(b, h, r, d).to(q.dtype)
+    # rows_major's strides, functionally (export); clone, not contiguous(): that keeps R = 1's strides
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
 
 
 @torch.library.custom_op("specgraph::tree_attention_mask", mutates_args=())
@@ -423,7 +436,7 @@ def _tree_attention_cuda(q, k_cache, v_cache, cache_len, tree_mask, scale, windo
 @tree_attention.register_fake
 def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask, scale, window):
     _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
-    return q.new_empty(q.shape)  # contiguous, like the real output
+    return rows_major(*q.shape, dtype=q.dtype, device=q.device)  # the real output's layout
 
 
 # ----------------------------------------------------------------------------- the op with the cache write
@@ -475,9 +488,10 @@ def tree_attention_write(q: torch.Tensor, kv: torch.Tensor, layer: int, key: tor
                          cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """``kv_write`` of the step's rows at slots ``cache_len + i``, then ``tree_attention`` over layer
     ``layer``'s caches (``kv[2l]``, ``kv[2l+1]``), in one launch on CUDA. q [B, H, R, D]; key, value
-    [B, H_kv, R, D]; kv [2L, B, H_kv, S_max, D] written in place; out [B, H, R, D]. Window slots >= R
-    are not read (in a step the mask names only rows of this step). With ``cos``, ``sin`` [B, R, D], q
-    and key arrive unrotated and the op applies RoPE (``rotary_reference``) first. CPU: the reference."""
+    [B, H_kv, R, D]; kv [2L, B, H_kv, S_max, D] written in place; out [B, H, R, D] (``rows_major``).
+    Window slots >= R are not read (in a step the mask names only rows of this step). With ``cos``,
+    ``sin`` [B, R, D], q and key arrive unrotated and the op applies RoPE (``rotary_reference``) first.
+    CPU: the reference."""
     _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
     return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
 
@@ -495,4 +509,4 @@ def _tree_attention_write_cuda(q, kv, layer, key, value, cache_len, tree_mask, s
 @tree_attention_write.register_fake
 def _tree_attention_write_fake(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos=None, sin=None):
     _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
-    return q.new_empty(q.shape)
+    return rows_major(*q.shape, dtype=q.dtype, device=q.device)

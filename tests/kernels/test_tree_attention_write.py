@@ -82,7 +82,7 @@ def test_triton_matches_reference(seed, dtype):
         got_kv = kv.clone()
         got = tree_attention_triton(case.q, got_kv[2 * layer], got_kv[2 * layer + 1], case.cache_len, case.mask,
                                     case.scale, case.window, num_splits=num_splits, new_kv=(key, value))
-        assert not got.isnan().any()
+        assert not got.isnan().any() and got.stride() == want.stride()  # both rows_major
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
         torch.testing.assert_close(got_kv, want_kv, equal_nan=True, atol=0, rtol=0)
 
