@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from . import compact_kv as _compact_kv  # noqa: F401
+from . import fused_linear as _fused_linear
 from . import kv_write as _kv_write  # noqa: F401  (export traces it as its reference: export.py)
 from . import tree_attention as _tree_attention
 from . import verify as _verify
@@ -19,6 +20,7 @@ DECOMPOSITIONS = {
     torch.ops.specgraph.tree_attention.default: _tree_attention.tree_attention_reference,
     torch.ops.specgraph.tree_attention_mask.default: lambda *a: _tree_attention.allowed_keys(*a).unsqueeze(1),
     torch.ops.specgraph.verify_greedy.default: _verify.verify_greedy_decomposition,
+    torch.ops.specgraph.fused_linear.default: _fused_linear.fused_linear_reference,
 }
 
 

@@ -1,0 +1,156 @@
+"""``specgraph::fused_linear``: a few-row matrix product with HF's RMSNorm as its prologue and the
+residual add as its epilogue, in one launch.
+
+Contract:
+  x:        [..., K]  M rows in all (batch x step rows)
+  weight:   [N, K]    ``nn.Linear`` layout, in x's dtype
+  gamma:    [K] or None   with it, x is first normalized as HF's LlamaRMSNorm does:
+                      ``gamma * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype)``, x32 = x in float32
+  eps:      float
+  residual: [..., N] or None   with it, the output is ``residual + product`` (the product rounded to
+                      x's dtype first, as ``residual + o_proj(...)`` rounds it)
+  out:      [..., N]  ``[residual +] F.linear([rms_norm](x), weight)``
+
+Why: at batch 1 a small model's step is bound by launches, not bytes (SmolLM2-135M: ~250 launches a
+decode step at ~3 us each, 14x its bytes floor, docs/benchmarks.md). A decoder layer launches a
+norm kernel (the residual add fused into it) before q/k/v and again before gate/up; with the norm in
+the q/k/v and gate/up products' prologue and the residual add in the o and down products' epilogue,
+those two launches go. Every program reads the M rows of x whole (K is a few thousand at most:
+kilobytes, from L2 after the first program), computes their rms itself, and streams its BLOCK_N
+rows of ``weight`` through ``tl.dot`` with the rows padded to 16. M <= MAX_ROWS only; more rows take
+the reference (the norm, a cuBLAS product, the add).
+
+No pass uses it yet: it has not been timed on the GPU against the norm kernel + cuBLAS it would
+replace; ``benchmarks/kernels.py --fused-linear`` does (a model's layers chained in one CUDA graph).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .tree_attention import _dot
+
+MAX_ROWS = 16  # one 16-row tile of x per program
+
+
+@triton.jit
+def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, stride_wn, stride_rm, stride_om,
+                         NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    x_rows = X + rows[:, None].to(tl.int64) * stride_xm
+    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:  # pass 1: each row's mean square, in float32 as HF
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+            squares += tl.sum(x * x, 1)
+        rstd = 1.0 / tl.sqrt(squares / K + eps)  # [M]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (normalized) times BLOCK_N weight rows
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BK]
+        if NORM:  # rounded to x's dtype, then times gamma rounded again, as HF
+            gamma = tl.load(Gamma + ks, mask=k_ok, other=0.0)
+            x = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty)
+            x = (gamma[None, :].to(tl.float32) * x.to(tl.float32)).to(X.dtype.element_ty)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        acc += _dot(x, tl.trans(w), UPCAST)
+
+    out = acc.to(Out.dtype.element_ty)
+    ok = row_ok[:, None] & col_ok[None, :]
+    if RESIDUAL:  # residual + the product as x's dtype rounded it
+        residual = tl.load(Residual + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=ok, other=0.0)
+        out = (residual.to(tl.float32) + out.to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out, mask=ok)
+
+
+def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
+                        residual: torch.Tensor | None = None, block_n: int | None = None,
+                        block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] -> [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m, k = rows.shape
+    n = weight.shape[0]
+    assert m <= MAX_ROWS and weight.stride(-1) == 1, "fused_linear_triton: M <= 16 rows, weight rows contiguous"
+    res = residual.reshape(m, n) if residual is not None else None
+    if res is not None and res.stride(-1) != 1:
+        res = res.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n = block_n or (16 if n * k * weight.element_size() <= (8 << 20) else 32)
+    block_k = block_k or min(256, triton.next_power_of_2(k))
+    _fused_linear_kernel[(triton.cdiv(n, block_n),)](
+        rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out, m, n, k, eps,
+        rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
+        NORM=gamma is not None, RESIDUAL=res is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps, num_stages=3)
+    return out.view(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------- the op
+def rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm, op for op."""
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return gamma * normed.to(x.dtype)
+
+
+def fused_linear_reference(x, weight, gamma=None, eps: float = 1e-6, residual=None) -> torch.Tensor:
+    """Plain torch: the CPU path, the decomposition, the kernel's oracle."""
+    out = torch.nn.functional.linear(x if gamma is None else rms_norm_reference(x, gamma, eps), weight)
+    return out if residual is None else residual + out
+
+
+def _check(x, weight, gamma, eps, residual) -> None:
+    k = x.shape[-1]
+    problems = []
+    if weight.dim() != 2 or weight.shape[1] != k:
+        problems.append(f"weight must be [N, K={k}]; got {tuple(weight.shape)}")
+    if gamma is not None and gamma.shape != (k,):
+        problems.append(f"gamma must be [K={k}]; got {tuple(gamma.shape)}")
+    want = (*x.shape[:-1], weight.shape[0])
+    if residual is not None and tuple(residual.shape) != want:
+        problems.append(f"residual must be the output's shape {list(want)}; got {tuple(residual.shape)}")
+    dtypes = {t.dtype for t in (x, weight, gamma, residual) if t is not None}
+    if len(dtypes) > 1:
+        problems.append(f"x, weight, gamma, residual must share one dtype; got {sorted(map(str, dtypes))}")
+    if gamma is not None and not eps > 0:
+        problems.append(f"eps={eps}: must be > 0")
+    if problems:
+        raise ValueError("fused_linear: " + "; ".join(problems))
+
+
+@torch.library.custom_op("specgraph::fused_linear", mutates_args=())
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None, eps: float,
+                 residual: torch.Tensor | None) -> torch.Tensor:
+    """``[residual +] F.linear([rms_norm](x), weight)`` (contract in the module docstring). CPU: the reference."""
+    _check(x, weight, gamma, eps, residual)
+    return fused_linear_reference(x, weight, gamma, eps, residual)
+
+
+@fused_linear.register_kernel("cuda")
+def _fused_linear_cuda(x, weight, gamma, eps, residual):
+    _check(x, weight, gamma, eps, residual)
+    m = x.numel() // x.shape[-1]
+    if os.environ.get("SPECGRAPH_REFERENCE_KERNELS") == "1" or m > MAX_ROWS or weight.stride(-1) != 1:
+        return fused_linear_reference(x, weight, gamma, eps, residual)
+    return fused_linear_triton(x, weight, gamma, eps, residual)
+
+
+@fused_linear.register_fake
+def _fused_linear_fake(x, weight, gamma, eps, residual):
+    _check(x, weight, gamma, eps, residual)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,0 +1,96 @@
+"""fused_linear: the reference against HF's LlamaRMSNorm + nn.Linear (+ the residual add), the Triton
+kernel (interpreted on CPU, native on GPU) against the reference per dtype and against float64, the
+op's refusals, export and compile."""
+import os
+
+import pytest
+import torch
+
+import specgraph.kernels
+from specgraph.kernels.fused_linear import MAX_ROWS, fused_linear_reference, fused_linear_triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                                  reason="Triton needs a GPU or TRITON_INTERPRET=1")
+# fp32: sums in another order; bf16: the normalized input and the output rounded as HF rounds them,
+# a last-bit difference in the rms may flip one rounding
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def case(seed, m=3, k=96, n=40, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, m, k, generator=g) * 3).to(dtype)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    gamma = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    residual = torch.randn(1, m, n, generator=g).to(dtype)
+    return x, weight, gamma, residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_is_hf_rmsnorm_linear_and_residual_add(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x, weight, gamma, residual = case(0, dtype=dtype)
+    norm = LlamaRMSNorm(x.shape[-1], eps=1e-5).to(dtype)
+    norm.weight.data.copy_(gamma)
+    linear = torch.nn.Linear(x.shape[-1], weight.shape[0], bias=False).to(dtype)
+    linear.weight.data.copy_(weight)
+    exact = dict(atol=0, rtol=0)
+    torch.testing.assert_close(fused_linear_reference(x, weight, gamma, 1e-5), linear(norm(x)), **exact)
+    torch.testing.assert_close(fused_linear_reference(x, weight, None, 0.0, residual), residual + linear(x), **exact)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m, k, n", [(1, 96, 40), (3, 576, 96), (MAX_ROWS, 300, 17), (8, 64, 256)])
+@pytest.mark.parametrize("norm, add", [(True, False), (False, True), (True, True), (False, False)],
+                         ids=["norm", "residual", "both", "plain"])
+def test_triton_matches_reference(m, k, n, dtype, norm, add):
+    x, weight, gamma, residual = (t.to(DEVICE) for t in case(m * k + n, m, k, n, dtype))
+    gamma, residual = gamma if norm else None, residual if add else None
+    want = fused_linear_reference(x, weight, gamma, 1e-6, residual)
+    for block_n, block_k in ((None, None), (16, 32), (32, 64)):
+        got = fused_linear_triton(x, weight, gamma, 1e-6, residual, block_n=block_n, block_k=block_k)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_triton
+def test_triton_against_float64():
+    """fp32 against a float64 oracle: the kernel's own error, not the reference's."""
+    x, weight, gamma, residual = (t.to(DEVICE) for t in case(11, 5, 200, 48))
+    x64 = x.double()
+    normed = gamma.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = residual.double() + torch.nn.functional.linear(normed, weight.double())
+    got = fused_linear_triton(x, weight, gamma, 1e-6, residual)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_op_errors_name_the_argument():
+    x, weight, gamma, residual = case(1)
+    op = torch.ops.specgraph.fused_linear
+    with pytest.raises(ValueError, match="gamma must be"):
+        op(x, weight, gamma[:-1], 1e-6, None)
+    with pytest.raises(ValueError, match="weight must be"):
+        op(x, weight[:, :-1], gamma, 1e-6, None)
+    with pytest.raises(ValueError, match="residual must be"):
+        op(x, weight, None, 1e-6, residual[..., :-1])
+    with pytest.raises(ValueError, match="share one dtype"):
+        op(x, weight, gamma.double(), 1e-6, None)
+    with pytest.raises(ValueError, match="eps=0"):
+        op(x, weight, gamma, 0.0, None)
+
+
+class _Block(torch.nn.Module):
+    def forward(self, x, weight, gamma, residual):
+        return torch.ops.specgraph.fused_linear(x, weight, gamma, 1e-5, residual) * 2
+
+
+def test_op_through_export_decompositions_and_compile():
+    args = case(2)
+    want = _Block()(*args)
+    decomposed = torch.export.export(_Block(), args).run_decompositions(specgraph.kernels.DECOMPOSITIONS)
+    assert not any("specgraph" in str(n.target) for n in decomposed.graph.nodes)
+    torch.testing.assert_close(decomposed.module()(*args), want)
+    torch.testing.assert_close(torch.compile(_Block(), fullgraph=True)(*args), want)
