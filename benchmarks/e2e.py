@@ -36,7 +36,8 @@ the script, not for numbers).
 --inductor KEY=VALUE ...: torch._inductor.config values for an experiment (combo_kernels=1,
 triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
-SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B;
+SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
+(SPECGRAPH_EXTRA_PASSES=fold_norms: with an experimental pass);
 the JSON records it.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
@@ -162,9 +163,15 @@ def step_graph_ms(spec, steps: int = 64) -> float | None:
     back to back (``replay_ms``): the same kernels and bytes as a step (its token inputs stay the last
     step's; it writes the next cache slots, and max_length leaves 128 past the longest generate).
     None without a recorded graph."""
-    # the bucket this section's generate built last (the Capture, shared across compiles, keeps earlier ones)
+    graph = recorded_graph(spec)
+    return replay_ms(graph.replay, steps) if graph is not None else None
+
+
+def recorded_graph(spec):
+    """The CUDA graph of the bucket this section's generate built last (the Capture, shared across
+    compiles, keeps earlier ones); None without one."""
     graphs = [b.run.graph for b in spec.capture.decode_steps.values() if getattr(b.run, "graph", None) is not None]
-    return replay_ms(graphs[-1].replay, steps) if graphs else None
+    return graphs[-1] if graphs else None
 
 
 def decode_figures(spec, prompt, args, device, res) -> dict:
@@ -198,14 +205,14 @@ def profile_steps(spec, prompt: torch.Tensor, steps: int, device: str):
     ``generate`` itself. Returns ({kind}_ms: device time per step by kernel kind, and the wall time
     per step), and the profiler's key averages."""
     spec.generate(prompt, max_new_tokens=steps, eos_token_id=None)  # compiled and recorded
-    graphs = [b.run.graph for b in spec.capture.decode_steps.values() if getattr(b.run, "graph", None) is not None]
+    graph = recorded_graph(spec)
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
-        if graphs:
+        if graph is not None:
             for _ in range(steps):
-                graphs[-1].replay()
+                graph.replay()
             taken = steps
         else:
             out = spec.generate(prompt, max_new_tokens=steps, eos_token_id=None, return_dict_in_generate=True)
@@ -221,7 +228,7 @@ def profile_steps(spec, prompt: torch.Tensor, steps: int, device: str):
         per_kind[kind] += event.time_range.elapsed_us() / 1e3 / taken
     table = prof.key_averages()
     ms = {f"{kind}_ms": value for kind, value in per_kind.items()}
-    ms.update(device_ms=sum(per_kind.values()), wall_ms=wall * 1e3 / taken, replayed=bool(graphs))
+    ms.update(device_ms=sum(per_kind.values()), wall_ms=wall * 1e3 / taken, replayed=graph is not None)
     return ms, table
 
 
@@ -254,7 +261,8 @@ def main() -> None:
     res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                torch=torch.__version__, shape=shape_name, prompt=args.prompt,
                cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
-               skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""))
+               skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
+               extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 

@@ -210,7 +210,8 @@ def main() -> None:
     result = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   prompts=len(rows), max_new_tokens=args.max_new_tokens, copy_bandwidth_gbs=bandwidth / 1e9,
                   floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor,
-                  skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""), methods={})
+                  skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
+                  extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""), methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()

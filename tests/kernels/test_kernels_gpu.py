@@ -128,3 +128,28 @@ def test_compiled_module_calls_the_kernel():
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(*case.args()[:5]).float(), 2 * tree_attention_reference(*case.args()).float(),
                                atol=3.2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("k, n", [(576, 960), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096)],
+                         ids=["smollm2_qkv", "smollm2_gate_up", "smollm2_down", "8b_qkv", "8b_down"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_fused_linear_at_real_shapes_replayed_in_a_cuda_graph(k, n, m):
+    """fused_linear (norm prologue; residual epilogue) in bf16 against its reference, eager and replayed."""
+    from specgraph.kernels.fused_linear import fused_linear_reference
+
+    g = torch.Generator(device="cuda").manual_seed(k + n + m)
+    x = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+    gamma = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
+    residual = torch.randn(1, m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    op = torch.ops.specgraph.fused_linear
+    for args in ((x, weight, gamma, 1e-5, None), (x, weight, None, 0.0, residual)):
+        want = fused_linear_reference(*args)
+        torch.testing.assert_close(op(*args).float(), want.float(), atol=3e-2, rtol=3e-2)
+        out = op(*args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = op(*args)
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)

@@ -1,0 +1,157 @@
+"""fold_norms (experimental; not in PIPELINE, ``SPECGRAPH_EXTRA_PASSES=fold_norms`` appends it): HF's
+RMSNorm into the products that read it, and the residual add into the product whose output it adds,
+as ``specgraph::fused_linear``.
+
+Requires: export IR after fuse_projections: ``aten.linear`` nodes; steps of at most
+  ``fused_linear.MAX_ROWS`` rows in all (B x R: decode and short verify steps; larger ones are left
+  alone, counted).
+Ensures: (1) every bias-free ``linear(n, W)`` whose input n is HF's LlamaRMSNorm of x,
+  ``gamma * (x32 * rsqrt(mean(x32 ** 2, -1, keepdim) + eps)).to(x.dtype)`` with x32 = x in float32 and
+  gamma a parameter of x's dtype, where every user of n is such a linear, becomes
+  ``fused_linear(x, W, gamma, eps, None)``; (2) every ``add(r, linear(y, W))`` (either order; the
+  linear bias-free, feeding only that add, maybe through an eval-mode dropout, of r's shape and
+  dtype) becomes
+  ``fused_linear(y, W, None, 0.0, r)``. The norm chains left dead, and export's dtype asserts on them,
+  are removed. Other norms (Gemma's ``1 + weight``, a norm also read elsewhere) stay, not refused:
+  this is a speed-up. Counters: norms_folded, adds_folded, too_many_rows.
+Why: a decoder layer launches a norm kernel (the residual add fused in) before q/k/v and again before
+  gate/up; folded, those two launches go (SmolLM2-135M at batch 1: ~60 of ~250 launches a step,
+  where launches, not bytes, set the step). Whether fused_linear's products keep up with cuBLAS is
+  not measured yet (``benchmarks/kernels.py --fused-linear``): until it is, the pass stays out of the
+  default pipeline.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import kernels  # noqa: F401  (registers the specgraph ops)
+from ..kernels.fused_linear import MAX_ROWS
+from .pass_result import GraphContext, PassResult
+from .replace_attention import CASTS
+
+aten = torch.ops.aten
+LINEAR = aten.linear.default
+FUSED_LINEAR = torch.ops.specgraph.fused_linear.default
+ASSERT_METADATA = aten._assert_tensor_metadata.default
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def _cast_to(node, dtype) -> bool:
+    return any(_call(node, t) for t in CASTS) and _val(node) is not None and _val(node).dtype == dtype
+
+
+def _rms_norm_parts(node):
+    """(x, gamma, eps, the chain's nodes) when ``node`` is HF's LlamaRMSNorm of x; else None."""
+    if not (_call(node, aten.mul.Tensor) and len(node.args) == 2 and _val(node) is not None):
+        return None
+    for gamma, cast in (node.args, node.args[::-1]):
+        if not (isinstance(gamma, torch.fx.Node) and gamma.op in ("placeholder", "get_attr")
+                and _val(gamma) is not None and _val(gamma).dim() == 1 and _cast_to(cast, _val(node).dtype)):
+            continue
+        scaled = cast.args[0]
+        if not (_call(scaled, aten.mul.Tensor) and len(scaled.args) == 2):
+            continue
+        for x32, rsqrt in (scaled.args, scaled.args[::-1]):
+            if not (_call(rsqrt, aten.rsqrt.default) and _call(rsqrt.args[0], aten.add.Tensor)):
+                continue
+            mean, eps = rsqrt.args[0].args
+            if not (_call(mean, aten.mean.dim) and isinstance(eps, float) and eps > 0
+                    and list(mean.args[1]) in ([-1], [_val(mean.args[0]).dim() - 1]) and mean.args[2:3] == (True,)):
+                continue
+            square = mean.args[0]
+            if not (_call(square, aten.pow.Tensor_Scalar) and square.args == (x32, 2)):
+                continue
+            x = x32.args[0] if _cast_to(x32, torch.float32) else x32
+            x_val = _val(x)
+            if x_val is None or _val(x32).dtype != torch.float32 or x_val.dtype != _val(node).dtype \
+                    or _val(gamma).dtype != x_val.dtype or _val(gamma).shape[0] != x_val.shape[-1]:
+                continue
+            return x, gamma, eps, (node, cast, scaled, rsqrt, rsqrt.args[0], mean, square, x32)
+    return None
+
+
+def _rows(node) -> int | None:
+    val = _val(node)
+    return None if val is None else math.prod(val.shape[:-1])
+
+
+def _bias_free(linear) -> bool:
+    return len(linear.args) < 3 or linear.args[2] is None
+
+
+def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
+    graph = gm.graph
+    norms = adds = too_many = 0
+    chains = []
+    # (1) a norm whose every user is a bias-free linear: each linear takes x and the norm itself
+    for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
+        users = list(node.users)
+        if not users or not all(_call(u, LINEAR) and u.args[0] is node and _bias_free(u) for u in users):
+            continue
+        parts = _rms_norm_parts(node)
+        if parts is None:
+            continue
+        x, gamma, eps, chain = parts
+        if _rows(x) > MAX_ROWS:
+            too_many += 1
+            continue
+        for linear in users:
+            with graph.inserting_before(linear):
+                fused = graph.call_function(FUSED_LINEAR, (x, linear.args[1], gamma, eps, None))
+            fused.meta = dict(linear.meta)
+            linear.replace_all_uses_with(fused)
+            graph.erase_node(linear)
+        chains.append(chain)
+        norms += 1
+    # (2) residual + linear(y, W): the add becomes the product's epilogue
+    for add in list(graph.find_nodes(op="call_function", target=aten.add.Tensor)):
+        if len(add.args) != 2 or add.kwargs or _val(add) is None:
+            continue
+        for residual, product in (add.args, add.args[::-1]):
+            linear, reader = product, add
+            if _call(product, aten.dropout.default) and product.args[2:3] == (False,) and list(product.users) == [add]:
+                linear, reader = product.args[0], product  # eval-mode dropout (Phi-3's): the identity
+            if not (_call(linear, LINEAR) and _bias_free(linear) and list(linear.users) == [reader]
+                    and _val(residual) is not None and _val(linear) is not None):
+                continue
+            if (_val(residual).shape, _val(residual).dtype) != (_val(add).shape, _val(add).dtype) \
+                    or _val(linear).shape != _val(add).shape or _val(linear).dtype != _val(add).dtype:
+                continue
+            if _rows(add) > MAX_ROWS:
+                too_many += 1
+                break
+            with graph.inserting_before(add):
+                fused = graph.call_function(FUSED_LINEAR, (linear.args[0], linear.args[1], None, 0.0, residual))
+            fused.meta = dict(add.meta)
+            add.replace_all_uses_with(fused)
+            graph.erase_node(add)
+            if product is not linear:
+                graph.erase_node(product)
+            graph.erase_node(linear)
+            adds += 1
+            break
+    # the norm chains now read by nobody but export's dtype asserts: drop those, then the chains
+    graph.eliminate_dead_code()
+    for chain in chains:
+        for node in chain:
+            if not node._erased and node.users and all(user.target == ASSERT_METADATA for user in node.users):
+                for user in list(node.users):
+                    graph.erase_node(user)
+    graph.eliminate_dead_code()
+    gm.recompile()
+
+    # Postconditions: no folded norm survives; every fused_linear is a norm (gamma) or an add (residual).
+    assert all(node._erased for chain in chains for node in chain[:-1]), "fold_norms left a folded norm alive"
+    fused = graph.find_nodes(op="call_function", target=FUSED_LINEAR)
+    assert len(fused) >= norms + adds and all((n.args[2] is None) != (n.args[4] is None) for n in fused)
+    return PassResult(gm, bool(norms or adds), {"norms_folded": norms, "adds_folded": adds,
+                                                "too_many_rows": too_many})

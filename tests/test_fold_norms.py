@@ -1,0 +1,112 @@
+"""fold_norms (experimental, SPECGRAPH_EXTRA_PASSES=fold_norms): HF's RMSNorm folds into the products
+that read it and the residual add into the product it adds; near misses stay apart; the folded step
+computes the same logits and cache as the unfolded one on the CPU (fused_linear's reference is HF's
+formula op for op) on four architectures, and leaves steps of more than 16 rows alone."""
+import pytest
+import torch
+import transformers
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from specgraph.capture import Capture
+from specgraph.passes import GraphContext
+from specgraph.passes.fold_norms import fold_norms
+from test_capture import tiny_model
+
+FUSED = torch.ops.specgraph.fused_linear.default
+
+
+class Block(torch.nn.Module):
+    """residual + down(norm(x)) and a second product off the same norm, as a decoder layer's halves."""
+
+    def __init__(self, norm, bias=False, also_return_norm=False):
+        super().__init__()
+        self.norm, self.also = norm, also_return_norm
+        self.up = torch.nn.Linear(16, 24, bias=bias)
+        self.gate = torch.nn.Linear(16, 24, bias=bias)
+        self.down = torch.nn.Linear(24, 16, bias=bias)
+
+    def forward(self, x):
+        normed = self.norm(x)
+        out = x + self.down(self.up(normed) * self.gate(normed))
+        return (out, normed) if self.also else out
+
+
+class GemmaStyleNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(16))
+
+    def forward(self, x):
+        x32 = x.float()
+        return ((x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def folded(module, dtype=torch.float32, rows=3):
+    module = module.to(dtype)
+    x = torch.randn(1, rows, 16, dtype=dtype)
+    gm = torch.export.export(module, (x,)).module()
+    gm = torch.export.export(module, (x,)).graph_module
+    result = fold_norms(gm, GraphContext.__new__(GraphContext))
+    return result, gm, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_llama_norm_and_residual_add_fold(dtype):
+    torch.manual_seed(0)
+    block = Block(LlamaRMSNorm(16, eps=1e-5))
+    result, gm, x = folded(block, dtype)
+    assert result.counters == {"norms_folded": 1, "adds_folded": 1, "too_many_rows": 0}
+    fused = gm.graph.find_nodes(op="call_function", target=FUSED)
+    assert len(fused) == 3  # up and gate read the norm, down adds the residual
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default)
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+
+
+@pytest.mark.parametrize("block, why", [
+    (lambda: Block(GemmaStyleNorm()), "Gemma's (1 + weight) norm"),
+    (lambda: Block(LlamaRMSNorm(16), bias=True), "products with a bias"),
+    (lambda: Block(LlamaRMSNorm(16), also_return_norm=True), "a norm also read elsewhere"),
+], ids=["gemma_norm", "bias", "norm_read_elsewhere"])
+def test_near_misses_keep_their_norm(block, why):
+    torch.manual_seed(0)
+    result, gm, _ = folded(block())
+    assert result.counters["norms_folded"] == 0, why
+    assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default)
+
+
+def test_steps_of_more_rows_are_left_alone():
+    result, gm, _ = folded(Block(LlamaRMSNorm(16)), rows=17)
+    assert result.counters == {"norms_folded": 0, "adds_folded": 0, "too_many_rows": 2}
+    assert not gm.graph.find_nodes(op="call_function", target=FUSED)
+
+
+@pytest.mark.parametrize("name, layers_folded", [("llama", True), ("qwen3", True), ("phi3", True), ("gemma3", False)])
+def test_folded_step_matches_the_unfolded_one(name, layers_folded, monkeypatch):
+    model = tiny_model(name)
+    gen = torch.Generator().manual_seed(5)
+    b, r = 3, 5  # 15 rows: within fused_linear's 16
+    ids = torch.randint(3, 101, (b, r), generator=gen)
+    cache_len = torch.tensor([0, 7, 30])
+    positions = cache_len.unsqueeze(1) + torch.arange(r)
+    chain = torch.tensor([(1 << (i + 1)) - 1 for i in range(r)]).expand(b, r).contiguous()
+    plain = Capture(model, 64).step(b, r)
+    monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_norms")
+    step = Capture(model, 64).step(b, r)
+    counters = dict(step.pass_results)["fold_norms"].counters
+    layers = model.config.num_hidden_layers
+    if layers_folded:  # two norms and two residual adds a layer (Phi-3's packed products included)
+        assert counters == {"norms_folded": 2 * layers, "adds_folded": 2 * layers, "too_many_rows": 0}
+    else:  # Gemma-3: (1 + weight) norms, and norms between each product and its residual add
+        assert counters["norms_folded"] == counters["adds_folded"] == 0
+    for s in (plain, step):
+        s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(6)))
+    with torch.no_grad():
+        want, got = plain(ids, positions, cache_len, chain), step(ids, positions, cache_len, chain)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.kv, plain.kv, atol=1e-6, rtol=1e-6)
+
+
+def test_unknown_extra_pass_is_refused(monkeypatch):
+    monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_everything")
+    with pytest.raises(ValueError, match="experimental passes are fold_norms"):
+        Capture(tiny_model("llama"), 64).step(1, 1)
