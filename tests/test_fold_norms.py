@@ -1,5 +1,6 @@
 """fold_norms (experimental, SPECGRAPH_EXTRA_PASSES=fold_norms): HF's RMSNorm folds into the products
-that read it and the residual add into the product it adds; near misses stay apart; the folded step
+that read it, the residual add into the product it adds, SiLU·mul into the down product; near misses
+stay apart; the folded step
 computes the same logits and cache as the unfolded one on the CPU (fused_linear's reference is HF's
 formula op for op) on four architectures, and leaves steps of more than 16 rows alone."""
 import pytest
@@ -55,7 +56,7 @@ def test_llama_norm_and_residual_add_fold(dtype):
     torch.manual_seed(0)
     block = Block(LlamaRMSNorm(16, eps=1e-5))
     result, gm, x = folded(block, dtype)
-    assert result.counters == {"norms_folded": 1, "adds_folded": 1, "too_many_rows": 0}
+    assert result.counters == {"norms_folded": 1, "adds_folded": 1, "gated_folded": 0, "too_many_rows": 0}
     fused = gm.graph.find_nodes(op="call_function", target=FUSED)
     assert len(fused) == 3  # up and gate read the norm, down adds the residual
     assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default)
@@ -74,14 +75,41 @@ def test_near_misses_keep_their_norm(block, why):
     assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default)
 
 
+class GatedMLP(torch.nn.Module):
+    """x + down(act(gate) * up) on one packed gate/up product, split as fuse_projections splits it."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+        self.gate_up = torch.nn.Linear(16, 48, bias=False)
+        self.down = torch.nn.Linear(24, 16, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split_with_sizes([24, 24], -1)
+        return x + self.down(self.act(gate) * up)
+
+
+@pytest.mark.parametrize("act, folds", [(torch.nn.functional.silu, True), (torch.nn.functional.gelu, False)],
+                         ids=["silu", "gelu"])
+def test_silu_mul_folds_into_the_down_product(act, folds):
+    torch.manual_seed(0)
+    mlp = GatedMLP(act)
+    result, gm, _ = folded(mlp)
+    assert result.counters["adds_folded"] == 1 and result.counters["gated_folded"] == int(folds)
+    (down,) = [n for n in gm.graph.find_nodes(op="call_function", target=FUSED) if n.args[4] is not None]
+    assert (down.args[5:6] == (True,)) == folds  # reads the packed gate/up itself, or act(gate) * up
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.silu.default) or not folds
+
+
 def test_steps_of_more_rows_are_left_alone():
     result, gm, _ = folded(Block(LlamaRMSNorm(16)), rows=17)
-    assert result.counters == {"norms_folded": 0, "adds_folded": 0, "too_many_rows": 2}
+    assert result.counters == {"norms_folded": 0, "adds_folded": 0, "gated_folded": 0, "too_many_rows": 2}
     assert not gm.graph.find_nodes(op="call_function", target=FUSED)
 
 
-@pytest.mark.parametrize("name, layers_folded", [("llama", True), ("qwen3", True), ("phi3", True), ("gemma3", False)])
-def test_folded_step_matches_the_unfolded_one(name, layers_folded, monkeypatch):
+@pytest.mark.parametrize("name, layers_folded, gated", [("llama", True, True), ("qwen3", True, True),
+                                                        ("phi3", True, False), ("gemma3", False, False)])
+def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, monkeypatch):
     model = tiny_model(name)
     gen = torch.Generator().manual_seed(5)
     b, r = 3, 5  # 15 rows: within fused_linear's 16
@@ -94,10 +122,12 @@ def test_folded_step_matches_the_unfolded_one(name, layers_folded, monkeypatch):
     step = Capture(model, 64).step(b, r)
     counters = dict(step.pass_results)["fold_norms"].counters
     layers = model.config.num_hidden_layers
-    if layers_folded:  # two norms and two residual adds a layer (Phi-3's packed products included)
-        assert counters == {"norms_folded": 2 * layers, "adds_folded": 2 * layers, "too_many_rows": 0}
-    else:  # Gemma-3: (1 + weight) norms, and norms between each product and its residual add
-        assert counters["norms_folded"] == counters["adds_folded"] == 0
+    if layers_folded:  # two norms and two residual adds a layer (Phi-3's packed products included), and
+        # SiLU·mul into down where fuse_projections split the packed gate/up (Phi-3 chunks its own: apart)
+        assert counters == {"norms_folded": 2 * layers, "adds_folded": 2 * layers,
+                            "gated_folded": layers if gated else 0, "too_many_rows": 0}
+    else:  # Gemma-3: (1 + weight) norms, norms between each product and its residual add, GELU
+        assert counters["norms_folded"] == counters["adds_folded"] == counters["gated_folded"] == 0
     for s in (plain, step):
         s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(6)))
     with torch.no_grad():

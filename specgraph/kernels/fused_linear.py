@@ -1,5 +1,5 @@
-"""``specgraph::fused_linear``: a few-row matrix product with HF's RMSNorm as its prologue and the
-residual add as its epilogue, in one launch.
+"""``specgraph::fused_linear``: a few-row matrix product with HF's RMSNorm or the gated MLP's
+SiLU·mul as its prologue and the residual add as its epilogue, in one launch.
 
 Contract:
   x:        [..., K]  M rows in all (batch x step rows)
@@ -7,21 +7,25 @@ Contract:
   gamma:    [K] or None   with it, x is first normalized as HF's LlamaRMSNorm does:
                       ``gamma * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype)``, x32 = x in float32
   eps:      float
+  gated:    with it (and no gamma), x is [..., 2K], gate then up, and the product reads
+                      ``silu(gate) * up`` (each rounded to x's dtype, as HF's MLP rounds them)
   residual: [..., N] or None   with it, the output is ``residual + product`` (the product rounded to
                       x's dtype first, as ``residual + o_proj(...)`` rounds it)
-  out:      [..., N]  ``[residual +] F.linear([rms_norm](x), weight)``
+  out:      [..., N]  ``[residual +] F.linear([rms_norm](x) or [silu(gate) * up], weight)``
 
 Why: at batch 1 a small model's step is bound by launches, not bytes (SmolLM2-135M: ~250 launches a
 decode step at ~3 us each, 14x its bytes floor, docs/benchmarks.md). A decoder layer launches a
 norm kernel (the residual add fused into it) before q/k/v and again before gate/up; with the norm in
 the q/k/v and gate/up products' prologue and the residual add in the o and down products' epilogue,
-those two launches go. Every program reads the M rows of x whole (K is a few thousand at most:
-kilobytes, from L2 after the first program), computes their rms itself, and streams its BLOCK_N
-rows of ``weight`` through ``tl.dot`` with the rows padded to 16. M <= MAX_ROWS only; more rows take
+those two launches go, and with the SiLU·mul in the down product's prologue a third. Every program
+reads the M rows of x whole (K is a few thousand at most: kilobytes, from L2 after the first
+program), computes their rms itself, and streams its BLOCK_N rows of ``weight`` through ``tl.dot``
+with the rows padded to 16. M <= MAX_ROWS only; more rows take
 the reference (the norm, a cuBLAS product, the add).
 
-No pass uses it yet: it has not been timed on the GPU against the norm kernel + cuBLAS it would
-replace; ``benchmarks/kernels.py --fused-linear`` does (a model's layers chained in one CUDA graph).
+Used only by the experimental pass fold_norms (``SPECGRAPH_EXTRA_PASSES=fold_norms``): it has not been
+timed on the GPU against the kernels + cuBLAS it would replace; ``benchmarks/kernels.py --fused-linear``
+does (a model's layers chained in one CUDA graph), and e2e.py with and without the pass.
 """
 from __future__ import annotations
 
@@ -38,8 +42,8 @@ MAX_ROWS = 16  # one 16-row tile of x per program
 
 @triton.jit
 def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, stride_wn, stride_rm, stride_om,
-                         NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,6 +69,11 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
             gamma = tl.load(Gamma + ks, mask=k_ok, other=0.0)
             x = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty)
             x = (gamma[None, :].to(tl.float32) * x.to(tl.float32)).to(X.dtype.element_ty)
+        if GATED:  # x holds the gate; the up half is K further on: silu(gate) rounded, times up rounded
+            up = tl.load(x_rows + K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            gate = x.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
+            x = (act.to(tl.float32) * up.to(tl.float32)).to(X.dtype.element_ty)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         acc += _dot(x, tl.trans(w), UPCAST)
 
@@ -77,13 +86,13 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
 
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
-                        residual: torch.Tensor | None = None, block_n: int | None = None,
+                        residual: torch.Tensor | None = None, gated: bool = False, block_n: int | None = None,
                         block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] -> [..., N]."""
+    """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    m, k = rows.shape
+    m, k = rows.shape[0], weight.shape[1]
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.stride(-1) == 1, "fused_linear_triton: M <= 16 rows, weight rows contiguous"
     res = residual.reshape(m, n) if residual is not None else None
@@ -95,7 +104,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     _fused_linear_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out, m, n, k, eps,
         rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
-        NORM=gamma is not None, RESIDUAL=res is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=gamma is not None, GATED=gated, RESIDUAL=res is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps, num_stages=3)
     return out.view(*x.shape[:-1], n)
 
@@ -108,15 +117,23 @@ def rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torc
     return gamma * normed.to(x.dtype)
 
 
-def fused_linear_reference(x, weight, gamma=None, eps: float = 1e-6, residual=None) -> torch.Tensor:
+def fused_linear_reference(x, weight, gamma=None, eps: float = 1e-6, residual=None, gated: bool = False):
     """Plain torch: the CPU path, the decomposition, the kernel's oracle."""
-    out = torch.nn.functional.linear(x if gamma is None else rms_norm_reference(x, gamma, eps), weight)
+    if gamma is not None:
+        x = rms_norm_reference(x, gamma, eps)
+    if gated:
+        gate, up = x.chunk(2, -1)
+        x = torch.nn.functional.silu(gate) * up
+    out = torch.nn.functional.linear(x, weight)
     return out if residual is None else residual + out
 
 
-def _check(x, weight, gamma, eps, residual) -> None:
-    k = x.shape[-1]
+def _check(x, weight, gamma, eps, residual, gated) -> None:
+    k = x.shape[-1] // 2 if gated else x.shape[-1]
     problems = []
+    if gated and (gamma is not None or x.shape[-1] % 2):
+        problems.append(f"gated: x must be [..., 2K] (gate, then up) and gamma None; got x {tuple(x.shape)}, "
+                        f"gamma {'given' if gamma is not None else None}")
     if weight.dim() != 2 or weight.shape[1] != k:
         problems.append(f"weight must be [N, K={k}]; got {tuple(weight.shape)}")
     if gamma is not None and gamma.shape != (k,):
@@ -135,22 +152,22 @@ def _check(x, weight, gamma, eps, residual) -> None:
 
 @torch.library.custom_op("specgraph::fused_linear", mutates_args=())
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None, eps: float,
-                 residual: torch.Tensor | None) -> torch.Tensor:
-    """``[residual +] F.linear([rms_norm](x), weight)`` (contract in the module docstring). CPU: the reference."""
-    _check(x, weight, gamma, eps, residual)
-    return fused_linear_reference(x, weight, gamma, eps, residual)
+                 residual: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """``[residual +] F.linear(prologue(x), weight)`` (contract in the module docstring). CPU: the reference."""
+    _check(x, weight, gamma, eps, residual, gated)
+    return fused_linear_reference(x, weight, gamma, eps, residual, gated)
 
 
 @fused_linear.register_kernel("cuda")
-def _fused_linear_cuda(x, weight, gamma, eps, residual):
-    _check(x, weight, gamma, eps, residual)
+def _fused_linear_cuda(x, weight, gamma, eps, residual, gated=False):
+    _check(x, weight, gamma, eps, residual, gated)
     m = x.numel() // x.shape[-1]
     if os.environ.get("SPECGRAPH_REFERENCE_KERNELS") == "1" or m > MAX_ROWS or weight.stride(-1) != 1:
-        return fused_linear_reference(x, weight, gamma, eps, residual)
-    return fused_linear_triton(x, weight, gamma, eps, residual)
+        return fused_linear_reference(x, weight, gamma, eps, residual, gated)
+    return fused_linear_triton(x, weight, gamma, eps, residual, gated)
 
 
 @fused_linear.register_fake
-def _fused_linear_fake(x, weight, gamma, eps, residual):
-    _check(x, weight, gamma, eps, residual)
+def _fused_linear_fake(x, weight, gamma, eps, residual, gated=False):
+    _check(x, weight, gamma, eps, residual, gated)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,6 +1,6 @@
 """fold_norms (experimental; not in PIPELINE, ``SPECGRAPH_EXTRA_PASSES=fold_norms`` appends it): HF's
-RMSNorm into the products that read it, and the residual add into the product whose output it adds,
-as ``specgraph::fused_linear``.
+RMSNorm into the products that read it, the residual add into the product whose output it adds, and
+the gated MLP's SiLU·mul into the down product, as ``specgraph::fused_linear``.
 
 Requires: export IR after fuse_projections: ``aten.linear`` nodes; steps of at most
   ``fused_linear.MAX_ROWS`` rows in all (B x R: decode and short verify steps; larger ones are left
@@ -10,19 +10,23 @@ Ensures: (1) every bias-free ``linear(n, W)`` whose input n is HF's LlamaRMSNorm
   gamma a parameter of x's dtype, where every user of n is such a linear, becomes
   ``fused_linear(x, W, gamma, eps, None)``; (2) every ``add(r, linear(y, W))`` (either order; the
   linear bias-free, feeding only that add, maybe through an eval-mode dropout, of r's shape and
-  dtype) becomes
-  ``fused_linear(y, W, None, 0.0, r)``. The norm chains left dead, and export's dtype asserts on them,
-  are removed. Other norms (Gemma's ``1 + weight``, a norm also read elsewhere) stay, not refused:
-  this is a speed-up. Counters: norms_folded, adds_folded, too_many_rows.
+  dtype) becomes ``fused_linear(y, W, None, 0.0, r)``; (3) a product (a bias-free linear, or a
+  fused_linear without a norm) reading ``silu(gu[..., :I]) * gu[..., I:]``, the halves of one packed
+  gate/up output as fuse_projections splits it, reads gu itself with ``gated=True``. The norm chains
+  left dead, and export's dtype asserts on them, are removed. Other norms (Gemma's ``1 + weight``, a
+  norm also read elsewhere), other activations and a gate/up chunked by the model's own code (Phi-3)
+  stay, not refused: this is a speed-up. Counters: norms_folded, adds_folded, gated_folded,
+  too_many_rows.
 Why: a decoder layer launches a norm kernel (the residual add fused in) before q/k/v and again before
-  gate/up; folded, those two launches go (SmolLM2-135M at batch 1: ~60 of ~250 launches a step,
-  where launches, not bytes, set the step). Whether fused_linear's products keep up with cuBLAS is
-  not measured yet (``benchmarks/kernels.py --fused-linear``): until it is, the pass stays out of the
-  default pipeline.
+  gate/up, and a SiLU·mul kernel before down; folded, those three go: 8 launches a layer become 5
+  (SmolLM2-135M at batch 1: ~90 of ~250 launches a step, where launches, not bytes, set the step).
+  Whether fused_linear's products keep up with cuBLAS is not measured yet (``benchmarks/kernels.py
+  --fused-linear``): until it is, the pass stays out of the default pipeline.
 """
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -64,8 +68,8 @@ def _rms_norm_parts(node):
             if not (_call(rsqrt, aten.rsqrt.default) and _call(rsqrt.args[0], aten.add.Tensor)):
                 continue
             mean, eps = rsqrt.args[0].args
-            if not (_call(mean, aten.mean.dim) and isinstance(eps, float) and eps > 0
-                    and list(mean.args[1]) in ([-1], [_val(mean.args[0]).dim() - 1]) and mean.args[2:3] == (True,)):
+            if not (_call(mean, aten.mean.dim) and isinstance(eps, float) and eps > 0 and _val(mean) is not None
+                    and list(mean.args[1]) in ([-1], [_val(mean).dim() - 1]) and mean.args[2:3] == (True,)):
                 continue
             square = mean.args[0]
             if not (_call(square, aten.pow.Tensor_Scalar) and square.args == (x32, 2)):
@@ -79,9 +83,34 @@ def _rms_norm_parts(node):
     return None
 
 
-def _rows(node) -> int | None:
+def _gated_source(node):
+    """``gu`` when node is ``silu(gu[..., :I]) * gu[..., I:]`` (HF's gated MLP on a packed gate/up
+    product, as fuse_projections splits it) and only one product reads it; else None."""
+    if not (_call(node, aten.mul.Tensor) and len(node.args) == 2 and len(node.users) == 1):
+        return None
+    for act, up in (node.args, node.args[::-1]):
+        if not (_call(act, aten.silu.default) and len(act.users) == 1):
+            continue
+        gate = act.args[0]
+        if not (_call(gate, operator.getitem) and _call(up, operator.getitem) and gate.args == (up.args[0], 0)
+                and up.args[1] == 1 and len(gate.users) == 1 and len(up.users) == 1):
+            continue
+        split = gate.args[0]
+        if not (_call(split, aten.split_with_sizes.default) and len(split.args[1]) == 2
+                and split.args[1][0] == split.args[1][1] and len(split.users) == 2):
+            continue
+        dim = split.args[2] if len(split.args) > 2 else 0
+        if _val(node) is None or dim not in (-1, _val(node).dim() - 1) or _val(up) is None \
+                or _val(up).dtype != _val(node).dtype:  # the last dim, and no dtype change on the way
+            continue
+        return split.args[0]
+    return None
+
+
+def _too_many_rows(node) -> bool:
+    """More rows than fused_linear takes (or a shape not known: then no fold either)."""
     val = _val(node)
-    return None if val is None else math.prod(val.shape[:-1])
+    return val is None or math.prod(val.shape[:-1]) > MAX_ROWS
 
 
 def _bias_free(linear) -> bool:
@@ -90,7 +119,7 @@ def _bias_free(linear) -> bool:
 
 def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
-    norms = adds = too_many = 0
+    norms = adds = gated = too_many = 0
     chains = []
     # (1) a norm whose every user is a bias-free linear: each linear takes x and the norm itself
     for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
@@ -101,7 +130,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if parts is None:
             continue
         x, gamma, eps, chain = parts
-        if _rows(x) > MAX_ROWS:
+        if _too_many_rows(x):
             too_many += 1
             continue
         for linear in users:
@@ -126,7 +155,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             if (_val(residual).shape, _val(residual).dtype) != (_val(add).shape, _val(add).dtype) \
                     or _val(linear).shape != _val(add).shape or _val(linear).dtype != _val(add).dtype:
                 continue
-            if _rows(add) > MAX_ROWS:
+            if _too_many_rows(add):
                 too_many += 1
                 break
             with graph.inserting_before(add):
@@ -139,6 +168,26 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             graph.erase_node(linear)
             adds += 1
             break
+    # (3) a product reading silu(gate) * up, the halves of one packed gate/up output: SiLU·mul in its prologue
+    for node in list(graph.nodes):
+        if _call(node, LINEAR) and _bias_free(node):
+            prologue_free, args = True, (node.args[0], node.args[1], None, 0.0, None)
+        elif _call(node, FUSED_LINEAR):
+            prologue_free, args = node.args[2] is None and not node.args[5:6] == (True,), node.args[:5]
+        else:
+            continue
+        gate_up = _gated_source(args[0]) if prologue_free else None
+        if gate_up is None:
+            continue
+        if _too_many_rows(node):
+            too_many += 1
+            continue
+        with graph.inserting_before(node):
+            fused = graph.call_function(FUSED_LINEAR, (gate_up, *args[1:5], True))
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        graph.erase_node(node)
+        gated += 1
     # the norm chains now read by nobody but export's dtype asserts: drop those, then the chains
     graph.eliminate_dead_code()
     for chain in chains:
@@ -152,6 +201,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     # Postconditions: no folded norm survives; every fused_linear is a norm (gamma) or an add (residual).
     assert all(node._erased for chain in chains for node in chain[:-1]), "fold_norms left a folded norm alive"
     fused = graph.find_nodes(op="call_function", target=FUSED_LINEAR)
-    assert len(fused) >= norms + adds and all((n.args[2] is None) != (n.args[4] is None) for n in fused)
-    return PassResult(gm, bool(norms or adds), {"norms_folded": norms, "adds_folded": adds,
-                                                "too_many_rows": too_many})
+    assert len(fused) >= norms + adds and sum(n.args[5:6] == (True,) for n in fused) == gated
+    assert all(n.args[2] is not None or n.args[4] is not None or n.args[5:6] == (True,) for n in fused)
+    return PassResult(gm, bool(norms or adds or gated), {"norms_folded": norms, "adds_folded": adds,
+                                                         "gated_folded": gated, "too_many_rows": too_many})

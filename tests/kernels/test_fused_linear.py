@@ -41,17 +41,35 @@ def test_reference_is_hf_rmsnorm_linear_and_residual_add(dtype):
     torch.testing.assert_close(fused_linear_reference(x, weight, None, 0.0, residual), residual + linear(x), **exact)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_reference_is_hf_llama_mlp(dtype):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=48, hidden_act="silu")).to(dtype)
+    x = torch.randn(1, 3, 32, dtype=dtype)
+    gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)  # what the packed product computes
+    got = fused_linear_reference(gate_up, mlp.down_proj.weight, gated=True)
+    # SiLU of a strided half (the packed tensor's chunk) may take another vector path than of a
+    # contiguous tensor: equal up to an ulp, not bit for bit
+    torch.testing.assert_close(got, mlp(x))
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m, k, n", [(1, 96, 40), (3, 576, 96), (MAX_ROWS, 300, 17), (8, 64, 256)])
-@pytest.mark.parametrize("norm, add", [(True, False), (False, True), (True, True), (False, False)],
-                         ids=["norm", "residual", "both", "plain"])
-def test_triton_matches_reference(m, k, n, dtype, norm, add):
+@pytest.mark.parametrize("norm, gated, add", [(True, False, False), (False, False, True), (True, False, True),
+                                              (False, False, False), (False, True, False), (False, True, True)],
+                         ids=["norm", "residual", "norm_residual", "plain", "gated", "gated_residual"])
+def test_triton_matches_reference(m, k, n, dtype, norm, gated, add):
     x, weight, gamma, residual = (t.to(DEVICE) for t in case(m * k + n, m, k, n, dtype))
+    if gated:  # x holds gate and up: [..., 2K]
+        x = torch.cat([x, x.flip(-1)], -1) * 0.3  # gate and up of the norm's scale
     gamma, residual = gamma if norm else None, residual if add else None
-    want = fused_linear_reference(x, weight, gamma, 1e-6, residual)
+    want = fused_linear_reference(x, weight, gamma, 1e-6, residual, gated)
     for block_n, block_k in ((None, None), (16, 32), (32, 64)):
-        got = fused_linear_triton(x, weight, gamma, 1e-6, residual, block_n=block_n, block_k=block_k)
+        got = fused_linear_triton(x, weight, gamma, 1e-6, residual, gated, block_n=block_n, block_k=block_k)
         assert got.shape == want.shape and got.dtype == dtype
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -80,6 +98,10 @@ def test_op_errors_name_the_argument():
         op(x, weight, gamma.double(), 1e-6, None)
     with pytest.raises(ValueError, match="eps=0"):
         op(x, weight, gamma, 0.0, None)
+    with pytest.raises(ValueError, match="gated: x must be"):
+        op(x, weight[:, :48], gamma, 1e-6, None, True)
+    with pytest.raises(ValueError, match=r"weight must be \[N, K=48\]"):
+        op(x, weight, None, 0.0, None, True)
 
 
 class _Block(torch.nn.Module):

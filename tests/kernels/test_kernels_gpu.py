@@ -134,7 +134,8 @@ def test_compiled_module_calls_the_kernel():
                          ids=["smollm2_qkv", "smollm2_gate_up", "smollm2_down", "8b_qkv", "8b_down"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_fused_linear_at_real_shapes_replayed_in_a_cuda_graph(k, n, m):
-    """fused_linear (norm prologue; residual epilogue) in bf16 against its reference, eager and replayed."""
+    """fused_linear (norm or SiLU·mul prologue; residual epilogue) in bf16 against its reference, eager and
+    replayed in a CUDA graph."""
     from specgraph.kernels.fused_linear import fused_linear_reference
 
     g = torch.Generator(device="cuda").manual_seed(k + n + m)
@@ -142,8 +143,10 @@ def test_fused_linear_at_real_shapes_replayed_in_a_cuda_graph(k, n, m):
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
     gamma = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
     residual = torch.randn(1, m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate_up = 0.3 * torch.randn(1, m, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
     op = torch.ops.specgraph.fused_linear
-    for args in ((x, weight, gamma, 1e-5, None), (x, weight, None, 0.0, residual)):
+    for args in ((x, weight, gamma, 1e-5, None), (x, weight, None, 0.0, residual),
+                 (gate_up, weight, None, 0.0, residual, True)):
         want = fused_linear_reference(*args)
         torch.testing.assert_close(op(*args).float(), want.float(), atol=3e-2, rtol=3e-2)
         out = op(*args)
