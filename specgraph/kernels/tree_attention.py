@@ -271,7 +271,7 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     wide = d * q.element_size() > 256  # D=256 in 16-bit, or D>=128 in fp32: halve the tiles (shared memory)
     # Measured on the H200 (benchmarks/kernels.py): when the grid cannot fill the GPU (it is split
     # over the prefix: batch-1 decode, short verify steps), 16-row tiles with 8 warps beat 32- and
-    # 64-row ones by 15-35% up to 32 rows (--decode); at B = 32, 64-row tiles (--sweep).
+    # 64-row ones by 20-35% up to 32 rows (--decode); at B = 32, 64-row tiles (--sweep).
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
     small_grid = rows <= 32 and b * h_kv * triton.cdiv(rows, 16) < sms
     block_m = 16 if small_grid else min(64 if wide else 128, max(64, triton.next_power_of_2(rows)))
