@@ -33,7 +33,7 @@ import torch
 from .kernels import DECOMPOSITIONS
 from .kernels.compact_kv import compact_kv_reference
 from .kernels.kv_write import kv_write_reference
-from .kernels.tree_attention import tree_attention_write_reference
+from .kernels.tree_attention_write import tree_attention_write_reference
 from .kernels.verify import verify_greedy
 
 ONNX_OPSET = 20

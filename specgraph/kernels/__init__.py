@@ -14,6 +14,7 @@ from . import compact_kv as _compact_kv  # noqa: F401
 from . import fused_linear as _fused_linear
 from . import kv_write as _kv_write  # noqa: F401  (export traces it as its reference: export.py)
 from . import tree_attention as _tree_attention
+from . import tree_attention_write as _tree_attention_write  # noqa: F401  (export traces its reference)
 from . import verify as _verify
 
 DECOMPOSITIONS = {

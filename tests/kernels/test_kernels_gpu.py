@@ -5,8 +5,8 @@ import torch
 
 import specgraph.kernels  # noqa: F401
 from specgraph.kernels.compact_kv import compact_kv_reference
-from specgraph.kernels.tree_attention import (tree_attention_reference, tree_attention_triton,
-                                               tree_attention_write_reference)
+from specgraph.kernels.tree_attention import tree_attention_reference, tree_attention_triton
+from specgraph.kernels.tree_attention_write import tree_attention_write_reference
 from attention_cases import Case, make_case, oracle
 from test_tree_attention_write import rope_tables
 

@@ -11,7 +11,8 @@ import torch
 
 import specgraph.kernels  # noqa: F401  (registers the ops)
 from specgraph.kernels.bitmask import mask_to_matrix
-from specgraph.kernels.tree_attention import tree_attention_triton, tree_attention_write_reference
+from specgraph.kernels.tree_attention import tree_attention_triton
+from specgraph.kernels.tree_attention_write import tree_attention_write_reference
 from attention_cases import Case, make_case, oracle
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # as tree_attention's
