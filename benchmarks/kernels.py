@@ -208,6 +208,7 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path) -> list[dict]:
     Prints the default and the best five per case; every row goes to ``out`` (after each case)."""
     import itertools
 
+    from specgraph.drafts.autoregressive import chain_mask
     from specgraph.kernels.tree_attention import launch_config, tree_attention_triton
 
     rows = []
@@ -222,7 +223,7 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path) -> list[dict]:
         angles = torch.arange(context, context + r, device="cuda")[None, :, None] * 1e-2
         cos, sin = angles.cos().expand(1, r, d).to(torch.bfloat16), angles.sin().expand(1, r, d).to(torch.bfloat16)
         cache_len = torch.tensor([context], device="cuda", dtype=torch.int32)
-        chain = torch.tensor([[(1 << (i + 1)) - 1 for i in range(r)]], device="cuda")  # row i sees rows 0..i
+        chain = chain_mask(r, "cuda")[None]  # row i sees rows 0..i
         floor_ms = (2 * h_kv * (context + r) * d * 2 + 2 * h * r * d * 2) / bandwidth * 1e3
         default = launch_config(q, h_kv, s_max)
         case = dict(shape=shape, context=context, R=r, floor_ms=floor_ms)

@@ -32,21 +32,13 @@ import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
 from ..kernels.fused_linear import MAX_ROWS
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, PassResult, drop_dead_code
+from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
 FUSED_LINEAR = torch.ops.specgraph.fused_linear.default
-ASSERT_METADATA = aten._assert_tensor_metadata.default
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _call(node, target) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
 def _cast_to(node, dtype) -> bool:
@@ -188,14 +180,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         node.replace_all_uses_with(fused)
         graph.erase_node(node)
         gated += 1
-    # the norm chains now read by nobody but export's dtype asserts: drop those, then the chains
-    graph.eliminate_dead_code()
-    for chain in chains:
-        for node in chain:
-            if not node._erased and node.users and all(user.target == ASSERT_METADATA for user in node.users):
-                for user in list(node.users):
-                    graph.erase_node(user)
-    graph.eliminate_dead_code()
+    drop_dead_code(graph, [node for chain in chains for node in chain])  # the folded norm chains
     gm.recompile()
 
     # Postconditions: no folded norm survives; every fused_linear is a norm (gamma) or an add (residual).

@@ -22,25 +22,17 @@ import os
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, walk_back
+from .pass_result import GraphContext, PassResult, drop_dead_code, walk_back
+from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
 
 aten = torch.ops.aten
 TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
-ASSERT_METADATA = aten._assert_tensor_metadata.default
 # Rows per sequence up to which the fold is measured faster (H200, Llama-3.1-8B shape, 2026-12-01): the
 # plain decode step (R = 1) 4.856 -> 4.789-4.804 ms; but an 8-row verify step 5.13 -> 6.19 ms (64 rows:
 # 5.79 -> 5.83). Not yet profiled (ptxas: the 4-warp R = 8 variant spills 156 bytes against 60
 # unrotated, but outside its loops). Raise this once a multi-row variant measures faster.
 MAX_ROWS = 1
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _call(node, target) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
 def _no_op_cast(node) -> bool:
@@ -133,12 +125,7 @@ def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         node.args = (q_parts[0], kv, layer, k_parts[0], *node.args[4:9], *q_parts[1:3])
         bypassed += [q_parts[3], k_parts[3]]
         folded += 1
-    graph.eliminate_dead_code()  # the rotations only the attention read, and their casts
-    for rotated in bypassed:  # export's dtype checks of a cast that is gone keep its input alive: drop them
-        if rotated.users and all(user.target == ASSERT_METADATA for user in rotated.users):
-            for user in list(rotated.users):
-                graph.erase_node(user)
-    graph.eliminate_dead_code()
+    drop_dead_code(graph, bypassed)  # the rotations only the attention read, their casts and dtype asserts
     gm.recompile()
 
     # Postconditions: the same attention nodes, each folded one holding two [B, R, D] tables.

@@ -6,6 +6,29 @@ from dataclasses import dataclass, field
 import torch
 
 
+ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def val(node):
+    """A node's example value (``meta["val"]``), or None (a constant, or no metadata)."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def is_call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def drop_dead_code(graph: torch.fx.Graph, bypassed) -> None:
+    """Dead code out, including the ``bypassed`` nodes that only export's dtype asserts still read
+    (``_assert_tensor_metadata`` has no users but is not pure, so it keeps its input alive)."""
+    graph.eliminate_dead_code()
+    for node in bypassed:
+        if not node._erased and node.users and all(user.target == ASSERT_METADATA for user in node.users):
+            for user in list(node.users):
+                graph.erase_node(user)
+    graph.eliminate_dead_code()
+
+
 def walk_back(node, targets, keep=lambda node: True):
     """Follow ``args[0]`` back from ``node`` while it is a call of one of ``targets`` that ``keep``
     accepts (views, casts: ops that do not change what a matcher looks for)."""
