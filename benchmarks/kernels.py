@@ -1,7 +1,7 @@
 """Kernel benchmark (GPU): tree_attention against its peers, and the verify /
 compact ops against their torch references, all measured in one run.
 
-    python benchmarks/kernels.py [--quick] [--decode] [--fused-linear] [--out DIR]
+    python benchmarks/kernels.py [--quick] [--decode] [--out DIR]
 
 For every (shape, B, prefix, N), bf16: median time of
   tree      specgraph::tree_attention (the Triton kernel)
@@ -259,69 +259,6 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path) -> list[dict]:
     return rows
 
 
-FUSED_LINEAR_SHAPES = {  # layers, hidden, q/k/v rows, intermediate: the decoder layers' products
-    "smollm2": (30, 576, 960, 1536), "llama8b": (32, 4096, 6144, 14336),
-}
-
-
-def fused_linear_bench(bandwidth: float, rows=(1, 8)) -> list[dict]:
-    """A model's decoder layers without attention (its output stood in by the first H columns of
-    q/k/v), each layer with its own weights, chained in one CUDA graph, two ways, both compiled:
-      now    what the step runs: RMSNorm (the residual add fused in) and cuBLAS products, SiLU*mul
-      fused  specgraph::fused_linear: the norm in the q/k/v and gate/up products' prologue, SiLU*mul
-             in the down product's, the residual add in the o and down products' epilogue
-    µs per layer, against the floor (the layer's weight bytes / the copy bandwidth)."""
-    import torch._dynamo
-
-    from specgraph.kernels.fused_linear import rms_norm_reference
-
-    for knob in ("cache_size_limit", "recompile_limit"):  # one compile per shape, never the eager fallback
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 64)
-    fused = torch.ops.specgraph.fused_linear
-
-    def now(h, layers):
-        for w_qkv, w_o, w_gu, w_d, g1, g2 in layers:
-            attn = F.linear(rms_norm_reference(h, g1, 1e-5), w_qkv)[..., : h.shape[-1]]
-            h = h + F.linear(attn, w_o)
-            gate, up = F.linear(rms_norm_reference(h, g2, 1e-5), w_gu).chunk(2, -1)
-            h = h + F.linear(F.silu(gate) * up, w_d)
-        return h
-
-    def with_fused(h, layers):
-        for w_qkv, w_o, w_gu, w_d, g1, g2 in layers:
-            attn = fused(h, w_qkv, g1, 1e-5, None)[..., : h.shape[-1]]
-            h = fused(attn, w_o, None, 0.0, h)
-            h = fused(fused(h, w_gu, g2, 1e-5, None), w_d, None, 0.0, h, True)  # SiLU·mul in down's prologue
-        return h
-
-    results = []
-    for name, (layers, hidden, qkv, inter) in FUSED_LINEAR_SHAPES.items():
-        g = torch.Generator(device="cuda").manual_seed(0)
-        rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-        weights = [(rand(qkv, hidden) / hidden**0.5, rand(hidden, hidden) / hidden**0.5,
-                    rand(2 * inter, hidden) / hidden**0.5, rand(hidden, inter) / inter**0.5,
-                    1 + 0.1 * rand(hidden), 1 + 0.1 * rand(hidden)) for _ in range(layers)]
-        layer_bytes = sum(w.numel() * w.element_size() for w in weights[0])
-        for m in rows:
-            h = rand(1, m, hidden)
-            row = dict(shape=name, M=m, floor_us=layer_bytes / bandwidth * 1e6)
-            for label, body in (("now", now), ("fused", with_fused)):
-                step = torch.compile(body, dynamic=False)
-                out = step(h, weights)
-                row[f"{label}_us"] = graphed_ms(lambda: step(h, weights)) * 1e3 / layers  # noqa: B023
-                row[f"{label}_out"] = out
-            diff = (row.pop("now_out").float() - row.pop("fused_out").float()).abs().max().item()
-            row["max_abs_diff"] = diff
-            results.append(row)
-            print(f"# fused_linear {name:<8} M={m:<2} floor {row['floor_us']:7.2f} us | now {row['now_us']:7.2f} | "
-                  f"fused {row['fused_us']:7.2f} | now/fused {row['now_us'] / row['fused_us']:.2f} "
-                  f"(us per layer; max |diff| {diff:.3g})", flush=True)
-        del weights
-        torch.cuda.empty_cache()
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the acceptance configurations (B=32, 4k, 8B shapes)")
@@ -332,8 +269,6 @@ def main() -> None:
                         help="only the batch-1 decode sweep of the folded op (RoPE on/off, tiles, warps, splits)")
     parser.add_argument("--decode-shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--decode-cases", nargs="+", default=list(DECODE_CASES), metavar="CONTEXT:ROWS")
-    parser.add_argument("--fused-linear", action="store_true",
-                        help="only decoder layers' products: norm + cuBLAS + add against specgraph::fused_linear")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     from tqdm import tqdm
@@ -341,11 +276,6 @@ def main() -> None:
     started = time.time()
     bandwidth = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    if args.fused_linear:
-        rows = fused_linear_bench(bandwidth)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kernels-fused-linear.json").write_text(json.dumps(dict(bandwidth=bandwidth, rows=rows), indent=1))
-        return
     if args.decode:
         args.out.mkdir(parents=True, exist_ok=True)
         decode_sweep(bandwidth, args.decode_shapes, args.decode_cases, args.out / "kernels-decode.json")

@@ -1,0 +1,159 @@
+"""specgraph::fused_linear against what the decode step runs now (GPU).
+
+Two parts, both at batch 1 with M = 1 and 8 rows, at the decoder-layer shapes of SmolLM2-135M and
+Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served from L2):
+
+  products  each of a layer's four products alone, chained over all layers in one CUDA graph:
+            cuBLAS ``F.linear`` (the product only) against ``fused_linear`` (with its prologue and
+            epilogue) in every tile configuration of the sweep; µs per product against its floor
+            (weight bytes / copy bandwidth). The best configuration per product shape is kept.
+  layers    the layers without attention, chained in one CUDA graph, both compiled:
+            now    RMSNorm (the residual add fused in by inductor), cuBLAS products, SiLU*mul
+            fused  norm in the q/k/v and gate/up products' prologue, SiLU*mul in the down product's,
+                   the residual add in the o and down products' epilogue, in the default tiles and in
+                   the best tiles of the sweep.
+
+    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+import specgraph.kernels  # noqa: E402,F401
+from kernels import copy_bandwidth, graphed_ms  # noqa: E402
+from specgraph.kernels import fused_linear as fl  # noqa: E402
+
+SHAPES = {  # layers, hidden, q/k/v rows, intermediate: the decoder layers' products
+    "smollm2": (30, 576, 960, 1536), "llama8b": (32, 4096, 6144, 14336),
+}
+TILES = [(bn, bk, w) for bn, bk, w in itertools.product((16, 32, 64), (128, 256, 512), (4, 8))
+         if bn * bk <= 64 * 256]  # larger tiles spill or overflow shared memory at 3 stages
+EPS = 1e-5
+
+
+def make_layers(layers: int, hidden: int, qkv: int, inter: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    return [(rand(qkv, hidden) / hidden**0.5, rand(hidden, hidden) / hidden**0.5,
+             rand(2 * inter, hidden) / hidden**0.5, rand(hidden, inter) / inter**0.5,
+             1 + 0.1 * rand(hidden), 1 + 0.1 * rand(hidden)) for _ in range(layers)], rand
+
+
+def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[dict], dict]:
+    """Each product kind chained over the layers: cuBLAS alone vs fused_linear per tile config."""
+    fused = torch.ops.specgraph.fused_linear
+    hidden, inter = weights[0][1].shape[0], weights[0][3].shape[1]
+    h, gu = rand(1, m, hidden), rand(1, m, 2 * inter)
+    kinds = {  # name: (weight index, cuBLAS product, fused call)
+        "qkv": (0, lambda w, g: F.linear(h, w), lambda w, g: fused(h, w, g, EPS, None)),
+        "o": (1, lambda w, g: F.linear(h, w), lambda w, g: fused(h, w, None, 0.0, h)),
+        "gate_up": (2, lambda w, g: F.linear(h, w), lambda w, g: fused(h, w, g, EPS, None)),
+        "down": (3, lambda w, g: F.linear(gu[..., :inter], w), lambda w, g: fused(gu, w, None, 0.0, h, True)),
+    }
+    rows, best = [], {}
+    for kind, (index, cublas, with_fused) in kinds.items():
+        n, k = weights[0][index].shape
+        chain = [(layer[index], layer[4]) for layer in weights]
+        row = dict(M=m, kind=kind, N=n, K=k, floor_us=n * k * 2 / bandwidth * 1e6,
+                   cublas_us=graphed_ms(lambda: [cublas(w, g) for w, g in chain]) * 1e3 / len(chain))  # noqa: B023
+        timings = {}
+        for tile in tiles:
+            fl.TILE_OVERRIDE = {(n, k): tile}
+            try:
+                timings[tile] = graphed_ms(lambda: [with_fused(w, g) for w, g in chain]) * 1e3 / len(chain)  # noqa: B023
+            except Exception as error:  # noqa: BLE001  (a tile that does not compile is skipped, and said)
+                print(f"#   tile {tile} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
+        fl.TILE_OVERRIDE = None
+        default = fl.tile_config(n, k, 2)
+        row["default_tile"], row["default_us"] = list(default), timings.get(default)
+        tile = min(timings, key=timings.get)
+        row["best_tile"], row["best_us"] = list(tile), timings[tile]
+        row["all"] = {"x".join(map(str, t)): v for t, v in timings.items()}
+        best[(n, k)] = tile
+        rows.append(row)
+        print(f"# product M={m} {kind:<7} [{n}x{k}] floor {row['floor_us']:6.2f} us | cuBLAS {row['cublas_us']:6.2f} "
+              f"| fused default {row['default_us'] or float('nan'):6.2f} | best {row['best_us']:6.2f} {tile}",
+              flush=True)
+    return rows, best
+
+
+def layer_chain(weights, rand, m: int, bandwidth: float, best: dict) -> dict:
+    """The layers without attention: now (norm + cuBLAS + add) vs fused, default and best tiles."""
+    from specgraph.kernels.fused_linear import rms_norm_reference
+
+    fused = torch.ops.specgraph.fused_linear
+
+    def now(h, layers):
+        for w_qkv, w_o, w_gu, w_d, g1, g2 in layers:
+            attn = F.linear(rms_norm_reference(h, g1, EPS), w_qkv)[..., : h.shape[-1]]
+            h = h + F.linear(attn, w_o)
+            gate, up = F.linear(rms_norm_reference(h, g2, EPS), w_gu).chunk(2, -1)
+            h = h + F.linear(F.silu(gate) * up, w_d)
+        return h
+
+    def with_fused(h, layers):
+        for w_qkv, w_o, w_gu, w_d, g1, g2 in layers:
+            attn = fused(h, w_qkv, g1, EPS, None)[..., : h.shape[-1]]
+            h = fused(attn, w_o, None, 0.0, h)
+            h = fused(fused(h, w_gu, g2, EPS, None), w_d, None, 0.0, h, True)
+        return h
+
+    hidden = weights[0][1].shape[0]
+    layer_bytes = sum(w.numel() * w.element_size() for w in weights[0])
+    h = rand(1, m, hidden)
+    row = dict(M=m, floor_us=layer_bytes / bandwidth * 1e6)
+    outs = {}
+    for label, body, tiles in (("now", now, None), ("fused", with_fused, None), ("fused_best", with_fused, best)):
+        fl.TILE_OVERRIDE = tiles
+        step = torch.compile(body, dynamic=False)
+        outs[label] = step(h, weights)
+        row[f"{label}_us"] = graphed_ms(lambda: step(h, weights)) * 1e3 / len(weights)  # noqa: B023
+    fl.TILE_OVERRIDE = None
+    row["max_abs_diff"] = max((outs["now"].float() - outs[k].float()).abs().max().item() for k in ("fused", "fused_best"))
+    print(f"# layers  M={m} floor {row['floor_us']:7.2f} us | now {row['now_us']:7.2f} | fused {row['fused_us']:7.2f} "
+          f"| fused, best tiles {row['fused_best_us']:7.2f} | now/best {row['now_us'] / row['fused_best_us']:.2f} "
+          f"(us per layer; max |diff| {row['max_abs_diff']:.3g})", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    import torch._dynamo
+
+    for knob in ("cache_size_limit", "recompile_limit"):  # one compile per shape, never the eager fallback
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    started = time.time()
+    bandwidth = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    results = dict(bandwidth=bandwidth, tiles=TILES, shapes={})
+    for shape in args.shapes:
+        weights, rand = make_layers(*SHAPES[shape])
+        record = results["shapes"][shape] = dict(products=[], layers=[], best={})
+        for m in args.rows:
+            rows, best = product_sweep(weights, rand, m, bandwidth, TILES)
+            record["products"] += rows
+            record["best"][m] = {f"{n}x{k}": list(t) for (n, k), t in best.items()}
+            record["layers"].append(layer_chain(weights, rand, m, bandwidth, best))
+        del weights
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fused-linear.json").write_text(json.dumps(results, indent=1))
+    print(f"# done in {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
