@@ -37,19 +37,44 @@ import triton.language as tl
 
 from .tree_attention import _dot
 
+try:  # programmatic dependent launch (sm_90+): triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 MAX_ROWS = 16  # one 16-row tile of x per program
+SMALL_WEIGHT_BYTES = 8 << 20  # at most this, a one-row product beat cuBLAS with its prologue folded (H200)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes):
+    """One bulk L2 prefetch per element: ``nbytes`` (a multiple of 16, 0 = none) from each 16-aligned pointer."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, stride_wn, stride_rm, stride_om,
-                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                         prefetch_bytes, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                         PDL: tl.constexpr, PREFETCH: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    if PDL:  # launched early (programmatic dependent launch): weights now, activations after the wait
+        if PREFETCH:  # this program's first weight bytes into L2 while the previous kernel drains
+            # the weight rows are contiguous ([N, K], stride K): the program's slice is one byte range
+            start = tl.program_id(0).to(tl.int64) * BLOCK_N * K * 2
+            end = tl.minimum(start + prefetch_bytes, N.to(tl.int64) * K * 2)
+            chunks = start + tl.arange(0, 32) * (prefetch_bytes // 32)
+            sizes = tl.minimum(tl.maximum(end - chunks, 0), prefetch_bytes // 32)
+            _prefetch_l2(W.to(tl.pointer_type(tl.int8)) + chunks, sizes.to(tl.int32))
+        gdc_launch_dependents()
+        gdc_wait()
 
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if NORM:  # pass 1: each row's mean square, in float32 as HF
@@ -75,7 +100,10 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
             act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(X.dtype.element_ty)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        acc += _dot(x, tl.trans(w), UPCAST)
+        if BLOCK_M == 1:  # one row: CUDA-core products, no 16-row padding
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        else:
+            acc += _dot(x, tl.trans(w), UPCAST)
 
     out = acc.to(Out.dtype.element_ty)
     ok = row_ok[:, None] & col_ok[None, :]
@@ -85,19 +113,25 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
     tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out, mask=ok)
 
 
-TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int]] | None = None  # benchmarks' sweeps only
+TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = None  # benchmarks' sweeps
+# programmatic dependent launch and its L2 prefetch: experiments only (SPECGRAPH_PDL=1, SPECGRAPH_PREFETCH=bytes)
+LAUNCH = {"pdl": os.environ.get("SPECGRAPH_PDL") == "1", "prefetch_bytes": int(os.environ.get("SPECGRAPH_PREFETCH", 0))}
 
 
-def tile_config(n: int, k: int, itemsize: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [N, K] weight."""
+def tile_config(m: int, n: int, k: int, itemsize: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight, from the sweep of
+    ``benchmarks/fused_linear.py`` (H200, docs/benchmarks.md): one row of a small weight on the CUDA cores
+    in 8-row slices (many programs: a 576 x 576 product has 72); otherwise 16-row tl.dot tiles."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
-    return 16 if n * k * itemsize <= (8 << 20) else 32, min(256, triton.next_power_of_2(k)), 4
+    if m == 1 and n * k * itemsize <= SMALL_WEIGHT_BYTES:
+        return 1, 8, 512, 4, 4
+    return 16, 16 if n * k * itemsize <= SMALL_WEIGHT_BYTES else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
-                        residual: torch.Tensor | None = None, gated: bool = False, block_n: int | None = None,
-                        block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                        residual: torch.Tensor | None = None, gated: bool = False,
+                        tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
@@ -109,13 +143,17 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = tile_config(n, k, weight.element_size())
-    block_n, block_k, num_warps = block_n or tiles[0], block_k or tiles[1], num_warps or tiles[2]
+    block_m, block_n, block_k, num_warps, num_stages = tiles or tile_config(m, n, k, weight.element_size())
+    block_m = 1 if m == 1 and block_m == 1 else 16
+    pdl = LAUNCH["pdl"] and x.is_cuda and gdc_wait is not None
+    prefetch = LAUNCH["prefetch_bytes"] // 512 * 512 if pdl and weight.is_contiguous() and k % 8 == 0 else 0
+    extra = {"launch_pdl": True} if pdl else {}
     _fused_linear_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out, m, n, k, eps,
-        rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
-        NORM=gamma is not None, GATED=gated, RESIDUAL=res is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps, num_stages=3)
+        rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0), prefetch,
+        NORM=gamma is not None, GATED=gated, RESIDUAL=res is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, PDL=pdl, PREFETCH=prefetch > 0,
+        num_warps=num_warps, num_stages=num_stages, **extra)
     return out.view(*x.shape[:-1], n)
 
 

@@ -31,13 +31,14 @@ import operator
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from ..kernels.fused_linear import MAX_ROWS
+from ..kernels.fused_linear import SMALL_WEIGHT_BYTES
 from .pass_result import GraphContext, PassResult, drop_dead_code
 from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
+FOLD_MAX_ROWS = 1  # fused_linear takes up to 16; folding measured faster only at one
 FUSED_LINEAR = torch.ops.specgraph.fused_linear.default
 
 
@@ -99,10 +100,27 @@ def _gated_source(node):
     return None
 
 
-def _too_many_rows(node) -> bool:
-    """More rows than fused_linear takes (or a shape not known: then no fold either)."""
-    val = _val(node)
-    return val is None or math.prod(val.shape[:-1]) > MAX_ROWS
+def _weight(gm, node):
+    """A weight's tensor (or fake value): its meta, or the module attribute a get_attr names."""
+    if _val(node) is not None:
+        return _val(node)
+    if node.op == "get_attr":
+        return operator.attrgetter(node.target)(gm)
+    return None
+
+
+def _why_not(gm, rows_node, weights) -> str | None:
+    """None when folding pays, measured (docs/benchmarks.md, eleventh session): one row (decode at
+    batch 1) and every weight at most SMALL_WEIGHT_BYTES; else the counter to bump. Larger products
+    or more rows ran slower as fused_linear than as norm + cuBLAS (8B shapes: 148 against 126 us a
+    layer; 8 rows: the padded 16-row tiles' prologue is compute-bound)."""
+    val = _val(rows_node)
+    if val is None or math.prod(val.shape[:-1]) > FOLD_MAX_ROWS:
+        return "too_many_rows"
+    sizes = [_weight(gm, w) for w in weights]
+    if any(w is None or w.numel() * w.element_size() > SMALL_WEIGHT_BYTES for w in sizes):
+        return "too_large"
+    return None
 
 
 def _bias_free(linear) -> bool:
@@ -111,7 +129,8 @@ def _bias_free(linear) -> bool:
 
 def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
-    norms = adds = gated = too_many = 0
+    norms = adds = gated = 0
+    skipped = {"too_many_rows": 0, "too_large": 0}
     chains = []
     # (1) a norm whose every user is a bias-free linear: each linear takes x and the norm itself
     for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
@@ -122,8 +141,8 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if parts is None:
             continue
         x, gamma, eps, chain = parts
-        if _too_many_rows(x):
-            too_many += 1
+        if reason := _why_not(gm, x, [u.args[1] for u in users]):
+            skipped[reason] += 1
             continue
         for linear in users:
             with graph.inserting_before(linear):
@@ -147,8 +166,8 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             if (_val(residual).shape, _val(residual).dtype) != (_val(add).shape, _val(add).dtype) \
                     or _val(linear).shape != _val(add).shape or _val(linear).dtype != _val(add).dtype:
                 continue
-            if _too_many_rows(add):
-                too_many += 1
+            if reason := _why_not(gm, add, [linear.args[1]]):
+                skipped[reason] += 1
                 break
             with graph.inserting_before(add):
                 fused = graph.call_function(FUSED_LINEAR, (linear.args[0], linear.args[1], None, 0.0, residual))
@@ -171,8 +190,8 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         gate_up = _gated_source(args[0]) if prologue_free else None
         if gate_up is None:
             continue
-        if _too_many_rows(node):
-            too_many += 1
+        if reason := _why_not(gm, node, [args[1]]):
+            skipped[reason] += 1
             continue
         with graph.inserting_before(node):
             fused = graph.call_function(FUSED_LINEAR, (gate_up, *args[1:5], True))
@@ -188,5 +207,5 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     fused = graph.find_nodes(op="call_function", target=FUSED_LINEAR)
     assert len(fused) >= norms + adds and sum(n.args[5:6] == (True,) for n in fused) == gated
     assert all(n.args[2] is not None or n.args[4] is not None or n.args[5:6] == (True,) for n in fused)
-    return PassResult(gm, bool(norms or adds or gated), {"norms_folded": norms, "adds_folded": adds,
-                                                         "gated_folded": gated, "too_many_rows": too_many})
+    return PassResult(gm, bool(norms or adds or gated),
+                      {"norms_folded": norms, "adds_folded": adds, "gated_folded": gated, **skipped})

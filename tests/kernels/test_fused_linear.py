@@ -68,8 +68,8 @@ def test_triton_matches_reference(m, k, n, dtype, norm, gated, add):
         x = torch.cat([x, x.flip(-1)], -1) * 0.3  # gate and up of the norm's scale
     gamma, residual = gamma if norm else None, residual if add else None
     want = fused_linear_reference(x, weight, gamma, 1e-6, residual, gated)
-    for block_n, block_k in ((None, None), (16, 32), (32, 64)):
-        got = fused_linear_triton(x, weight, gamma, 1e-6, residual, gated, block_n=block_n, block_k=block_k)
+    for tiles in (None, (16, 16, 32, 4, 2), (1, 32, 64, 4, 3)):  # (1, ...): one row on the CUDA cores
+        got = fused_linear_triton(x, weight, gamma, 1e-6, residual, gated, tiles)
         assert got.shape == want.shape and got.dtype == dtype
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
