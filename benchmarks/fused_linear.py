@@ -38,7 +38,6 @@ SHAPES = {  # layers, hidden, q/k/v rows, intermediate: the decoder layers' prod
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M 1: one row on the CUDA cores (M = 1 only), 16: tl.dot
 DOT_TILES = [(16, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
 ROW_TILES = [(1, bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))]
-PREFETCH = 64 << 10  # bytes of its weights a program prefetches into L2 before PDL's wait
 EPS = 1e-5
 
 
@@ -74,14 +73,6 @@ def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[
                 timings[tile] = graphed_ms(lambda: [with_fused(w, g) for w, g in chain]) * 1e3 / len(chain)  # noqa: B023
             except Exception as error:  # noqa: BLE001  (a tile that does not compile is skipped, and said)
                 print(f"#   tile {tile} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
-        fl.TILE_OVERRIDE = {(n, k): min(timings, key=timings.get)}
-        for label, launch in (("pdl", dict(pdl=True, prefetch_bytes=0)), ("pdl_prefetch", dict(pdl=True, prefetch_bytes=PREFETCH))):
-            fl.LAUNCH.update(launch)
-            try:
-                row[f"best_{label}_us"] = graphed_ms(lambda: [with_fused(w, g) for w, g in chain]) * 1e3 / len(chain)  # noqa: B023
-            except Exception as error:  # noqa: BLE001
-                print(f"#   {label} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-            fl.LAUNCH.update(pdl=False, prefetch_bytes=0)
         fl.TILE_OVERRIDE = None
         default = fl.tile_config(m, n, k, 2)
         row["default_tile"], row["default_us"] = list(default), timings.get(default)
@@ -91,8 +82,7 @@ def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[
         best[(n, k)] = tile
         rows.append(row)
         print(f"# product M={m} {kind:<7} [{n}x{k}] floor {row['floor_us']:6.2f} us | cuBLAS {row['cublas_us']:6.2f} "
-              f"| fused default {row['default_us'] or float('nan'):6.2f} | best {row['best_us']:6.2f} {tile} "
-              f"| +PDL {row.get('best_pdl_us', float('nan')):6.2f} | +prefetch {row.get('best_pdl_prefetch_us', float('nan')):6.2f}",
+              f"| fused default {row['default_us'] or float('nan'):6.2f} | best {row['best_us']:6.2f} {tile}",
               flush=True)
     return rows, best
 
@@ -123,11 +113,9 @@ def layer_chain(weights, rand, m: int, bandwidth: float, best: dict) -> dict:
     h = rand(1, m, hidden)
     row = dict(M=m, floor_us=layer_bytes / bandwidth * 1e6)
     outs = {}
-    variants = (("now", now, None, 0, 0), ("fused", with_fused, None, 0, 0), ("fused_best", with_fused, best, 0, 0),
-                ("fused_best_pdl", with_fused, best, 1, 0), ("fused_best_pdl_prefetch", with_fused, best, 1, PREFETCH))
-    for label, body, tiles, pdl, prefetch in variants:
+    variants = (("now", now, None), ("fused", with_fused, None), ("fused_best", with_fused, best))
+    for label, body, tiles in variants:
         fl.TILE_OVERRIDE = tiles
-        fl.LAUNCH.update(pdl=bool(pdl), prefetch_bytes=prefetch)
         try:
             step = torch.compile(body, dynamic=False)
             outs[label] = step(h, weights)
@@ -135,7 +123,6 @@ def layer_chain(weights, rand, m: int, bandwidth: float, best: dict) -> dict:
         except Exception as error:  # noqa: BLE001
             print(f"#   {label} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
     fl.TILE_OVERRIDE = None
-    fl.LAUNCH.update(pdl=False, prefetch_bytes=0)
     row["max_abs_diff"] = max((outs["now"].float() - out.float()).abs().max().item() for out in outs.values())
     times = " | ".join(f"{label} {row[label + '_us']:7.2f}" for label, *_ in variants if label + "_us" in row)
     print(f"# layers  M={m} floor {row['floor_us']:7.2f} us | {times} (us per layer; max |diff| {row['max_abs_diff']:.3g})",
@@ -157,7 +144,7 @@ def main() -> None:
     started = time.time()
     bandwidth = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    results = dict(bandwidth=bandwidth, tiles=ROW_TILES + DOT_TILES, prefetch=PREFETCH, shapes={})
+    results = dict(bandwidth=bandwidth, tiles=ROW_TILES + DOT_TILES, shapes={})
     for shape in args.shapes:
         weights, rand = make_layers(*SHAPES[shape])
         record = results["shapes"][shape] = dict(products=[], layers=[], best={})

@@ -65,7 +65,7 @@ def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
     names = [name for name, _ in step.pass_results]
     assert names == ["replace_attention", "tap_hidden_states", "prune_logits", "fuse_projections",
-                     "inplace_cache_writes", "fold_cache_writes", "fold_rotary"]
+                     "inplace_cache_writes", "fold_cache_writes", "fold_rotary", "fold_norms"]
     result = step.pass_results[0][1]
     assert [r.modified for _, r in step.pass_results[1:3]] == [False, False]  # nothing asked of them
     info = step.info
@@ -211,9 +211,9 @@ def test_skipping_speed_up_passes_keeps_logits_and_cache(monkeypatch):
     positions = cache_len.unsqueeze(1)
     chain = torch.ones(2, 1, dtype=torch.int64)
     full = Capture(model, 64).step(2, 1)
-    assert [name for name, _ in full.pass_results][-1] == "fold_rotary"
+    assert [name for name, _ in full.pass_results][-1] == "fold_norms"
     _assert_rope_folded(full, model)
-    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_rotary, fold_cache_writes")
+    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_rotary, fold_cache_writes, fold_norms")
     bare = Capture(model, 64).step(2, 1)
     assert [name for name, _ in bare.pass_results][-1] == "inplace_cache_writes"
     graph = bare.program.graph_module.graph

@@ -1,4 +1,4 @@
-"""fold_norms (experimental, SPECGRAPH_EXTRA_PASSES=fold_norms): HF's RMSNorm folds into the products
+"""fold_norms: HF's RMSNorm folds into the products
 that read it, the residual add into the product it adds, SiLU·mul into the down product; near misses
 stay apart; the folded step
 computes the same logits and cache as the unfolded one on the CPU (fused_linear's reference is HF's
@@ -125,9 +125,11 @@ def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, monkey
     cache_len = torch.tensor([7])
     positions = cache_len.unsqueeze(1) + torch.arange(r)
     chain = chain_mask(r, "cpu").expand(b, r).contiguous()
+    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_norms")
     plain = Capture(model, 64).step(b, r)
-    monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_norms")
-    step = Capture(model, 64).step(b, r)
+    assert "fold_norms" not in dict(plain.pass_results)
+    monkeypatch.delenv("SPECGRAPH_SKIP_PASSES")
+    step = Capture(model, 64).step(b, r)  # the default pipeline folds
     counters = dict(step.pass_results)["fold_norms"].counters
     layers = model.config.num_hidden_layers
     if layers_folded:  # two norms and two residual adds a layer (Phi-3's packed products included), and
@@ -146,5 +148,30 @@ def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, monkey
 
 def test_unknown_extra_pass_is_refused(monkeypatch):
     monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_everything")
-    with pytest.raises(ValueError, match="experimental passes are fold_norms"):
+    with pytest.raises(ValueError, match="experimental passes are none at present"):
         Capture(tiny_model("llama"), 64).step(1, 1)
+
+
+@pytest.mark.model
+def test_smollm2_decode_step_folds_every_layer_and_matches_hf():
+    """The real SmolLM2-135M-Instruct, fp32 on the CPU, batch 1: the one-row decode step folds both
+    norms, both residual adds and the SiLU·mul of all 30 layers (the final norm reaches the LM head
+    through prune_logits' alias: not a candidate), and six greedy decode steps through it give HF
+    eager's logits."""
+    from specgraph.models import load_gguf
+    from capture_harness import Driver
+
+    model, tokenizer = load_gguf()
+    model.config._attn_implementation = "sdpa"
+    driver = Driver(model, batch=1, max_length=96, seed=0)
+    driver.prefill([tokenizer("The three primary colours are").input_ids])
+    layers = model.config.num_hidden_layers
+    for _ in range(6):
+        tokens, parents, mask, depth = driver.random_tree(nodes=1)
+        logits = driver.tree_logits(tokens, mask, depth)
+        want = driver.oracle_logits(0, tokens[0].tolist(), parents[0].tolist())
+        torch.testing.assert_close(logits[0], want, atol=2e-3, rtol=1e-4)
+        driver.verify_and_commit(tokens, parents, mask, logits)
+    counters = dict(driver.capture.step(1, 1).pass_results)["fold_norms"].counters
+    assert counters == {"norms_folded": 2 * layers, "adds_folded": 2 * layers, "gated_folded": layers,
+                        "too_many_rows": 0, "too_large": 0}

@@ -19,13 +19,13 @@ norm kernel (the residual add fused into it) before q/k/v and again before gate/
 the q/k/v and gate/up products' prologue and the residual add in the o and down products' epilogue,
 those two launches go, and with the SiLU·mul in the down product's prologue a third. Every program
 reads the M rows of x whole (K is a few thousand at most: kilobytes, from L2 after the first
-program), computes their rms itself, and streams its BLOCK_N rows of ``weight`` through ``tl.dot``
-with the rows padded to 16. M <= MAX_ROWS only; more rows take
-the reference (the norm, a cuBLAS product, the add).
+program), computes their rms itself, and streams its BLOCK_N rows of ``weight``: one row on the
+CUDA cores (BLOCK_M = 1), more through ``tl.dot`` with the rows padded to 16. M <= MAX_ROWS only;
+more rows take the reference (the norm, a cuBLAS product, the add).
 
-Used only by the experimental pass fold_norms (``SPECGRAPH_EXTRA_PASSES=fold_norms``): it has not been
-timed on the GPU against the kernels + cuBLAS it would replace; ``benchmarks/kernels.py --fused-linear``
-does (a model's layers chained in one CUDA graph), and e2e.py with and without the pass.
+Measured (``benchmarks/fused_linear.py``, H200, docs/benchmarks.md): at one row and SmolLM2's weights
+a layer's products take 18.8 us against 22.0 with norm kernels + cuBLAS; at 8B shapes, or 8 rows, it
+loses. The pass fold_norms uses it only where it won.
 """
 from __future__ import annotations
 
@@ -37,44 +37,20 @@ import triton.language as tl
 
 from .tree_attention import _dot
 
-try:  # programmatic dependent launch (sm_90+): triton >= 3.3
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
-
 MAX_ROWS = 16  # one 16-row tile of x per program
 SMALL_WEIGHT_BYTES = 8 << 20  # at most this, a one-row product beat cuBLAS with its prologue folded (H200)
 
 
 @triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """One bulk L2 prefetch per element: ``nbytes`` (a multiple of 16, 0 = none) from each 16-aligned pointer."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, stride_wn, stride_rm, stride_om,
-                         prefetch_bytes, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                         PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
-    if PDL:  # launched early (programmatic dependent launch): weights now, activations after the wait
-        if PREFETCH:  # this program's first weight bytes into L2 while the previous kernel drains
-            # the weight rows are contiguous ([N, K], stride K): the program's slice is one byte range
-            start = tl.program_id(0).to(tl.int64) * BLOCK_N * K * 2
-            end = tl.minimum(start + prefetch_bytes, N.to(tl.int64) * K * 2)
-            chunks = start + tl.arange(0, 32) * (prefetch_bytes // 32)
-            sizes = tl.minimum(tl.maximum(end - chunks, 0), prefetch_bytes // 32)
-            _prefetch_l2(W.to(tl.pointer_type(tl.int8)) + chunks, sizes.to(tl.int32))
-        gdc_launch_dependents()
-        gdc_wait()
 
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if NORM:  # pass 1: each row's mean square, in float32 as HF
@@ -114,8 +90,6 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
 
 
 TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = None  # benchmarks' sweeps
-# programmatic dependent launch and its L2 prefetch: experiments only (SPECGRAPH_PDL=1, SPECGRAPH_PREFETCH=bytes)
-LAUNCH = {"pdl": os.environ.get("SPECGRAPH_PDL") == "1", "prefetch_bytes": int(os.environ.get("SPECGRAPH_PREFETCH", 0))}
 
 
 def tile_config(m: int, n: int, k: int, itemsize: int) -> tuple[int, int, int, int, int]:
@@ -145,15 +119,12 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, num_warps, num_stages = tiles or tile_config(m, n, k, weight.element_size())
     block_m = 1 if m == 1 and block_m == 1 else 16
-    pdl = LAUNCH["pdl"] and x.is_cuda and gdc_wait is not None
-    prefetch = LAUNCH["prefetch_bytes"] // 512 * 512 if pdl and weight.is_contiguous() and k % 8 == 0 else 0
-    extra = {"launch_pdl": True} if pdl else {}
     _fused_linear_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out, m, n, k, eps,
-        rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0), prefetch,
+        rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
         NORM=gamma is not None, GATED=gated, RESIDUAL=res is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, PDL=pdl, PREFETCH=prefetch > 0,
-        num_warps=num_warps, num_stages=num_stages, **extra)
+        BLOCK_K=block_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps,
+        num_stages=num_stages)
     return out.view(*x.shape[:-1], n)
 
 

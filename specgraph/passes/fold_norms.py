@@ -1,11 +1,11 @@
-"""fold_norms (experimental; not in PIPELINE, ``SPECGRAPH_EXTRA_PASSES=fold_norms`` appends it): HF's
-RMSNorm into the products that read it, the residual add into the product whose output it adds, and
-the gated MLP's SiLU·mul into the down product, as ``specgraph::fused_linear``.
+"""fold_norms: HF's RMSNorm into the products that read it, the residual add into the product whose
+output it adds, and the gated MLP's SiLU·mul into the down product, as ``specgraph::fused_linear`` --
+where that was measured faster: one-row steps (decode at batch 1) of products of at most
+``SMALL_WEIGHT_BYTES`` (8 MiB; SmolLM2-135M's are 0.7-3.5 MB, Llama-3.1-8B's 34-235 MB).
 
-Requires: export IR after fuse_projections: ``aten.linear`` nodes; steps of at most
-  ``fused_linear.MAX_ROWS`` rows in all (B x R: decode and short verify steps; larger ones are left
-  alone, counted).
-Ensures: (1) every bias-free ``linear(n, W)`` whose input n is HF's LlamaRMSNorm of x,
+Requires: export IR after fuse_projections: ``aten.linear`` nodes.
+Ensures: in a one-row step, for products of small weights only: (1) every bias-free ``linear(n, W)``
+  whose input n is HF's LlamaRMSNorm of x,
   ``gamma * (x32 * rsqrt(mean(x32 ** 2, -1, keepdim) + eps)).to(x.dtype)`` with x32 = x in float32 and
   gamma a parameter of x's dtype, where every user of n is such a linear, becomes
   ``fused_linear(x, W, gamma, eps, None)``; (2) every ``add(r, linear(y, W))`` (either order; the
@@ -15,13 +15,13 @@ Ensures: (1) every bias-free ``linear(n, W)`` whose input n is HF's LlamaRMSNorm
   gate/up output as fuse_projections splits it, reads gu itself with ``gated=True``. The norm chains
   left dead, and export's dtype asserts on them, are removed. Other norms (Gemma's ``1 + weight``, a
   norm also read elsewhere), other activations and a gate/up chunked by the model's own code (Phi-3)
-  stay, not refused: this is a speed-up. Counters: norms_folded, adds_folded, gated_folded,
-  too_many_rows.
+  stay, not refused: this is a speed-up. Counters: norms_folded, adds_folded, gated_folded, and what
+  was left alone: too_many_rows, too_large.
 Why: a decoder layer launches a norm kernel (the residual add fused in) before q/k/v and again before
-  gate/up, and a SiLU·mul kernel before down; folded, those three go: 8 launches a layer become 5
-  (SmolLM2-135M at batch 1: ~90 of ~250 launches a step, where launches, not bytes, set the step).
-  Whether fused_linear's products keep up with cuBLAS is not measured yet (``benchmarks/kernels.py
-  --fused-linear``): until it is, the pass stays out of the default pipeline.
+  gate/up, and a SiLU·mul kernel before down; folded, those three go: 8 launches a layer become 5.
+  Measured on the H200 (docs/benchmarks.md, eleventh session): SmolLM2-shape decode 0.891 -> 0.813 ms a
+  token; at 8B shapes fused_linear lost to norm + cuBLAS (148 against 126 us a layer), and at 8 rows
+  its padded 16-row tiles lost too (the prologue's SiLU on 16 rows is compute-bound): both left alone.
 """
 from __future__ import annotations
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU test suite in four parallel groups (one GPU, ~4 minutes on an H200 instead of ~12 in one
+# process): the kernels against their references, the attention kernels, the compiled / graphed
+# steps, and the CPU-oracle tests of the folds on the GPU machine. Logs in DIR, a summary line each.
+#
+#   bash benchmarks/gpu_tests.sh [DIR] [SECONDS_PER_GROUP]
+set -uo pipefail
+dir=${1:-gpu-tests}
+limit=${2:-600}
+mkdir -p "$dir"
+group() {
+  local name=$1; shift
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" > "$dir/$name.log" 2>&1
+  echo "$name: rc=$? $(tail -n 1 "$dir/$name.log")"
+}
+group kernels tests/kernels/test_kernels_gpu.py tests/kernels/test_fused_linear.py tests/kernels/test_kv_write.py \
+  tests/kernels/test_compact_kv.py &
+group attention tests/kernels/test_tree_attention.py tests/kernels/test_tree_attention_write.py &
+group graphed tests/test_graphed.py tests/test_gpu.py tests/test_generate_gpu.py tests/test_capture_gpu.py &
+group folds tests/test_fold_norms.py tests/test_fold_rotary.py tests/test_fuse_projections.py &
+wait
+grep -h "^FAILED" "$dir"/*.log || true
