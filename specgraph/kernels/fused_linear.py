@@ -98,9 +98,10 @@ def tile_config(m: int, n: int, k: int, itemsize: int) -> tuple[int, int, int, i
     in 8-row slices (many programs: a 576 x 576 product has 72); otherwise 16-row tl.dot tiles."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
-    if m == 1 and n * k * itemsize <= SMALL_WEIGHT_BYTES:
+    small = n * k * itemsize <= SMALL_WEIGHT_BYTES
+    if m == 1 and small:
         return 1, 8, 512, 4, 4
-    return 16, 16 if n * k * itemsize <= SMALL_WEIGHT_BYTES else 32, min(256, triton.next_power_of_2(k)), 4, 4
+    return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,

@@ -100,16 +100,7 @@ def _gated_source(node):
     return None
 
 
-def _weight(gm, node):
-    """A weight's tensor (or fake value): its meta, or the module attribute a get_attr names."""
-    if _val(node) is not None:
-        return _val(node)
-    if node.op == "get_attr":
-        return operator.attrgetter(node.target)(gm)
-    return None
-
-
-def _why_not(gm, rows_node, weights) -> str | None:
+def _why_not(rows_node, weights) -> str | None:
     """None when folding pays, measured (docs/benchmarks.md, eleventh session): one row (decode at
     batch 1) and every weight at most SMALL_WEIGHT_BYTES; else the counter to bump. Larger products
     or more rows ran slower as fused_linear than as norm + cuBLAS (8B shapes: 148 against 126 us a
@@ -117,7 +108,7 @@ def _why_not(gm, rows_node, weights) -> str | None:
     val = _val(rows_node)
     if val is None or math.prod(val.shape[:-1]) > FOLD_MAX_ROWS:
         return "too_many_rows"
-    sizes = [_weight(gm, w) for w in weights]
+    sizes = [_val(w) for w in weights]
     if any(w is None or w.numel() * w.element_size() > SMALL_WEIGHT_BYTES for w in sizes):
         return "too_large"
     return None
@@ -141,7 +132,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if parts is None:
             continue
         x, gamma, eps, chain = parts
-        if reason := _why_not(gm, x, [u.args[1] for u in users]):
+        if reason := _why_not(x, [u.args[1] for u in users]):
             skipped[reason] += 1
             continue
         for linear in users:
@@ -166,7 +157,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             if (_val(residual).shape, _val(residual).dtype) != (_val(add).shape, _val(add).dtype) \
                     or _val(linear).shape != _val(add).shape or _val(linear).dtype != _val(add).dtype:
                 continue
-            if reason := _why_not(gm, add, [linear.args[1]]):
+            if reason := _why_not(add, [linear.args[1]]):
                 skipped[reason] += 1
                 break
             with graph.inserting_before(add):
@@ -190,7 +181,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         gate_up = _gated_source(args[0]) if prologue_free else None
         if gate_up is None:
             continue
-        if reason := _why_not(gm, node, [args[1]]):
+        if reason := _why_not(node, [args[1]]):
             skipped[reason] += 1
             continue
         with graph.inserting_before(node):

@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, PassResult, val
 
 LINEAR = torch.ops.aten.linear.default
 SPLIT = torch.ops.aten.split_with_sizes.default
@@ -125,6 +125,8 @@ def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
                 with graph.inserting_before(first):
                     args.append(graph.get_attr(name))
                 args[-1].meta["fused_from"] = [n.args[arg].name for n in run]  # placeholders it joins
+                if all(val(n.args[arg]) is not None for n in run):  # the joined weight's fake value, as export's
+                    args[-1].meta["val"] = torch.cat([val(n.args[arg]) for n in run])
             sizes = [params[n.args[1].name].shape[0] for n in run]
             with graph.inserting_before(first):
                 product = graph.call_function(LINEAR, tuple(args))
