@@ -14,7 +14,7 @@ Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served fro
                    the residual add in the o and down products' epilogue, in the default tiles and in
                    the best tiles of the sweep.
 
-    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--out DIR]
+    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--tiles all|wide-rows] [--out DIR]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ SHAPES = {  # layers, hidden, q/k/v rows, intermediate: the decoder layers' prod
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M 1: one row on the CUDA cores (M = 1 only), 16: tl.dot
 DOT_TILES = [(16, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
 ROW_TILES = [(1, bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))]
+WIDE_ROW_TILES = [(1, bn, bk, w, 3) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
 EPS = 1e-5
 
 
@@ -137,6 +138,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--tiles", choices=("all", "wide-rows"), default="all",
+                        help="all: ROW_TILES (M = 1) and DOT_TILES; wide-rows: one-row tiles of 4-16 weight rows "
+                             "and 512-2048 columns, 4 or 8 warps (M = 1 only)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     import torch._dynamo
@@ -147,12 +151,15 @@ def main() -> None:
     started = time.time()
     bandwidth = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    results = dict(bandwidth=bandwidth, tiles=ROW_TILES + DOT_TILES, shapes={})
+    if args.tiles == "wide-rows":
+        args.rows = [1]
+    sweep = lambda m: WIDE_ROW_TILES if args.tiles == "wide-rows" else (ROW_TILES if m == 1 else []) + DOT_TILES  # noqa: E731
+    results = dict(bandwidth=bandwidth, tiles=sorted({t for m in args.rows for t in sweep(m)}), shapes={})
     for shape in args.shapes:
         weights, rand = make_layers(*SHAPES[shape])
         record = results["shapes"][shape] = dict(products=[], layers=[], best={})
         for m in args.rows:
-            rows, best = product_sweep(weights, rand, m, bandwidth, (ROW_TILES if m == 1 else []) + DOT_TILES)
+            rows, best = product_sweep(weights, rand, m, bandwidth, sweep(m))
             record["products"] += rows
             record["best"][m] = {f"{n}x{k}": list(t) for (n, k), t in best.items()}
             record["layers"].append(layer_chain(weights, rand, m, bandwidth, best))

@@ -20,12 +20,16 @@ the q/k/v and gate/up products' prologue and the residual add in the o and down 
 those two launches go, and with the SiLU·mul in the down product's prologue a third. Every program
 reads the M rows of x whole (K is a few thousand at most: kilobytes, from L2 after the first
 program), computes their rms itself, and streams its BLOCK_N rows of ``weight``: one row on the
-CUDA cores (BLOCK_M = 1), more through ``tl.dot`` with the rows padded to 16. M <= MAX_ROWS only;
-more rows take the reference (the norm, a cuBLAS product, the add).
+CUDA cores (BLOCK_M = 1: per-lane FMAs over [BLOCK_N, BLOCK_K], one reduction after the K loop), more
+through ``tl.dot`` with the rows padded to 16. M <= MAX_ROWS only; more rows take the reference (the
+norm, a cuBLAS product, the add).
 
-Measured (``benchmarks/fused_linear.py``, H200, docs/benchmarks.md): at one row and SmolLM2's weights
-a layer's products take 18.8 us against 22.0 with norm kernels + cuBLAS; at 8B shapes, or 8 rows, it
-loses. The pass fold_norms uses it only where it won.
+Measured (``benchmarks/fused_linear.py``, H200, docs/benchmarks.md, twelfth session), one row: SmolLM2's
+layer products with everything folded take 12.8 us against 21.9 with norm kernels + cuBLAS; at 8B shapes
+o with the add (11.1 against 13.5 us) and down with SiLU·mul and the add (30.6 against 32.2 + a SiLU·mul
+kernel) win, q/k/v and gate/up with the norm lose (18.1 against 16.2, 68.4 against 57.3). At 8 rows
+only o wins, by 1.2 us (12.4 against 13.6); the rest lose, the gated down product badly (every program
+computes the SiLU of the padded rows). The pass fold_norms uses it only where it won.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import triton.language as tl
 from .tree_attention import _dot
 
 MAX_ROWS = 16  # one 16-row tile of x per program
-SMALL_WEIGHT_BYTES = 8 << 20  # at most this, a one-row product beat cuBLAS with its prologue folded (H200)
+SMALL_WEIGHT_BYTES = 8 << 20  # at most this, a one-row product with the norm folded beat norm + cuBLAS (H200)
 
 
 @triton.jit
@@ -62,6 +66,7 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
         rstd = 1.0 / tl.sqrt(squares / K + eps)  # [M]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (normalized) times BLOCK_N weight rows
+    lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row: per-lane partial sums, reduced once after the loop
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -76,10 +81,12 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
             act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(X.dtype.element_ty)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        if BLOCK_M == 1:  # one row: CUDA-core products, no 16-row padding
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        if BLOCK_M == 1:  # one row: CUDA-core FMAs, no 16-row padding, no reduction inside the loop
+            lanes += x.to(tl.float32) * w.to(tl.float32)
         else:
             acc += _dot(x, tl.trans(w), UPCAST)
+    if BLOCK_M == 1:
+        acc += tl.sum(lanes, 1)[None, :]
 
     out = acc.to(Out.dtype.element_ty)
     ok = row_ok[:, None] & col_ok[None, :]
@@ -93,14 +100,15 @@ TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = No
 
 
 def tile_config(m: int, n: int, k: int, itemsize: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight, from the sweep of
-    ``benchmarks/fused_linear.py`` (H200, docs/benchmarks.md): one row of a small weight on the CUDA cores
-    in 8-row slices (many programs: a 576 x 576 product has 72); otherwise 16-row tl.dot tiles."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight, from the sweeps of
+    ``benchmarks/fused_linear.py`` (H200, docs/benchmarks.md, twelfth session): one row on the CUDA cores in
+    8-row slices of the weight, 8 warps, the whole of a small model's K per step (up to 2048), 512 columns
+    a step for 8B-sized weights; more rows, 16-row tl.dot tiles."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
     small = n * k * itemsize <= SMALL_WEIGHT_BYTES
-    if m == 1 and small:
-        return 1, 8, 512, 4, 4
+    if m == 1:
+        return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))) if small else 512, 8, 3
     return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 

@@ -1,27 +1,30 @@
 """fold_norms: HF's RMSNorm into the products that read it, the residual add into the product whose
 output it adds, and the gated MLP's SiLU·mul into the down product, as ``specgraph::fused_linear`` --
-where that was measured faster: one-row steps (decode at batch 1) of products of at most
-``SMALL_WEIGHT_BYTES`` (8 MiB; SmolLM2-135M's are 0.7-3.5 MB, Llama-3.1-8B's 34-235 MB).
+where that was measured faster: one-row steps (decode at batch 1); the norm only into products of at
+most ``SMALL_WEIGHT_BYTES`` (8 MiB; SmolLM2-135M's are 0.7-3.5 MB, Llama-3.1-8B's 34-235 MB).
 
 Requires: export IR after fuse_projections: ``aten.linear`` nodes.
-Ensures: in a one-row step, for products of small weights only: (1) every bias-free ``linear(n, W)``
+Ensures: in a one-row step: (1) for products of small weights only, every bias-free ``linear(n, W)``
   whose input n is HF's LlamaRMSNorm of x,
   ``gamma * (x32 * rsqrt(mean(x32 ** 2, -1, keepdim) + eps)).to(x.dtype)`` with x32 = x in float32 and
   gamma a parameter of x's dtype, where every user of n is such a linear, becomes
   ``fused_linear(x, W, gamma, eps, None)``; (2) every ``add(r, linear(y, W))`` (either order; the
   linear bias-free, feeding only that add, maybe through an eval-mode dropout, of r's shape and
-  dtype) becomes ``fused_linear(y, W, None, 0.0, r)``; (3) a product (a bias-free linear, or a
+  dtype) becomes ``fused_linear(y, W, None, 0.0, r)``, any size; (3) a product (a bias-free linear, or a
   fused_linear without a norm) reading ``silu(gu[..., :I]) * gu[..., I:]``, the halves of one packed
-  gate/up output as fuse_projections splits it, reads gu itself with ``gated=True``. The norm chains
+  gate/up output as fuse_projections splits it, reads gu itself with ``gated=True``, any size. The norm chains
   left dead, and export's dtype asserts on them, are removed. Other norms (Gemma's ``1 + weight``, a
   norm also read elsewhere), other activations and a gate/up chunked by the model's own code (Phi-3)
   stay, not refused: this is a speed-up. Counters: norms_folded, adds_folded, gated_folded, and what
-  was left alone: too_many_rows, too_large.
+  was left alone: too_many_rows, too_large (norms only).
 Why: a decoder layer launches a norm kernel (the residual add fused in) before q/k/v and again before
   gate/up, and a SiLU·mul kernel before down; folded, those three go: 8 launches a layer become 5.
-  Measured on the H200 (docs/benchmarks.md, eleventh session): SmolLM2-shape decode 0.891 -> 0.813 ms a
-  token; at 8B shapes fused_linear lost to norm + cuBLAS (148 against 126 us a layer), and at 8 rows
-  its padded 16-row tiles lost too (the prologue's SiLU on 16 rows is compute-bound): both left alone.
+  Measured on the H200 (``benchmarks/fused_linear.py``, docs/benchmarks.md, twelfth session), one row:
+  SmolLM2's layers without attention 21.9 us (norms + cuBLAS) -> 12.8 folded; at 8B shapes the o
+  product with the add (11.1 against cuBLAS's 13.5 us) and down with SiLU·mul and the add (30.6 against
+  32.2 + a SiLU·mul kernel) win, q/k/v and gate/up with the norm lose (18.1 against 16.2, 68.4
+  against 57.3): those norms stay. At 8 rows the padded 16-row tiles lost (the prologue's SiLU on 16
+  rows is compute-bound): left alone.
 """
 from __future__ import annotations
 
@@ -100,15 +103,16 @@ def _gated_source(node):
     return None
 
 
-def _why_not(rows_node, weights) -> str | None:
-    """None when folding pays, measured (docs/benchmarks.md, eleventh session): one row (decode at
-    batch 1) and every weight at most SMALL_WEIGHT_BYTES; else the counter to bump. Larger products
-    or more rows ran slower as fused_linear than as norm + cuBLAS (8B shapes: 148 against 126 us a
-    layer; 8 rows: the padded 16-row tiles' prologue is compute-bound)."""
+def _why_not(rows_node, norm_weights=()) -> str | None:
+    """None when folding pays, measured (docs/benchmarks.md, twelfth session): one row (decode at
+    batch 1), and for a norm every product's weight at most SMALL_WEIGHT_BYTES; else the counter to
+    bump. More rows ran slower as fused_linear (the padded 16-row tiles' prologue is compute-bound), and
+    so did the norm prologue on 8B-sized products (q/k/v, gate/up); the add and SiLU·mul won at both
+    sizes."""
     val = _val(rows_node)
     if val is None or math.prod(val.shape[:-1]) > FOLD_MAX_ROWS:
         return "too_many_rows"
-    sizes = [_val(w) for w in weights]
+    sizes = [_val(w) for w in norm_weights]
     if any(w is None or w.numel() * w.element_size() > SMALL_WEIGHT_BYTES for w in sizes):
         return "too_large"
     return None
@@ -157,7 +161,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             if (_val(residual).shape, _val(residual).dtype) != (_val(add).shape, _val(add).dtype) \
                     or _val(linear).shape != _val(add).shape or _val(linear).dtype != _val(add).dtype:
                 continue
-            if reason := _why_not(add, [linear.args[1]]):
+            if reason := _why_not(add):
                 skipped[reason] += 1
                 break
             with graph.inserting_before(add):
@@ -181,7 +185,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         gate_up = _gated_source(args[0]) if prologue_free else None
         if gate_up is None:
             continue
-        if reason := _why_not(node, [args[1]]):
+        if reason := _why_not(node):
             skipped[reason] += 1
             continue
         with graph.inserting_before(node):
