@@ -22,7 +22,9 @@ passes then rewrite it (specgraph/passes/). HF's export helpers are not used
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +143,23 @@ def example_inputs(batch: int, nodes: int, device) -> tuple[torch.Tensor, ...]:
             chain.expand(batch, nodes).contiguous())
 
 
+@contextlib.contextmanager
+def no_stack_traces():
+    """Trace without torch.fx's per-node Python stack trace: a fifth of an export's time (SmolLM2-135M,
+    5.2 -> 4.0 s on a CPU), read by nothing in specgraph. SPECGRAPH_DEBUG=1 keeps them."""
+    import torch.fx.config as fx_config
+
+    before = getattr(fx_config, "do_not_emit_stack_traces", None)
+    if before is None or os.environ.get("SPECGRAPH_DEBUG") == "1":
+        yield
+        return
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
+
+
 def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.Tensor | None = None):
     """Export one (B, N) bucket. returns (ExportedProgram, TargetInfo)."""
     if not 1 <= nodes <= MAX_NODES:
@@ -154,7 +173,7 @@ def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.T
             f"layer {i}: window {w} <= tree of {nodes} nodes (depth up to {nodes - 1}); use a smaller tree" for i, w in narrow])
     step = TreeStep(model.eval(), info, batch, max_length, kv)
     device = next(model.parameters()).device
-    with torch.no_grad():
+    with torch.no_grad(), no_stack_traces():
         program = torch.export.export(step, example_inputs(batch, nodes, device), strict=False)
     return program, info
 

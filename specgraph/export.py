@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .capture import no_stack_traces
 from .kernels import DECOMPOSITIONS
 from .kernels.compact_kv import compact_kv_reference
 from .kernels.kv_write import kv_write_reference
@@ -97,7 +98,7 @@ def decomposed_program(capture, tree, batch: int):
     step = capture.step(batch, tree.num_nodes)
     module = VerifyStep(step, tree.max_depth).eval()
     inputs = example_inputs(step, tree)
-    with torch.no_grad():
+    with torch.no_grad(), no_stack_traces():
         program = torch.export.export(module, inputs, strict=False).run_decompositions(DECOMPOSITIONS)
     left = sorted({str(n.target) for n in program.graph.nodes if "specgraph" in str(n.target)})
     assert not left, f"ops without a decomposition: {left}"

@@ -14,6 +14,23 @@ from specgraph.trees import random_parents
 PREFILL_CHUNK = 16
 
 
+def tiny_target_for(tokenizer, seed: int = 0):
+    """A two-layer random Llama over ``tokenizer``'s vocabulary: for tests of plumbing around a real
+    tokenizer (chat templates, reports, caches), where exporting the real 30-layer model (~17 s a bucket
+    on a 2-core CI machine) buys nothing. Claims about the real model use the real model."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random init is too flat to make argmax ties unlikely: sharpen the head
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
 def root_path(parents: list[int], i: int) -> list[int]:
     path = [i]
     while parents[path[-1]] >= 0:

@@ -227,3 +227,19 @@ def test_skipping_speed_up_passes_keeps_logits_and_cache(monkeypatch):
     monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "replace_attention")
     with pytest.raises(ValueError, match="only speed-up passes may be skipped"):
         Capture(model, 64).step(2, 1)
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_export_skips_stack_traces_unless_debugging(debug, monkeypatch):
+    """Exports trace without torch.fx's per-node stack traces (a fifth of the time, read by nothing);
+    SPECGRAPH_DEBUG=1 keeps them. The global flag is restored either way."""
+    import torch.fx.config as fx_config
+
+    from specgraph.capture import export_tree_step
+
+    monkeypatch.setenv("SPECGRAPH_DEBUG", debug)
+    before = fx_config.do_not_emit_stack_traces
+    program, _ = export_tree_step(tiny_model("llama"), batch=1, nodes=2, max_length=32)
+    traced = [n for n in program.graph.nodes if n.op == "call_function" and n.meta.get("stack_trace")]
+    assert bool(traced) == (debug == "1")
+    assert fx_config.do_not_emit_stack_traces == before

@@ -1,7 +1,7 @@
 """Greedy, typical and sampling-parameter parts of reference verification."""
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specgraph import Chain, StaticTree, Tree
@@ -141,6 +141,7 @@ def test_typical_acceptance_is_greedy_at_temperature_zero_and_lossy_above():
 
 
 # ----------------------------------------------------------------------------- the greedy op
+@settings(max_examples=100)  # each example launches the kernel (0.15 s in CI's Triton interpreter)
 @given(tree_and_targets())
 def test_greedy_op_and_triton_kernel_match_the_reference(case):
     import os

@@ -67,7 +67,12 @@ def test_loss_mask_covers_exactly_the_assistant_turns(smollm2):
 
 @pytest.mark.model
 def test_self_distillation_and_the_cache(smollm2, tmp_path):
-    model, tokenizer = smollm2
+    """The real chat template and tokenizer; a tiny random target over its vocabulary (the check is the
+    plumbing: each rewritten answer is that target's own greedy reply, both engines agree)."""
+    from capture_harness import tiny_target_for
+
+    _, tokenizer = smollm2
+    model = tiny_target_for(tokenizer)
     conversations = [[{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "(old)"}],
                      [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "(old)"},
                       {"role": "user", "content": "Again."}, {"role": "assistant", "content": "(old)"}]]
@@ -93,8 +98,10 @@ def test_self_distillation_and_the_cache(smollm2, tmp_path):
 @pytest.mark.model
 def test_regeneration_resumes_from_its_chunks(smollm2, tmp_path, monkeypatch):
     import specgraph.train.data as data
+    from capture_harness import tiny_target_for
 
-    model, tokenizer = smollm2
+    _, tokenizer = smollm2
+    model = tiny_target_for(tokenizer)  # the chunks' bookkeeping is under test, not the model
     source = tmp_path / "sharegpt.json"
     source.write_text(json.dumps(RECORDS))
     calls = []
