@@ -33,24 +33,52 @@ def test_default_model_is_smollm2(smollm2):
 
 
 def test_the_converted_cache_is_the_gguf_model_bit_for_bit(smollm2, tmp_path, monkeypatch):
-    """load_gguf keeps the dequantized model as a plain checkpoint; loading that must give what reading
-    the GGUF file gives: the same weights, config, generation config and tokenizer."""
+    """load_gguf keeps the dequantized model as a plain checkpoint; loading that must give what
+    transformers' own reading of the GGUF file gives (the oracle, without load_gguf's one-parse reader):
+    the same weights, config, generation config and tokenizer."""
+    from transformers import AutoModelForCausalLM
+
     monkeypatch.setenv("SPECGRAPH_CACHE", str(tmp_path))
-    direct, direct_tok = load_gguf()  # reads the GGUF and writes the converted copy under tmp_path
+    ours, direct_tok = load_gguf()  # reads the GGUF (one parse) and writes the converted copy under tmp_path
     assert list((tmp_path / "converted").iterdir())
     cached, cached_tok = load_gguf()
-    for a, b in ((direct, cached), (smollm2[0], cached)):
+    path = default_gguf()  # the tokenizer's metadata through a reused reader: test_one_gguf_parse_serves_every_read
+    direct = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    for a, b in ((direct, ours), (direct, cached), (smollm2[0], cached)):
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
         assert a.generation_config.to_diff_dict() == b.generation_config.to_diff_dict()
-        assert {k: v for k, v in a.config.to_diff_dict().items() if k != "quantization_config"} == \
-            b.config.to_diff_dict()
+        plain = lambda config: {k: v for k, v in config.to_diff_dict().items() if k != "quantization_config"}  # noqa: E731
+        assert plain(a.config) == plain(b.config)
     chat = [{"role": "user", "content": "Write a haiku about the sea.\n  Twice!"}]
     for tok in (cached_tok, smollm2[1]):
         assert tok.apply_chat_template(chat, add_generation_prompt=True) == \
             direct_tok.apply_chat_template(chat, add_generation_prompt=True)
         assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == \
             (direct_tok.eos_token_id, direct_tok.pad_token_id, direct_tok.bos_token_id)
+
+
+def test_one_gguf_parse_serves_every_read():
+    """load_gguf hands transformers one GGUFReader per file instead of three parses: a reused reader
+    gives what a fresh one gave (the first read below is a fresh reader's, the second reuses it; the
+    weights through a reused reader: test_the_converted_cache_is_the_gguf_model_bit_for_bit)."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from specgraph.models import _parse_gguf_once
+
+    built = []
+    real = gguf.GGUFReader
+    with _parse_gguf_once():
+        patched = gguf.GGUFReader
+        gguf.GGUFReader = lambda *a, **k: built.append(a) or patched(*a, **k)  # count the constructions asked
+        try:
+            first = load_gguf_checkpoint(str(default_gguf()))
+            again = load_gguf_checkpoint(str(default_gguf()))
+        finally:
+            gguf.GGUFReader = patched
+    assert gguf.GGUFReader is real and len(built) == 2  # asked twice, parsed once (the cache holds one reader)
+    assert first["config"] == again["config"] and first["tokenizer"] == again["tokenizer"] != {}
 
 
 @torch.no_grad()
