@@ -21,3 +21,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cuda():
     return torch.device("cuda")
+
+
+@pytest.fixture
+def aot_eager_compile(monkeypatch):
+    """torch.compile with the aot_eager backend wherever specgraph asks for inductor: dynamo's tracing,
+    guards and recompiles (fullgraph: no graph break, no host sync) and AOTAutograd's functionalization
+    stay the same, inductor's CPU code generation (~20 s a graph on a 2-core CI machine) goes. For tests
+    of what dynamo decides (one compile across prompt lengths); inductor itself on the whole step is
+    test_generate.py's test_inductor_backend_is_token_exact and the GPU tests."""
+    real = torch.compile
+
+    def compile_aot_eager(model=None, **kwargs):
+        kwargs.update(backend="aot_eager", mode=None)
+        return real(model, **kwargs) if model is not None else real(**kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_aot_eager)

@@ -250,7 +250,7 @@ def test_streamer_and_stopping_criteria_match_model_generate():
 def assert_one_compile_across_lengths(spec, model, batches, max_new_tokens: int = 16) -> None:
     """Generate each batch of prompt lengths in turn: token-exact with HF greedy, and after the first
     batch no new compiled graph (a new prompt length must recompile nothing)."""
-    graphs = None
+    graphs, before = None, torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seed, lengths in enumerate(batches):
         rows = prompts(20 + seed, lengths)
         ids, mask = left_pad(rows)
@@ -259,6 +259,7 @@ def assert_one_compile_across_lengths(spec, model, batches, max_new_tokens: int 
             assert got == hf_greedy(model, row, max_new_tokens=max_new_tokens, eos_token_id=None)
         now = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert graphs is None or now == graphs, f"prompt lengths {lengths}: {now - graphs} new compiled graph(s)"
+        assert now > before, "nothing was compiled"
         graphs = now
 
 

@@ -214,9 +214,10 @@ def test_one_token_prompts_start_from_an_empty_cache(kind):
     assert alone[0, 1:].tolist() == hf_greedy(model, [7], max_new_tokens=15, eos_token_id=None)
 
 
-def test_eagle1_inductor_compiles_once_across_prompt_lengths():
-    """backend="inductor": EAGLE-1's prompt pass, first tree and whole step compile once; prompts of new
-    lengths (one to three prompt-pass chunks) reuse them, token-exact."""
+def test_eagle1_compiles_once_across_prompt_lengths(aot_eager_compile):
+    """backend="inductor" (dynamo's decisions; aot_eager in place of inductor's code generation): EAGLE-1's
+    prompt pass, first tree and whole step compile once; prompts of new lengths (one to three prompt-pass
+    chunks) reuse them, token-exact."""
     model = tiny_model("llama")
     spec = specgraph.compile(model, make_draft("eagle", model), tree=DynamicTree(steps=3, topk=2, nodes=6),
                              max_length=128, backend="inductor")
