@@ -153,7 +153,10 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.tiles == "wide-rows":
         args.rows = [1]
-    sweep = lambda m: WIDE_ROW_TILES if args.tiles == "wide-rows" else (ROW_TILES if m == 1 else []) + DOT_TILES  # noqa: E731
+
+    def sweep(m: int) -> list[tuple[int, int, int, int, int]]:
+        return WIDE_ROW_TILES if args.tiles == "wide-rows" else (ROW_TILES if m == 1 else []) + DOT_TILES
+
     results = dict(bandwidth=bandwidth, tiles=sorted({t for m in args.rows for t in sweep(m)}), shapes={})
     for shape in args.shapes:
         weights, rand = make_layers(*SHAPES[shape])

@@ -44,11 +44,11 @@ def test_the_converted_cache_is_the_gguf_model_bit_for_bit(smollm2, tmp_path, mo
     cached, cached_tok = load_gguf()
     path = default_gguf()  # the tokenizer's metadata through a reused reader: test_one_gguf_parse_serves_every_read
     direct = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    plain = lambda config: {k: v for k, v in config.to_diff_dict().items() if k != "quantization_config"}  # noqa: E731
     for a, b in ((direct, ours), (direct, cached), (smollm2[0], cached)):
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
         assert a.generation_config.to_diff_dict() == b.generation_config.to_diff_dict()
-        plain = lambda config: {k: v for k, v in config.to_diff_dict().items() if k != "quantization_config"}  # noqa: E731
         assert plain(a.config) == plain(b.config)
     chat = [{"role": "user", "content": "Write a haiku about the sea.\n  Twice!"}]
     for tok in (cached_tok, smollm2[1]):
