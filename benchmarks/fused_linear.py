@@ -77,7 +77,7 @@ def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[
             except Exception as error:  # noqa: BLE001  (a tile that does not compile is skipped, and said)
                 print(f"#   tile {tile} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
         fl.TILE_OVERRIDE = None
-        default = fl.tile_config(m, n, k, 2)
+        default = fl.tile_config(m, n, k, 2, kind in ("qkv", "gate_up"))
         row["default_tile"], row["default_us"] = list(default), timings.get(default)
         tile = min(timings, key=timings.get)
         row["best_tile"], row["best_us"] = list(tile), timings[tile]

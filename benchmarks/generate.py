@@ -14,6 +14,9 @@ MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
   sg_plain        specgraph.compile(model, None): plain decoding on the same engine, inductor
   sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64) (the measured best), inductor
+  sg_eagle3_measured  the tree with policy="measured": per batch size the tree, a chain as deep, or plain
+                  decoding, whichever measured fastest (warmed up until every mode is measured; the mode
+                  it settled on and each mode's measured ms/token are recorded)
   sg_eagle3_treeN the same head and drafting, DynamicTree(8, 8, N): the tree budget (--budgets N ... adds them;
                   plots.py budget GEN.json out.png draws tokens/s against plain decode per budget)
   sg_eagle3@TREE  the head on any tree spec (--trees TREE ...: chainK, dynamic:STEPS,TOPK,NODES, eagle1):
@@ -51,8 +54,8 @@ from specgraph.models import load_gguf  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "specgraph" / "data" / "mt_bench_questions.jsonl"
-METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree", "hf_lookup",
-           "hf_static")
+METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree",
+           "sg_eagle3_measured", "hf_lookup", "hf_static")
 
 
 def _tree_spec(text: str) -> str:
@@ -78,6 +81,7 @@ def specgraph_method(model, method: str):
         "sg_plain": lambda: (None, None, "inductor"),
         "sg_eagle3_chain": lambda: (load_default_draft(), specgraph.Chain(4), "inductor"),
         "sg_eagle3_tree": lambda: (load_default_draft(), specgraph.DynamicTree(8, 8, 64), "inductor"),
+        "sg_eagle3_measured": lambda: (load_default_draft(), specgraph.DynamicTree(8, 8, 64), "inductor"),
     }[method]()
 NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitudes
 
@@ -222,18 +226,23 @@ def main() -> None:
             run_hf(model, rows[:1], args.max_new_tokens, **kwargs)  # warm-up (and compile)
             outs, elapsed = run_hf(model, rows, args.max_new_tokens, **kwargs)
             first = [run_hf(model, [row], 1, **kwargs)[1] for row in rows]
-            tau = None
+            tau, chosen = None, {}
         else:
             draft, tree, backend = specgraph_method(model, method)
-            spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_length=1024)
-            run_specgraph(spec, rows[:1], args.max_new_tokens)  # warm-up (and compile)
+            policy = "measured" if method == "sg_eagle3_measured" else "fixed"
+            spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_length=1024, policy=policy)
+            for _ in range(2 * len(spec.modes) if spec.policy else 1):  # warm-up: compile (and measure each mode)
+                run_specgraph(spec, rows[:1], args.max_new_tokens)
             outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens)
+            chosen = dict(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
+                m: c * 1e3 for (b, m), c in spec.policy.cost.items() if b == 1}) if spec.policy else {}
             first = [run_specgraph(spec, [row], 1)[1] for row in rows]
             if args.profile and args.out:
                 profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{method}.txt")
         tokens = sum(map(len, outs))
         entry = dict(tokens_per_s=tokens / elapsed, tau=tau, first_token_ms=sorted(first)[len(first) // 2] * 1e3,
                      setup_s=time.perf_counter() - start - elapsed - sum(first))
+        entry.update(chosen)
         if method == "hf_eager":
             reference = outs
         elif reference is not None:

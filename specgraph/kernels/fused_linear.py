@@ -6,6 +6,8 @@ Contract:
   weight:   [N, K]    ``nn.Linear`` layout, in x's dtype
   gamma:    [K] or None   with it, x is first normalized as HF's LlamaRMSNorm does:
                       ``gamma * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype)``, x32 = x in float32
+                      (the kernel computes ``rsqrt(...) * ((gamma * x32) @ weight.T)``: one pass, the
+                      normalized row not rounded to x's dtype; the reference is HF's formula op for op)
   eps:      float
   gated:    with it (and no gamma), x is [..., 2K], gate then up, and the product reads
                       ``silu(gate) * up`` (each rounded to x's dtype, as HF's MLP rounds them)
@@ -19,17 +21,19 @@ norm kernel (the residual add fused into it) before q/k/v and again before gate/
 the q/k/v and gate/up products' prologue and the residual add in the o and down products' epilogue,
 those two launches go, and with the SiLU·mul in the down product's prologue a third. Every program
 reads the M rows of x whole (K is a few thousand at most: kilobytes, from L2 after the first
-program), computes their rms itself, and streams its BLOCK_N rows of ``weight``: one row on the
-CUDA cores (BLOCK_M = 1: per-lane FMAs over [BLOCK_N, BLOCK_K], one reduction after the K loop), more
-through ``tl.dot`` with the rows padded to 16. M <= MAX_ROWS only; more rows take the reference (the
-norm, a cuBLAS product, the add).
+program) and streams its BLOCK_N rows of ``weight``; with the norm it sums the rows' squares in the
+same K loop and scales its sums by the rstd after it (no pass over x before the first weight load:
+that pass cost 3-10 us at 8B shapes). One row runs on the CUDA cores (BLOCK_M = 1: per-lane FMAs over
+[BLOCK_N, BLOCK_K], one reduction after the K loop), more rows through ``tl.dot`` with the rows padded
+to 16. M <= MAX_ROWS only; more rows take the reference (the norm, a cuBLAS product, the add).
 
-Measured (``benchmarks/fused_linear.py``, H200, docs/benchmarks.md, twelfth session), one row: SmolLM2's
-layer products with everything folded take 12.8 us against 21.9 with norm kernels + cuBLAS; at 8B shapes
-o with the add (11.1 against 13.5 us) and down with SiLU·mul and the add (30.6 against 32.2 + a SiLU·mul
-kernel) win, q/k/v and gate/up with the norm lose (18.1 against 16.2, 68.4 against 57.3). At 8 rows
-only o wins, by 1.2 us (12.4 against 13.6); the rest lose, the gated down product badly (every program
-computes the SiLU of the padded rows). The pass fold_norms uses it only where it won.
+Measured (``benchmarks/fused_linear.py``, H200, docs/benchmarks.md, thirteenth session), one row, each
+product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
+SmolLM2 2.6-3.9 us against 3.8-5.4; Llama-3.1-8B q/k/v + norm 15.6 against 16.2, o + add 11.5 against
+13.5, gate/up + norm 56.9 against 57.3, down + SiLU·mul + add 30.6 against 32.2. Layers without attention
+(each product in its best tile): SmolLM2 21.9 -> 12.2 us, 8B 126.8 -> 113.0. At 8 rows only o wins, by 1.2 us (12.3 against 13.5); the rest lose, the norm and
+gated products badly (30.6 against 15.4 for q/k/v; the prologue in front of ``tl.dot``). The pass
+fold_norms uses it only where it won.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ import triton.language as tl
 from .tree_attention import _dot
 
 MAX_ROWS = 16  # one 16-row tile of x per program
-SMALL_WEIGHT_BYTES = 8 << 20  # at most this, a one-row product with the norm folded beat norm + cuBLAS (H200)
+SMALL_WEIGHT_BYTES = 8 << 20  # a small model's weight (SmolLM2's 0.7-3.5 MB; 8B's 34-235 MB): its own tiles
 
 
 @triton.jit
@@ -56,25 +60,20 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
 
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:  # pass 1: each row's mean square, in float32 as HF
-        squares = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
-            squares += tl.sum(x * x, 1)
-        rstd = 1.0 / tl.sqrt(squares / K + eps)  # [M]
-
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (normalized) times BLOCK_N weight rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (times gamma) times BLOCK_N weight rows
     lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row: per-lane partial sums, reduced once after the loop
+    squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # NORM: per-lane sums of x ** 2, in the same pass
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BK]
-        if NORM:  # rounded to x's dtype, then times gamma rounded again, as HF
+        if NORM:  # rms_norm(x) @ w.T == rstd * ((gamma * x) @ w.T): the rstd waits until after the loop
             gamma = tl.load(Gamma + ks, mask=k_ok, other=0.0)
-            x = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty)
-            x = (gamma[None, :].to(tl.float32) * x.to(tl.float32)).to(X.dtype.element_ty)
+            x32 = x.to(tl.float32)
+            squares += x32 * x32
+            x = gamma[None, :].to(tl.float32) * x32
+            if BLOCK_M != 1:
+                x = x.to(X.dtype.element_ty)
         if GATED:  # x holds the gate; the up half is K further on: silu(gate) rounded, times up rounded
             up = tl.load(x_rows + K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             gate = x.to(tl.float32)
@@ -87,6 +86,9 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
             acc += _dot(x, tl.trans(w), UPCAST)
     if BLOCK_M == 1:
         acc += tl.sum(lanes, 1)[None, :]
+    if NORM:  # each row's mean square, in float32 as HF
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, 1) / K + eps)  # [M]
+        acc *= rstd[:, None]
 
     out = acc.to(Out.dtype.element_ty)
     ok = row_ok[:, None] & col_ok[None, :]
@@ -99,17 +101,18 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
 TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = None  # benchmarks' sweeps
 
 
-def tile_config(m: int, n: int, k: int, itemsize: int) -> tuple[int, int, int, int, int]:
+def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight, from the sweeps of
-    ``benchmarks/fused_linear.py`` (H200, docs/benchmarks.md, twelfth session): one row on the CUDA cores in
-    8-row slices of the weight, 8 warps, the whole of a small model's K per step (up to 2048), 512 columns
-    a step for 8B-sized weights; more rows, 16-row tl.dot tiles."""
+    ``benchmarks/fused_linear.py`` (H200, docs/benchmarks.md, thirteenth session): one row on the CUDA cores
+    in 8-row slices of the weight; small weights the whole of K per step (up to 2048) in 8 warps, 8B-sized
+    ones 1024 columns a step in 4 warps with the norm, 512 in 8 without; more rows, 16-row tl.dot tiles."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
-    small = n * k * itemsize <= SMALL_WEIGHT_BYTES
     if m == 1:
-        return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))) if small else 512, 8, 3
-    return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
+        if n * k * itemsize <= SMALL_WEIGHT_BYTES:
+            return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))), 8, 3
+        return (1, 8, 1024, 4, 3) if norm else (1, 8, 512, 8, 3)
+    return 16, 16 if n * k * itemsize <= SMALL_WEIGHT_BYTES else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
@@ -126,7 +129,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, num_warps, num_stages = tiles or tile_config(m, n, k, weight.element_size())
+    block_m, block_n, block_k, num_warps, num_stages = tiles or tile_config(m, n, k, weight.element_size(), gamma is not None)
     block_m = 1 if m == 1 and block_m == 1 else 16
     _fused_linear_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out, m, n, k, eps,

@@ -1,11 +1,9 @@
 """fold_norms: HF's RMSNorm into the products that read it, the residual add into the product whose
 output it adds, and the gated MLP's SiLU·mul into the down product, as ``specgraph::fused_linear`` --
-where that was measured faster: one-row steps (decode at batch 1); the norm only into products of at
-most ``SMALL_WEIGHT_BYTES`` (8 MiB; SmolLM2-135M's are 0.7-3.5 MB, Llama-3.1-8B's 34-235 MB).
+where that was measured faster: one-row steps (decode at batch 1), at every weight size.
 
 Requires: export IR after fuse_projections: ``aten.linear`` nodes.
-Ensures: in a one-row step: (1) for products of small weights only, every bias-free ``linear(n, W)``
-  whose input n is HF's LlamaRMSNorm of x,
+Ensures: in a one-row step: (1) every bias-free ``linear(n, W)`` whose input n is HF's LlamaRMSNorm of x,
   ``gamma * (x32 * rsqrt(mean(x32 ** 2, -1, keepdim) + eps)).to(x.dtype)`` with x32 = x in float32 and
   gamma a parameter of x's dtype, where every user of n is such a linear, becomes
   ``fused_linear(x, W, gamma, eps, None)``; (2) every ``add(r, linear(y, W))`` (either order; the
@@ -16,15 +14,14 @@ Ensures: in a one-row step: (1) for products of small weights only, every bias-f
   left dead, and export's dtype asserts on them, are removed. Other norms (Gemma's ``1 + weight``, a
   norm also read elsewhere), other activations and a gate/up chunked by the model's own code (Phi-3)
   stay, not refused: this is a speed-up. Counters: norms_folded, adds_folded, gated_folded, and what
-  was left alone: too_many_rows, too_large (norms only).
+  was left alone: too_many_rows.
 Why: a decoder layer launches a norm kernel (the residual add fused in) before q/k/v and again before
   gate/up, and a SiLU·mul kernel before down; folded, those three go: 8 launches a layer become 5.
-  Measured on the H200 (``benchmarks/fused_linear.py``, docs/benchmarks.md, twelfth session), one row:
-  SmolLM2's layers without attention 21.9 us (norms + cuBLAS) -> 12.8 folded; at 8B shapes the o
-  product with the add (11.1 against cuBLAS's 13.5 us) and down with SiLU·mul and the add (30.6 against
-  32.2 + a SiLU·mul kernel) win, q/k/v and gate/up with the norm lose (18.1 against 16.2, 68.4
-  against 57.3): those norms stay. At 8 rows the padded 16-row tiles lost (the prologue's SiLU on 16
-  rows is compute-bound): left alone.
+  Measured on the H200 (``benchmarks/fused_linear.py``, docs/benchmarks.md, thirteenth session), one
+  row: SmolLM2's layers without attention 21.9 us (norms + cuBLAS) -> 12.2 folded, the 8B shape's
+  126.8 -> 113.0 (every product beats cuBLAS with its prologue and epilogue: q/k/v with the norm 15.6
+  against 16.2 + a norm kernel, gate/up 56.9 against 57.3 + a norm kernel). At 8 rows the padded
+  16-row tiles lost (the prologue's SiLU on 16 rows is compute-bound): left alone.
 """
 from __future__ import annotations
 
@@ -34,7 +31,6 @@ import operator
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from ..kernels.fused_linear import SMALL_WEIGHT_BYTES
 from .pass_result import GraphContext, PassResult, drop_dead_code
 from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
@@ -103,18 +99,13 @@ def _gated_source(node):
     return None
 
 
-def _why_not(rows_node, norm_weights=()) -> str | None:
-    """None when folding pays, measured (docs/benchmarks.md, twelfth session): one row (decode at
-    batch 1), and for a norm every product's weight at most SMALL_WEIGHT_BYTES; else the counter to
-    bump. More rows ran slower as fused_linear (the padded 16-row tiles' prologue is compute-bound), and
-    so did the norm prologue on 8B-sized products (q/k/v, gate/up); the add and SiLU·mul won at both
-    sizes."""
+def _why_not(rows_node) -> str | None:
+    """None when folding pays, measured (docs/benchmarks.md, thirteenth session): one row (decode at
+    batch 1); else the counter to bump. More rows ran slower as fused_linear (the padded 16-row tiles'
+    prologue is compute-bound)."""
     val = _val(rows_node)
     if val is None or math.prod(val.shape[:-1]) > FOLD_MAX_ROWS:
         return "too_many_rows"
-    sizes = [_val(w) for w in norm_weights]
-    if any(w is None or w.numel() * w.element_size() > SMALL_WEIGHT_BYTES for w in sizes):
-        return "too_large"
     return None
 
 
@@ -125,7 +116,7 @@ def _bias_free(linear) -> bool:
 def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = adds = gated = 0
-    skipped = {"too_many_rows": 0, "too_large": 0}
+    skipped = {"too_many_rows": 0}
     chains = []
     # (1) a norm whose every user is a bias-free linear: each linear takes x and the norm itself
     for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
@@ -136,7 +127,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if parts is None:
             continue
         x, gamma, eps, chain = parts
-        if reason := _why_not(x, [u.args[1] for u in users]):
+        if reason := _why_not(x):
             skipped[reason] += 1
             continue
         for linear in users:
