@@ -6,7 +6,7 @@ Contract:
   weight:   [N, K]    ``nn.Linear`` layout, in x's dtype
   gamma:    [K] or None   with it, x is first normalized as HF's LlamaRMSNorm does:
                       ``gamma * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype)``, x32 = x in float32
-                      (the kernel computes ``rsqrt(...) * ((gamma * x32) @ weight.T)``: one pass, the
+                      (one row: the kernel computes ``rsqrt(...) * ((gamma * x32) @ weight.T)``, the
                       normalized row not rounded to x's dtype; the reference is HF's formula op for op)
   eps:      float
   gated:    with it (and no gamma), x is [..., 2K], gate then up, and the product reads
@@ -21,9 +21,10 @@ norm kernel (the residual add fused into it) before q/k/v and again before gate/
 the q/k/v and gate/up products' prologue and the residual add in the o and down products' epilogue,
 those two launches go, and with the SiLU·mul in the down product's prologue a third. Every program
 reads the M rows of x whole (K is a few thousand at most: kilobytes, from L2 after the first
-program) and streams its BLOCK_N rows of ``weight``; with the norm it sums the rows' squares in the
-same K loop and scales its sums by the rstd after it (no pass over x before the first weight load:
-that pass cost 3-10 us at 8B shapes). One row runs on the CUDA cores (BLOCK_M = 1: per-lane FMAs over
+program) and streams its BLOCK_N rows of ``weight``. With the norm, one row sums its squares in the
+same K loop and scales the sums by the rstd after it (a pass over x before the first weight load cost
+3-10 us at 8B shapes); more rows make that pass first (the in-loop sums ran slower in the tl.dot
+tiles: 8B q/k/v at 8 rows 30.6 against 23.4 us). One row runs on the CUDA cores (BLOCK_M = 1: per-lane FMAs over
 [BLOCK_N, BLOCK_K], one reduction after the K loop), more rows through ``tl.dot`` with the rows padded
 to 16. M <= MAX_ROWS only; more rows take the reference (the norm, a cuBLAS product, the add).
 
@@ -32,7 +33,7 @@ product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS 
 SmolLM2 2.6-3.9 us against 3.8-5.4; Llama-3.1-8B q/k/v + norm 15.6 against 16.2, o + add 11.5 against
 13.5, gate/up + norm 56.9 against 57.3, down + SiLU·mul + add 30.6 against 32.2. Layers without attention
 (each product in its best tile): SmolLM2 21.9 -> 12.2 us, 8B 126.8 -> 113.0. At 8 rows only o wins, by 1.2 us (12.3 against 13.5); the rest lose, the norm and
-gated products badly (30.6 against 15.4 for q/k/v; the prologue in front of ``tl.dot``). The pass
+gated products badly (q/k/v 23.4 against 15.5, twelfth session; the prologue in front of ``tl.dot``). The pass
 fold_norms uses it only where it won.
 """
 from __future__ import annotations
@@ -60,20 +61,31 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (times gamma) times BLOCK_N weight rows
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM and BLOCK_M != 1:  # more rows: each row's mean square first, in float32 as HF (for the tl.dot
+        squares = tl.zeros([BLOCK_M], tl.float32)  # tiles this beat summing them in the product's loop)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+            squares += tl.sum(x * x, 1)
+        rstd = 1.0 / tl.sqrt(squares / K + eps)  # [M]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (normalized, or times gamma) times BLOCK_N weight rows
     lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row: per-lane partial sums, reduced once after the loop
-    squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # NORM: per-lane sums of x ** 2, in the same pass
+    row_squares = tl.zeros([1, BLOCK_K], tl.float32)  # one row with NORM: per-lane sums of x ** 2, same pass
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BK]
-        if NORM:  # rms_norm(x) @ w.T == rstd * ((gamma * x) @ w.T): the rstd waits until after the loop
+        if NORM:
             gamma = tl.load(Gamma + ks, mask=k_ok, other=0.0)
-            x32 = x.to(tl.float32)
-            squares += x32 * x32
-            x = gamma[None, :].to(tl.float32) * x32
-            if BLOCK_M != 1:
-                x = x.to(X.dtype.element_ty)
+            if BLOCK_M == 1:  # rms_norm(x) @ w.T == rstd * ((gamma * x) @ w.T): the rstd waits for the loop's end
+                x32 = x.to(tl.float32)
+                row_squares += x32 * x32
+                x = gamma[None, :].to(tl.float32) * x32
+            else:  # rounded to x's dtype, then times gamma rounded again, as HF
+                x = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty)
+                x = (gamma[None, :].to(tl.float32) * x.to(tl.float32)).to(X.dtype.element_ty)
         if GATED:  # x holds the gate; the up half is K further on: silu(gate) rounded, times up rounded
             up = tl.load(x_rows + K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             gate = x.to(tl.float32)
@@ -86,9 +98,8 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
             acc += _dot(x, tl.trans(w), UPCAST)
     if BLOCK_M == 1:
         acc += tl.sum(lanes, 1)[None, :]
-    if NORM:  # each row's mean square, in float32 as HF
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, 1) / K + eps)  # [M]
-        acc *= rstd[:, None]
+    if NORM and BLOCK_M == 1:  # the row's mean square, in float32 as HF
+        acc *= 1.0 / tl.sqrt(tl.sum(row_squares, 1)[:, None] / K + eps)
 
     out = acc.to(Out.dtype.element_ty)
     ok = row_ok[:, None] & col_ok[None, :]
