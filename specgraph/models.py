@@ -69,6 +69,8 @@ def gemma3_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
                 os.link(scratch, target)  # fails if another process got there first: its copy stays
             except FileExistsError:
                 pass
+            except OSError:  # a file system without hard links: an atomic rename (a copy there is replaced)
+                os.replace(scratch, target)
         finally:
             scratch.unlink(missing_ok=True)
     return parts.assemble(target)  # checks the sha256

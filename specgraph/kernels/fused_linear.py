@@ -24,17 +24,17 @@ reads the M rows of x whole (K is a few thousand at most: kilobytes, from L2 aft
 program) and streams its BLOCK_N rows of ``weight``. With the norm, one row sums its squares in the
 same K loop and scales the sums by the rstd after it (a pass over x before the first weight load cost
 3-10 us at 8B shapes); more rows make that pass first (the in-loop sums ran slower in the tl.dot
-tiles: 8B q/k/v at 8 rows 30.6 against 23.4 us). One row runs on the CUDA cores (BLOCK_M = 1: per-lane FMAs over
-[BLOCK_N, BLOCK_K], one reduction after the K loop), more rows through ``tl.dot`` with the rows padded
-to 16. M <= MAX_ROWS only; more rows take the reference (the norm, a cuBLAS product, the add).
+tiles: 8B q/k/v at 8 rows 30.6 against 23.4 us). One row runs on the CUDA cores (BLOCK_M = 1: per-lane
+FMAs over [BLOCK_N, BLOCK_K], one reduction after the K loop), more rows through ``tl.dot`` with the
+rows padded to 16. M <= MAX_ROWS only; more rows take the reference (the norm, a cuBLAS product, the add).
 
 Measured (``benchmarks/fused_linear.py``, H200, docs/benchmarks.md, thirteenth session), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
 SmolLM2 2.6-3.9 us against 3.8-5.4; Llama-3.1-8B q/k/v + norm 15.6 against 16.2, o + add 11.5 against
 13.5, gate/up + norm 56.9 against 57.3, down + SiLU·mul + add 30.6 against 32.2. Layers without attention
-(each product in its best tile): SmolLM2 21.9 -> 12.2 us, 8B 126.8 -> 113.0. At 8 rows only o wins, by 1.2 us (12.3 against 13.5); the rest lose, the norm and
-gated products badly (q/k/v 23.4 against 15.5, twelfth session; the prologue in front of ``tl.dot``). The pass
-fold_norms uses it only where it won.
+(each product in its best tile): SmolLM2 21.9 -> 12.2 us, 8B 126.8 -> 113.0. At 8 rows only o wins, by
+1.2 us (12.3 against 13.5); the rest lose, the norm and gated products badly (q/k/v 23.4 against 15.5,
+twelfth session; the prologue in front of ``tl.dot``). The pass fold_norms uses it only where it won.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
             squares += tl.sum(x * x, 1)
         rstd = 1.0 / tl.sqrt(squares / K + eps)  # [M]
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (normalized, or times gamma) times BLOCK_N weight rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (normalized, or times gamma) x BLOCK_N weight rows
     lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row: per-lane partial sums, reduced once after the loop
     row_squares = tl.zeros([1, BLOCK_K], tl.float32)  # one row with NORM: per-lane sums of x ** 2, same pass
     for k0 in range(0, K, BLOCK_K):
@@ -140,7 +140,8 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, num_warps, num_stages = tiles or tile_config(m, n, k, weight.element_size(), gamma is not None)
+    tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None)
+    block_m, block_n, block_k, num_warps, num_stages = tiles
     block_m = 1 if m == 1 and block_m == 1 else 16
     _fused_linear_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out, m, n, k, eps,
