@@ -320,6 +320,18 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch, request)
     if kind == "eagle3" and whole_step == "1":  # the draft's pass over the prompt is compiled too
         (bucket,) = spec.capture.decode_steps.values()
         assert hasattr(bucket.session, "_prefill_chain")
+    if kind == "medusa":  # compiled artifacts are cached: compiling the same model and buckets afresh (dynamo
+        # reset, a new model, a new Capture) loads inductor's graphs from its FX graph cache on disk instead
+        # of generating code again (across processes as well: docs/design.md)
+        torch._dynamo.reset()
+        cache = torch._dynamo.utils.counters["inductor"]
+        cache.clear()
+        fresh = tiny_model("llama")
+        torch.manual_seed(0)
+        draft = Medusa(fresh.config.hidden_size, fresh.config.vocab_size, num_heads=3)
+        spec = specgraph.compile(fresh, draft, tree=Chain(3), max_batch=2, max_length=128, backend="inductor")
+        assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None), out)
+        assert cache["fxgraph_cache_hit"] >= 2 and cache["fxgraph_cache_miss"] == 0, dict(cache)
 
 
 @settings(max_examples=200, deadline=None)
