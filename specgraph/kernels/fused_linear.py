@@ -119,11 +119,12 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False) -> tu
     ones 1024 columns a step in 4 warps with the norm, 512 in 8 without; more rows, 16-row tl.dot tiles."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
+    small = n * k * itemsize <= SMALL_WEIGHT_BYTES
+    if m == 1 and small:
+        return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))), 8, 3
     if m == 1:
-        if n * k * itemsize <= SMALL_WEIGHT_BYTES:
-            return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))), 8, 3
         return (1, 8, 1024, 4, 3) if norm else (1, 8, 512, 8, 3)
-    return 16, 16 if n * k * itemsize <= SMALL_WEIGHT_BYTES else 32, min(256, triton.next_power_of_2(k)), 4, 4
+    return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
