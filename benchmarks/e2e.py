@@ -27,9 +27,9 @@ Every figure is measured in this run, on the same model:
              recorded step graph replayed back to back): device time per step by kernel kind
              (matmul, attention, copy, reduction, elementwise, other) against the wall time per
              step; the top ops by self CPU and device time in DIR/e2e-profile-DATE.txt
-  profile_verify  the same for verify steps of --profile-verify-n nodes (NGram chain,
+  profile_verify  the same for verify steps of each --profile-verify-n nodes (NGram chain,
              synthetic_accept=1): where the verify step's time over plain decode goes
-             (DIR/e2e-profile-verify-DATE.txt)
+             (DIR/e2e-profile-verify-nN-DATE.txt)
 --shape smollm2: SmolLM2-135M's config with random weights (the small-model regime, where launches
 and not bytes set the step's time); --tiny: a 4-layer model of the same kinds (for a quick check of
 the script, not for numbers).
@@ -192,7 +192,7 @@ def decode_figures(spec, prompt, args, device, res) -> dict:
 
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("tree_attention", "merge_splits")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "splitk", "cublas", "sm90_xmma")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "splitk", "cublas", "sm90_xmma", "fused_linear")),
     ("reduction", ("triton_red", "triton_per")),  # before copy: inductor's names hold "_to_copy"
     ("elementwise", ("triton_poi",)),
     ("copy", ("memcpy", "memset", "copy", "kv_write", "compact_kv")),
@@ -232,6 +232,17 @@ def profile_steps(spec, prompt: torch.Tensor, steps: int, device: str):
     return ms, table
 
 
+def profile_section(spec, prompt, args, device, label: str, **extra) -> dict:
+    """profile_steps' figures, its two tables written to DIR/e2e-LABEL-DATE.txt."""
+    ms, kernels = profile_steps(spec, prompt, args.profile_steps, device)
+    text = (kernels.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
+            kernels.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
+                          row_limit=60, max_name_column_width=160))
+    name = f"e2e-{label}-{time.strftime('%Y-%m-%d')}.txt"
+    (args.out / name).write_text(text)
+    return dict(file=name, steps=args.profile_steps, **extra, **ms)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
@@ -247,7 +258,8 @@ def main() -> None:
                         help="the target's config (random bf16 weights): llama8b, smollm2 (SmolLM2-135M), tiny")
     parser.add_argument("--tiny", action="store_true", help="= --shape tiny")
     parser.add_argument("--profile-steps", type=int, default=32, help="decode steps the profile section records")
-    parser.add_argument("--profile-verify-n", type=int, default=64, help="nodes per step profile_verify records")
+    parser.add_argument("--profile-verify-n", type=int, nargs="+", default=[64],
+                        help="nodes per step profile_verify records (one profile each)")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config values for an experiment, e.g. combo_kernels=1 triton.enable_pdl=1")
     args = parser.parse_args()
@@ -344,16 +356,12 @@ def main() -> None:
                     row.update({f"{name}_ms_per_step": step, f"{name}_tau": tau,
                                 f"{name}_tok_s": b * tau * 1e3 / step, f"{name}_speedup": tau * plain / step})
                     save("batch", **rows)
-        elif section in ("profile", "profile_verify"):  # plain decode, or verifying N nodes (one accepted)
-            n = args.profile_verify_n
-            spec = spec_for(None, None) if section == "profile" else spec_for(NGram(), specgraph.Chain(n - 1), accept=1)
-            ms, kernels = profile_steps(spec, prompt, args.profile_steps, device)
-            text = (kernels.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" +
-                    kernels.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
-                                  row_limit=40, max_name_column_width=160))
-            name = f"e2e-{section.replace('_', '-')}-{res['date']}.txt"
-            (args.out / name).write_text(text)
-            save(section, file=name, steps=args.profile_steps, **({} if section == "profile" else {"nodes": n}), **ms)
+        elif section == "profile":  # plain decode
+            save(section, **profile_section(spec_for(None, None), prompt, args, device, "profile"))
+        elif section == "profile_verify":  # verifying N nodes (one accepted), for each N asked
+            save(section, **{f"n{n}": profile_section(spec_for(NGram(), specgraph.Chain(n - 1), accept=1), prompt, args,
+                                                       device, f"profile-verify-n{n}", nodes=n)
+                             for n in args.profile_verify_n})
     print(json.dumps(res, indent=2))
 
 

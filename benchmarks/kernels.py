@@ -199,13 +199,13 @@ def sweep(bandwidth: float) -> None:
 
 
 DECODE_CASES = ("16:1", "1024:1", "4096:1", "1024:8")  # context:rows R, at batch 1
-DECODE_SPLITS = (None, 1, 3, 5, 9, 17, 33)  # None: launch_config's choice; else prefix splits + 1
+DECODE_SPLITS = (None, 1, 2, 3, 5, 9, 17, 33)  # None: launch_config's choice; else prefix splits + 1
 
 
 def decode_sweep(bandwidth: float, shapes, cases, out: Path) -> list[dict]:
     """The folded op (``tree_attention_write`` with RoPE, as the decode step runs it) at batch-1
-    shapes: launch_config's choice with and without RoPE, then tiles x warps x splits with RoPE.
-    Prints the default and the best five per case; every row goes to ``out`` (after each case)."""
+    shapes: launch_config's choice with and without RoPE, then RoPE x tiles x warps x splits.
+    Prints the default and the best five per case and RoPE setting; every row goes to ``out`` (after each case)."""
     import itertools
 
     from specgraph.drafts.autoregressive import chain_mask
@@ -245,13 +245,15 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path) -> list[dict]:
             kd, vd = k[:, :, : context + 1], v[:, :, : context + 1]
             sdpa = lambda: F.scaled_dot_product_attention(q, kd, vd, scale=d**-0.5, enable_gqa=True)  # noqa: E731
             results.append(dict(case, config="sdpa decode (peer)", rope=False, ms=graphed_ms(sdpa)))
-        for bm, nw, splits in itertools.product((16, 32, 64), (4, 8), DECODE_SPLITS):
-            ms = run(True, splits, block_m=bm, num_warps=nw)
-            results.append(dict(case, config="sweep", rope=True, block_m=bm, num_warps=nw, ms=ms,
+        tiles = (16, 32, 64) + ((128,) if r * h // h_kv >= 128 else ())
+        for rope, bm, nw, splits in itertools.product((True, False), tiles, (4, 8), DECODE_SPLITS):
+            ms = run(rope, splits, block_m=bm, num_warps=nw)
+            results.append(dict(case, config="sweep", rope=rope, block_m=bm, num_warps=nw, ms=ms,
                                 splits=splits or launch_config(q, h_kv, s_max, block_m=bm)["num_splits"]))
         rows += results
         print(f"# decode {shape} context={context} R={r}: floor {floor_ms * 1e3:.2f} us")
-        best = sorted((x for x in results if x["config"] == "sweep"), key=lambda x: x["ms"])[:5]
+        best = [x for rope in (True, False) for x in sorted(
+            (x for x in results if x["config"] == "sweep" and x["rope"] == rope), key=lambda x: x["ms"])[:5]]
         for x in results[:3] + best:
             print(f"#   {x['ms'] * 1e3:7.2f} us  {x['config']:<18} rope={x['rope']!s:<5} block_m={x.get('block_m')} "
                   f"num_warps={x.get('num_warps')} splits={x.get('splits')}", flush=True)

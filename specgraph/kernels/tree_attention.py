@@ -272,9 +272,13 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     # Measured on the H200 (benchmarks/kernels.py): when the grid cannot fill the GPU (it is split
     # over the prefix: batch-1 decode, short verify steps), 16-row tiles with 8 warps beat 32- and
     # 64-row ones by 20-35% up to 32 rows (--decode); at B = 32, 64-row tiles (--sweep).
+    # A longer verify step that still cannot fill it (batch 1, 64 nodes: 256 rows a KV head) split
+    # best in 64-row tiles, 4 warps, at most 4 prefix splits merged by a launch of their own (1k
+    # context: 25.5 -> 17.3 us; the in-kernel merge is one program reading the tile's every partial).
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
     small_grid = rows <= 32 and b * h_kv * triton.cdiv(rows, 16) < sms
-    block_m = 16 if small_grid else min(64 if wide else 128, max(64, triton.next_power_of_2(rows)))
+    split_grid = not small_grid and b * h_kv * triton.cdiv(rows, 64) < sms
+    block_m = 16 if small_grid else 64 if split_grid else min(64 if wide else 128, max(64, triton.next_power_of_2(rows)))
     config = dict(block_m=block_m, block_n=32 if wide else 64, num_stages=3)
     config.update(override)
     if "num_warps" not in config:
@@ -282,15 +286,17 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     m_tiles = triton.cdiv(rows, config["block_m"])
     if num_splits is None:
         programs = b * h_kv * m_tiles  # split the prefix only when the grid cannot fill the SMs
-        prefix_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, 4 * config["block_n"]), 63)
+        prefix_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, 4 * config["block_n"]),
+                            63 if config["block_m"] <= 32 else 4)
         num_splits = 1 if programs >= sms or prefix_splits <= 1 else prefix_splits + 1  # + the window's program
+    config.setdefault("merge_here", config["block_m"] <= 32)  # small tiles merge in the kernel
     config.update(m_tiles=m_tiles, num_splits=num_splits)
     return config
 
 
 def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: float, window: int,
                           num_splits: int | None = None, new_kv: tuple | None = None, rope: tuple | None = None,
-                          merge_here: bool = True, **override) -> torch.Tensor:
+                          merge_here: bool | None = None, **override) -> torch.Tensor:
     """Launch the Triton kernel (CUDA, or the interpreter with TRITON_INTERPRET=1).
 
     ``new_kv = (key, value)``, each ``[B, H_kv, N, D]``: the step's rows, written into the caches at
@@ -298,12 +304,13 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
     (``tree_attention_write``). ``rope = (cos, sin)``, each ``[B, R, D]`` (with ``new_kv`` only): q and the
     new keys arrive unrotated and are rotated in the kernel, ``x * cos + rotate_half(x) * sin``.
     Split over the prefix, the last program of each tile to finish merges the splits (``merge_here``;
-    False: a second launch, ``_merge_splits_kernel``, does).
+    False: a second launch, ``_merge_splits_kernel``, does; None: ``launch_config``'s choice).
     """
     b, h, r, d = q.shape
     h_kv, s_max = k_cache.shape[1], k_cache.shape[2]
     config = launch_config(q, h_kv, s_max, num_splits, **override)
     m_tiles, splits = config["m_tiles"], config["num_splits"]
+    merge_here = config["merge_here"] if merge_here is None else merge_here
     out = rows_major(b, h, r, d, dtype=q.dtype, device=q.device)
     if splits > 1:
         part_o = torch.empty((b * h * r * splits, d), dtype=torch.float32, device=q.device)

@@ -5,7 +5,7 @@ Requires: fold_cache_writes has run: per folded layer ``tree_attention_write(q, 
   convention, whole head_dim) of two tensors with the same cos/sin: ``x * cos.unsqueeze(1) +
   cat(-x[..., D/2:], x[..., :D/2]) * sin.unsqueeze(1)``, up to a cast to the dtype it already has
   and a concatenation with an empty pass-through part (partial-rotary code, e.g. Phi-3, at factor 1).
-  Only steps of one row per sequence (R = 1: plain decoding) fold, see MAX_ROWS.
+  Only steps of up to MAX_ROWS rows per sequence (plain decoding, short verify steps) fold.
 Ensures: such a layer becomes ``tree_attention_write(q0, kv, l, k0, value, cache_len, tree_mask, scale,
   window, cos, sin)`` on the unrotated q0 / k0 (cos, sin [B, R, D]: the step's tables, shared by every
   layer that uses them); the kernel rotates q at load and the keys before it reads and stores them.
@@ -28,11 +28,12 @@ from .replace_attention import CASTS
 
 aten = torch.ops.aten
 TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
-# Rows per sequence up to which the fold is measured faster (H200, Llama-3.1-8B shape, 2026-12-01): the
-# plain decode step (R = 1) 4.856 -> 4.789-4.804 ms; but an 8-row verify step 5.13 -> 6.19 ms (64 rows:
-# 5.79 -> 5.83). Not yet profiled (ptxas: the 4-warp R = 8 variant spills 156 bytes against 60
-# unrotated, but outside its loops). Raise this once a multi-row variant measures faster.
-MAX_ROWS = 1
+# Rows per sequence up to which the fold is measured faster (H200, Llama-3.1-8B shape, 1k context): R = 1,
+# the plain decode step 4.856 -> 4.789-4.804 ms (2026-12-01); R = 8, the attention kernel alone with
+# the rotation 13.66 us against 13.34 without (fourteenth session, launch_config's tiles) while the two
+# RoPE launches it replaces took 2.75 us a layer in the verify step's profile. (An earlier multi-row kernel
+# measured 5.13 -> 6.19 ms at R = 8.) Not measured above 8.
+MAX_ROWS = 8
 
 
 def _no_op_cast(node) -> bool:
