@@ -13,6 +13,11 @@ Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served fro
             fused  norm in the q/k/v and gate/up products' prologue, SiLU*mul in the down product's,
                    the residual add in the o and down products' epilogue, in the default tiles and in
                    the best tiles of the sweep.
+            rows_folded  (M > 1) as the experimental pass fold_norms_rows leaves a step: o and down
+                   add the residual and hand gamma * h and h's squares to the next norm's readers,
+                   q/k/v and gate/up scale their rows by the rstd, gate/up writes silu(gate) * up.
+  At M > 1 the product part also times those epilogue forms (qkv_scaled, o_norm_out,
+  gate_up_silu, down_norm_out).
 
     python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--tiles all|wide-rows] [--out DIR]
 """
@@ -53,9 +58,10 @@ def make_layers(layers: int, hidden: int, qkv: int, inter: int):
 
 def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[dict], dict]:
     """Each product kind chained over the layers: cuBLAS alone vs fused_linear per tile config."""
-    fused = torch.ops.specgraph.fused_linear
+    fused, norm_out = torch.ops.specgraph.fused_linear, torch.ops.specgraph.fused_linear_norm_out
     hidden, inter = weights[0][1].shape[0], weights[0][3].shape[1]
     h, gu = rand(1, m, hidden), rand(1, m, 2 * inter)
+    squares = fl.norm_out_reference(h, weights[0][4])[1]  # what a producer hands over with gamma * h (here h)
     kinds = {  # name: (weight index, cuBLAS product, fused call)
         "qkv": (0, lambda w, g: F.linear(h, w), lambda w, g: fused(h, w, g, EPS, None)),
         "o": (1, lambda w, g: F.linear(h, w), lambda w, g: fused(h, w, None, 0.0, h)),
@@ -63,29 +69,37 @@ def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[
         "down": (3, lambda w, g: F.linear(gu[..., :inter], w), lambda w, g: fused(gu, w, None, 0.0, h, True)),
         "down_add": (3, lambda w, g: F.linear(gu[..., :inter], w), lambda w, g: fused(gu[..., :inter], w, None, 0.0, h)),
     }  # down_add: the residual alone folded (the SiLU·mul left to its own kernel), as o
+    if m > 1:  # fold_norms_rows' products: nothing between the load of x and tl.dot
+        kinds.update({
+            "qkv_scaled": (0, lambda w, g: F.linear(h, w), lambda w, g: fused(h, w, None, EPS, None, False, False, squares)),
+            "o_norm_out": (1, lambda w, g: F.linear(h, w), lambda w, g: norm_out(h, w, h, g)),
+            "gate_up_silu": (2, lambda w, g: F.linear(h, w), lambda w, g: fused(h, w, None, EPS, None, False, True, squares)),
+            "down_norm_out": (3, lambda w, g: F.linear(gu[..., :inter], w), lambda w, g: norm_out(gu[..., :inter], w, h, g)),
+        })
     rows, best = [], {}
     for kind, (index, cublas, with_fused) in kinds.items():
         n, k = weights[0][index].shape
+        key = (n // 2 if kind == "gate_up_silu" else n, k)  # tile_config's: the output's columns, silu(gate) * up
         chain = [(layer[index], layer[4]) for layer in weights]
         row = dict(M=m, kind=kind, N=n, K=k, floor_us=n * k * 2 / bandwidth * 1e6,
                    cublas_us=graphed_ms(lambda: [cublas(w, g) for w, g in chain]) * 1e3 / len(chain))  # noqa: B023
         timings = {}
         for tile in tiles:
-            fl.TILE_OVERRIDE = {(n, k): tile}
+            fl.TILE_OVERRIDE = {key: tile}
             try:
                 timings[tile] = graphed_ms(lambda: [with_fused(w, g) for w, g in chain]) * 1e3 / len(chain)  # noqa: B023
             except Exception as error:  # noqa: BLE001  (a tile that does not compile is skipped, and said)
                 print(f"#   tile {tile} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
         fl.TILE_OVERRIDE = None
-        default = fl.tile_config(m, n, k, 2, kind in ("qkv", "gate_up"))
+        default = fl.tile_config(m, *key, 2, kind in ("qkv", "gate_up"))
         row["default_tile"], row["default_us"] = list(default), timings.get(default)
         tile = min(timings, key=timings.get)
         row["best_tile"], row["best_us"] = list(tile), timings[tile]
         row["all"] = {"x".join(map(str, t)): v for t, v in timings.items()}
-        if kind != "down_add":  # the layer chain folds down's SiLU·mul too: its tile
-            best[(n, k)] = tile
+        if kind in ("qkv", "o", "gate_up", "down"):  # the one-row chain's products
+            best[key] = tile
         rows.append(row)
-        print(f"# product M={m} {kind:<7} [{n}x{k}] floor {row['floor_us']:6.2f} us | cuBLAS {row['cublas_us']:6.2f} "
+        print(f"# product M={m} {kind:<13} [{n}x{k}] floor {row['floor_us']:6.2f} us | cuBLAS {row['cublas_us']:6.2f} "
               f"| fused default {row['default_us'] or float('nan'):6.2f} | best {row['best_us']:6.2f} {tile}",
               flush=True)
     return rows, best
@@ -112,12 +126,24 @@ def layer_chain(weights, rand, m: int, bandwidth: float, best: dict) -> dict:
             h = fused(fused(h, w_gu, g2, EPS, None), w_d, None, 0.0, h, True)
         return h
 
+    def rows_folded(h, layers):  # fold_norms_rows' step: norms handed over by the residual products
+        norm_out = torch.ops.specgraph.fused_linear_norm_out
+        scaled, squares = fl.norm_out_reference(h, layers[0][4])  # the first layer's norm reads the embedding
+        for i, (w_qkv, w_o, w_gu, w_d, g1, g2) in enumerate(layers):
+            attn = fused(scaled, w_qkv, None, EPS, None, False, False, squares)[..., : h.shape[-1]]
+            h, scaled, squares = norm_out(attn, w_o, h, g2)
+            act = fused(scaled, w_gu, None, EPS, None, False, True, squares)
+            h, scaled, squares = norm_out(act, w_d, h, layers[(i + 1) % len(layers)][4])
+        return h
+
     hidden = weights[0][1].shape[0]
     layer_bytes = sum(w.numel() * w.element_size() for w in weights[0])
     h = rand(1, m, hidden)
     row = dict(M=m, floor_us=layer_bytes / bandwidth * 1e6)
     outs = {}
     variants = (("now", now, None), ("fused", with_fused, None), ("fused_best", with_fused, best))
+    if m > 1:
+        variants += (("rows_folded", rows_folded, None),)
     for label, body, tiles in variants:
         fl.TILE_OVERRIDE = tiles
         try:

@@ -143,7 +143,7 @@ def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, monkey
 
 def test_unknown_extra_pass_is_refused(monkeypatch):
     monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_everything")
-    with pytest.raises(ValueError, match="experimental passes are none at present"):
+    with pytest.raises(ValueError, match="the experimental passes are fold_norms_rows"):
         Capture(tiny_model("llama"), 64).step(1, 1)
 
 

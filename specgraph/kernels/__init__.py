@@ -22,6 +22,7 @@ DECOMPOSITIONS = {
     torch.ops.specgraph.tree_attention_mask.default: lambda *a: _tree_attention.allowed_keys(*a).unsqueeze(1),
     torch.ops.specgraph.verify_greedy.default: _verify.verify_greedy_decomposition,
     torch.ops.specgraph.fused_linear.default: _fused_linear.fused_linear_reference,
+    torch.ops.specgraph.fused_linear_norm_out.default: _fused_linear.fused_linear_norm_out_reference,
 }
 
 

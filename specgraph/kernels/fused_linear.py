@@ -13,7 +13,18 @@ Contract:
                       ``silu(gate) * up`` (each rounded to x's dtype, as HF's MLP rounds them)
   residual: [..., N] or None   with it, the output is ``residual + product`` (the product rounded to
                       x's dtype first, as ``residual + o_proj(...)`` rounds it)
-  out:      [..., N]  ``[residual +] F.linear([rms_norm](x) or [silu(gate) * up], weight)``
+  silu_mul: with it, weight is [2N, K] (gate rows, then up rows) and the product's epilogue writes
+                      ``silu(gate) * up`` [..., N] (each half rounded to x's dtype, as HF's MLP rounds them)
+  row_squares: [..., P] float32 or None   with it (and no gamma), x is ``gamma * h`` as a producer handed
+                      it over, and each row of the product is scaled by ``rsqrt(sum(row_squares) / K + eps)``,
+                      h's rstd: HF's norm-then-product without a prologue (the rounding of ``gamma * h``
+                      replaces HF's rounding of the normalized row)
+  out:      [..., N]  ``[residual +] epilogue(F.linear([rms_norm](x) or [silu(gate) * up], weight))``
+``specgraph::fused_linear_norm_out(x, weight, residual, next_gamma)`` is the producer of such an x: the
+product with the residual add, plus ``next_gamma * out`` and out's float32 sums of squares per 16 columns
+([..., N / 16]), written by the same programs (``norm_out_reference``). The pass fold_norms_rows
+(experimental) uses the pair and ``silu_mul`` for steps of 2..16 rows, where a prologue in front of
+``tl.dot`` lost to cuBLAS and the bare 16-row tiles matched it (fourteenth session).
 
 Why: at batch 1 a small model's step is bound by launches, not bytes (SmolLM2-135M: ~250 launches a
 decode step at ~3 us each, 14x its bytes floor, docs/benchmarks.md). A decoder layer launches a
@@ -47,12 +58,15 @@ import triton.language as tl
 from .tree_attention import _dot
 
 MAX_ROWS = 16  # one 16-row tile of x per program
+SQUARE_COLS = 16  # norm_out: one partial sum of squares per row and 16 output columns
 SMALL_WEIGHT_BYTES = 8 << 20  # a small model's weight (SmolLM2's 0.7-3.5 MB; 8B's 34-235 MB): its own tiles
 
 
 @triton.jit
-def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, stride_wn, stride_rm, stride_om,
-                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fused_linear_kernel(X, W, Gamma, Residual, Out, SquaresIn, NextGamma, Scaled, SquaresOut, M, N, K, P, eps,
+                         stride_xm, stride_wn, stride_rm, stride_om, stride_sim, stride_som,
+                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+                         ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, SQUARE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -60,6 +74,7 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
     col_ok = cols < N
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    w_up_rows = W + (N + cols)[:, None].to(tl.int64) * stride_wn  # SILU_MUL: the up half's rows
 
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if NORM and BLOCK_M != 1:  # more rows: each row's mean square first, in float32 as HF (for the tl.dot
@@ -71,7 +86,9 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
         rstd = 1.0 / tl.sqrt(squares / K + eps)  # [M]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the rows (normalized, or times gamma) x BLOCK_N weight rows
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL: the up half's product
     lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row: per-lane partial sums, reduced once after the loop
+    lanes_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     row_squares = tl.zeros([1, BLOCK_K], tl.float32)  # one row with NORM: per-lane sums of x ** 2, same pass
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -92,21 +109,52 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, M, N, K, eps, stride_xm, st
             act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(X.dtype.element_ty)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        if SILU_MUL:
+            w_up = tl.load(w_up_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if BLOCK_M == 1:  # one row: CUDA-core FMAs, no 16-row padding, no reduction inside the loop
             lanes += x.to(tl.float32) * w.to(tl.float32)
+            if SILU_MUL:
+                lanes_up += x.to(tl.float32) * w_up.to(tl.float32)
         else:
             acc += _dot(x, tl.trans(w), UPCAST)
+            if SILU_MUL:
+                acc_up += _dot(x, tl.trans(w_up), UPCAST)
     if BLOCK_M == 1:
         acc += tl.sum(lanes, 1)[None, :]
+        acc_up += tl.sum(lanes_up, 1)[None, :]
     if NORM and BLOCK_M == 1:  # the row's mean square, in float32 as HF
-        acc *= 1.0 / tl.sqrt(tl.sum(row_squares, 1)[:, None] / K + eps)
+        rstd_row = 1.0 / tl.sqrt(tl.sum(row_squares, 1)[:, None] / K + eps)
+        acc *= rstd_row
+        acc_up *= rstd_row
+    if ROW_SCALE:  # x is gamma * h; the rms of h from the P partial sums of h ** 2 its producer wrote
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for p0 in range(0, P, 64):
+            parts = p0 + tl.arange(0, 64)
+            squares += tl.sum(tl.load(SquaresIn + rows[:, None].to(tl.int64) * stride_sim + parts[None, :],
+                                      mask=row_ok[:, None] & (parts < P)[None, :], other=0.0), 1)
+        rstd_rows = (1.0 / tl.sqrt(squares / K + eps))[:, None]
+        acc *= rstd_rows
+        acc_up *= rstd_rows
 
     out = acc.to(Out.dtype.element_ty)
+    if SILU_MUL:  # silu(gate) * up, each rounded to x's dtype as HF's MLP rounds them
+        gate = out.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty)
+        out = (act.to(tl.float32) * acc_up.to(Out.dtype.element_ty).to(tl.float32)).to(Out.dtype.element_ty)
     ok = row_ok[:, None] & col_ok[None, :]
     if RESIDUAL:  # residual + the product as x's dtype rounded it
         residual = tl.load(Residual + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=ok, other=0.0)
         out = (residual.to(tl.float32) + out.to(tl.float32)).to(Out.dtype.element_ty)
     tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out, mask=ok)
+    if NORM_OUT:  # for the next norm's readers: gamma * out, and this program's share of each row's sum of squares
+        out32 = tl.where(ok, out.to(tl.float32), 0.0)
+        next_gamma = tl.load(NextGamma + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(Scaled + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                 (next_gamma[None, :] * out32).to(Out.dtype.element_ty), mask=ok)
+        chunks = tl.program_id(0) * (BLOCK_N // SQUARE_COLS) + tl.arange(0, BLOCK_N // SQUARE_COLS)
+        sums = tl.sum(tl.reshape(out32 * out32, [BLOCK_M, BLOCK_N // SQUARE_COLS, SQUARE_COLS]), 2)
+        tl.store(SquaresOut + rows[:, None].to(tl.int64) * stride_som + chunks[None, :], sums,
+                 mask=row_ok[:, None] & (chunks * SQUARE_COLS < N)[None, :])
 
 
 TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = None  # benchmarks' sweeps
@@ -129,28 +177,46 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False) -> tu
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
                         residual: torch.Tensor | None = None, gated: bool = False,
-                        tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]."""
+                        tiles: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
+                        row_squares: torch.Tensor | None = None, next_gamma: torch.Tensor | None = None):
+    """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]
+    (silu_mul: weight [2N, K]); with next_gamma, (out, next_gamma * out, row_squares of out [..., N / 16])."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m, k = rows.shape[0], weight.shape[1]
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert m <= MAX_ROWS and weight.stride(-1) == 1, "fused_linear_triton: M <= 16 rows, weight rows contiguous"
     res = residual.reshape(m, n) if residual is not None else None
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
+    squares_in = row_squares.reshape(m, -1).contiguous() if row_squares is not None else None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None)
     block_m, block_n, block_k, num_warps, num_stages = tiles
     block_m = 1 if m == 1 and block_m == 1 else 16
+    scaled = squares_out = None
+    if next_gamma is not None:
+        block_n = max(block_n, SQUARE_COLS)  # whole chunks of 16 columns per program
+        assert block_n % SQUARE_COLS == 0, f"fused_linear_triton: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}"
+        scaled = torch.empty_like(out)
+        squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
     _fused_linear_kernel[(triton.cdiv(n, block_n),)](
-        rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out, m, n, k, eps,
+        rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out,
+        squares_in if squares_in is not None else out, next_gamma if next_gamma is not None else weight,
+        scaled if scaled is not None else out, squares_out if squares_out is not None else out,
+        m, n, k, squares_in.shape[1] if squares_in is not None else 0, eps,
         rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
-        NORM=gamma is not None, GATED=gated, RESIDUAL=res is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        squares_in.stride(0) if squares_in is not None else 0, squares_out.stride(0) if squares_out is not None else 0,
+        NORM=gamma is not None, GATED=gated, RESIDUAL=res is not None, SILU_MUL=silu_mul,
+        ROW_SCALE=squares_in is not None, NORM_OUT=next_gamma is not None, SQUARE_COLS=SQUARE_COLS,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps,
         num_stages=num_stages)
-    return out.view(*x.shape[:-1], n)
+    out = out.view(*x.shape[:-1], n)
+    if next_gamma is None:
+        return out
+    return out, scaled.view_as(out), squares_out.view(*x.shape[:-1], -1)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -161,57 +227,119 @@ def rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torc
     return gamma * normed.to(x.dtype)
 
 
-def fused_linear_reference(x, weight, gamma=None, eps: float = 1e-6, residual=None, gated: bool = False):
+def fused_linear_reference(x, weight, gamma=None, eps: float = 1e-6, residual=None, gated: bool = False,
+                           silu_mul: bool = False, row_squares=None):
     """Plain torch: the CPU path, the decomposition, the kernel's oracle."""
     if gamma is not None:
         x = rms_norm_reference(x, gamma, eps)
     if gated:
         gate, up = x.chunk(2, -1)
         x = torch.nn.functional.silu(gate) * up
-    out = torch.nn.functional.linear(x, weight)
+    if row_squares is not None:  # x = gamma * h: the product times each row's rstd of h, in float32
+        rstd = torch.rsqrt(row_squares.sum(-1, keepdim=True) / x.shape[-1] + eps)
+        out = (torch.nn.functional.linear(x.float(), weight.float()) * rstd).to(x.dtype)
+    else:
+        out = torch.nn.functional.linear(x, weight)
+    if silu_mul:  # weight packs gate then up: silu(gate) * up, each rounded as HF's MLP rounds them
+        gate, up = out.chunk(2, -1)
+        out = torch.nn.functional.silu(gate) * up
     return out if residual is None else residual + out
 
 
-def _check(x, weight, gamma, eps, residual, gated) -> None:
+def norm_out_reference(out: torch.Tensor, next_gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a product hands the next RMSNorm's readers: ``next_gamma * out`` rounded to out's dtype, and
+    each row's sums of ``out ** 2`` (float32) over consecutive chunks of SQUARE_COLS columns."""
+    out32 = out.float()
+    scaled = (next_gamma.float() * out32).to(out.dtype)
+    squares = torch.nn.functional.pad(out32 * out32, (0, -out.shape[-1] % SQUARE_COLS))
+    return scaled, squares.unflatten(-1, (-1, SQUARE_COLS)).sum(-1)
+
+
+def _check(x, weight, gamma, eps, residual, gated, silu_mul=False, row_squares=None, next_gamma=None) -> None:
     k = x.shape[-1] // 2 if gated else x.shape[-1]
     problems = []
     if gated and (gamma is not None or x.shape[-1] % 2):
         problems.append(f"gated: x must be [..., 2K] (gate, then up) and gamma None; got x {tuple(x.shape)}, "
                         f"gamma {'given' if gamma is not None else None}")
-    if weight.dim() != 2 or weight.shape[1] != k:
-        problems.append(f"weight must be [N, K={k}]; got {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != k or (silu_mul and weight.shape[0] % 2):
+        problems.append(f"weight must be [{'2N' if silu_mul else 'N'}, K={k}]; got {tuple(weight.shape)}")
     if gamma is not None and gamma.shape != (k,):
         problems.append(f"gamma must be [K={k}]; got {tuple(gamma.shape)}")
-    want = (*x.shape[:-1], weight.shape[0])
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    want = (*x.shape[:-1], n)
     if residual is not None and tuple(residual.shape) != want:
         problems.append(f"residual must be the output's shape {list(want)}; got {tuple(residual.shape)}")
-    dtypes = {t.dtype for t in (x, weight, gamma, residual) if t is not None}
+    if row_squares is not None and (gamma is not None or gated or row_squares.dtype != torch.float32
+                                    or tuple(row_squares.shape[:-1]) != tuple(x.shape[:-1])):
+        problems.append(f"row_squares must be float32 [..., P] over x's rows {list(x.shape[:-1])}, without gamma "
+                        f"or gated; got {row_squares.dtype} {tuple(row_squares.shape)}")
+    if next_gamma is not None and tuple(next_gamma.shape) != (n,):
+        problems.append(f"next_gamma must be [N={n}]; got {tuple(next_gamma.shape)}")
+    dtypes = {t.dtype for t in (x, weight, gamma, residual, next_gamma) if t is not None}
     if len(dtypes) > 1:
-        problems.append(f"x, weight, gamma, residual must share one dtype; got {sorted(map(str, dtypes))}")
-    if gamma is not None and not eps > 0:
+        problems.append(f"x, weight, gamma, residual, next_gamma must share one dtype; got {sorted(map(str, dtypes))}")
+    if (gamma is not None or row_squares is not None) and not eps > 0:
         problems.append(f"eps={eps}: must be > 0")
     if problems:
         raise ValueError("fused_linear: " + "; ".join(problems))
 
 
+def _use_kernel(x, weight) -> bool:
+    m = x.numel() // x.shape[-1]
+    return os.environ.get("SPECGRAPH_REFERENCE_KERNELS") != "1" and m <= MAX_ROWS and weight.stride(-1) == 1
+
+
 @torch.library.custom_op("specgraph::fused_linear", mutates_args=())
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None, eps: float,
-                 residual: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-    """``[residual +] F.linear(prologue(x), weight)`` (contract in the module docstring). CPU: the reference."""
-    _check(x, weight, gamma, eps, residual, gated)
-    return fused_linear_reference(x, weight, gamma, eps, residual, gated)
+                 residual: torch.Tensor | None, gated: bool = False, silu_mul: bool = False,
+                 row_squares: torch.Tensor | None = None) -> torch.Tensor:
+    """``[residual +] epilogue(F.linear(prologue(x), weight))`` (contract in the module docstring). CPU: the
+    reference."""
+    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
+    return fused_linear_reference(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
 
 
 @fused_linear.register_kernel("cuda")
-def _fused_linear_cuda(x, weight, gamma, eps, residual, gated=False):
-    _check(x, weight, gamma, eps, residual, gated)
-    m = x.numel() // x.shape[-1]
-    if os.environ.get("SPECGRAPH_REFERENCE_KERNELS") == "1" or m > MAX_ROWS or weight.stride(-1) != 1:
-        return fused_linear_reference(x, weight, gamma, eps, residual, gated)
-    return fused_linear_triton(x, weight, gamma, eps, residual, gated)
+def _fused_linear_cuda(x, weight, gamma, eps, residual, gated=False, silu_mul=False, row_squares=None):
+    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
+    if not _use_kernel(x, weight):
+        return fused_linear_reference(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
+    return fused_linear_triton(x, weight, gamma, eps, residual, gated, silu_mul=silu_mul, row_squares=row_squares)
 
 
 @fused_linear.register_fake
-def _fused_linear_fake(x, weight, gamma, eps, residual, gated=False):
-    _check(x, weight, gamma, eps, residual, gated)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _fused_linear_fake(x, weight, gamma, eps, residual, gated=False, silu_mul=False, row_squares=None):
+    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if silu_mul else weight.shape[0]))
+
+
+def fused_linear_norm_out_reference(x, weight, residual, next_gamma):
+    """Plain torch (CPU, decomposition, oracle): ``(out, *norm_out_reference(out, next_gamma))``."""
+    out = fused_linear_reference(x, weight, None, 0.0, residual)
+    return (out, *norm_out_reference(out, next_gamma))
+
+
+@torch.library.custom_op("specgraph::fused_linear_norm_out", mutates_args=())
+def fused_linear_norm_out(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                          next_gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``out = [residual +] F.linear(x, weight)`` and what the next RMSNorm's readers take instead of its
+    output: ``(out, next_gamma * out, row sums of out ** 2 per 16 columns)`` (``norm_out_reference``); a
+    reader is then ``fused_linear(scaled, W, None, eps, None, row_squares=squares)``. CPU: the reference."""
+    _check(x, weight, None, 0.0, residual, False, next_gamma=next_gamma)
+    return fused_linear_norm_out_reference(x, weight, residual, next_gamma)
+
+
+@fused_linear_norm_out.register_kernel("cuda")
+def _fused_linear_norm_out_cuda(x, weight, residual, next_gamma):
+    _check(x, weight, None, 0.0, residual, False, next_gamma=next_gamma)
+    if not _use_kernel(x, weight):
+        return fused_linear_norm_out_reference(x, weight, residual, next_gamma)
+    return fused_linear_triton(x, weight, None, 0.0, residual, next_gamma=next_gamma)
+
+
+@fused_linear_norm_out.register_fake
+def _fused_linear_norm_out_fake(x, weight, residual, next_gamma):
+    _check(x, weight, None, 0.0, residual, False, next_gamma=next_gamma)
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return out, torch.empty_like(out), x.new_empty((*x.shape[:-1], triton.cdiv(weight.shape[0], SQUARE_COLS)),
+                                                   dtype=torch.float32)

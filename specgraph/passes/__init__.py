@@ -19,6 +19,7 @@ import torch
 from .pass_result import GraphContext, HiddenTaps, PassResult
 from .fold_cache_writes import fold_cache_writes
 from .fold_norms import fold_norms
+from .fold_norms_rows import fold_norms_rows
 from .fold_rotary import fold_rotary
 from .fuse_projections import fuse_projections, pack_projections
 from .inplace_cache_writes import inplace_cache_writes
@@ -37,7 +38,7 @@ PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections
 # Passes that only make the graph faster: the graph is correct without them (SPECGRAPH_SKIP_PASSES).
 OPTIONAL = ("fuse_projections", "fold_cache_writes", "fold_rotary", "fold_norms")
 # Speed-up passes that are correct and tested but not measured faster: off unless SPECGRAPH_EXTRA_PASSES.
-EXPERIMENTAL: dict = {}
+EXPERIMENTAL: dict = {"fold_norms_rows": fold_norms_rows}
 
 
 def skipped_passes() -> set[str]:
@@ -85,4 +86,4 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
 
 __all__ = ["GraphContext", "HiddenTaps", "PassResult", "PIPELINE", "run_pipeline", "replace_attention",
            "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections", "inplace_cache_writes",
-           "fold_cache_writes", "fold_rotary", "fold_norms"]
+           "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specgraph.kernels
-from specgraph.kernels.fused_linear import MAX_ROWS, fused_linear_reference, fused_linear_triton
+from specgraph.kernels.fused_linear import MAX_ROWS, fused_linear_reference, fused_linear_triton, rms_norm_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -117,3 +117,93 @@ def test_op_through_export_decompositions_and_compile():
     assert not any("specgraph" in str(n.target) for n in decomposed.graph.nodes)
     torch.testing.assert_close(decomposed.module()(*args), want)
     torch.testing.assert_close(torch.compile(_Block(), fullgraph=True)(*args), want)
+
+
+# ----------------------------------------------------------------------------- epilogues for multi-row folds
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_silu_mul_epilogue_is_hf_gated_mlp_input(m, dtype, norm):
+    """silu_mul: the packed gate/up product writes silu(gate) * up, each rounded as HF's MLP rounds them."""
+    x, _, gamma, _ = (t.to(DEVICE) for t in case(m + 7, m, 96, 40, dtype))
+    gate_up = (torch.randn(2 * 24, 96, generator=torch.Generator().manual_seed(m)) / 96**0.5).to(dtype).to(DEVICE)
+    gamma = gamma if norm else None
+    normed = rms_norm_reference(x, gamma, 1e-6) if norm else x
+    gate, up = torch.nn.functional.linear(normed, gate_up).chunk(2, -1)
+    hf = torch.nn.functional.silu(gate) * up  # LlamaMLP's act_fn(gate_proj(x)) * up_proj(x)
+    want = fused_linear_reference(x, gate_up, gamma, 1e-6, silu_mul=True)
+    assert want.shape == (1, m, 24)
+    torch.testing.assert_close(want.float(), hf.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for tiles in (None, (16, 16, 32, 4, 2), (1, 8, 64, 4, 3)):
+        got = fused_linear_triton(x, gate_up, gamma, 1e-6, tiles=tiles, silu_mul=True)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 8])
+def test_norm_out_feeds_the_next_norms_readers(m, dtype):
+    """A residual-add product hands the next RMSNorm's readers gamma * h and h's row sums of squares; a reader
+    scaling its product by the rstd computes HF's norm-then-product (the rstd from float32 sums, the rounding of
+    gamma * h instead of HF's rounding of the normalized row: within the dtype's tolerance), the kernel as its
+    reference does, and the float64 formula for float32."""
+    x, w_o, _, residual = (t.to(DEVICE) for t in case(3 * m, m, 64, 80, dtype))  # out: 80 columns, 5 chunks of 16
+    g = torch.Generator().manual_seed(m)
+    gamma = (1 + 0.2 * torch.randn(80, generator=g)).to(dtype).to(DEVICE)
+    w_next = (torch.randn(48, 80, generator=g) / 80**0.5).to(dtype).to(DEVICE)
+    h, scaled, squares = torch.ops.specgraph.fused_linear_norm_out(x, w_o, residual, gamma)  # CPU: the reference
+    assert squares.shape == (1, m, 5) and squares.dtype == torch.float32
+    got = fused_linear_triton(x, w_o, None, 0.0, residual, next_gamma=gamma)
+    for a, b in zip(got, (h, scaled, squares)):
+        torch.testing.assert_close(a.float(), b.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    hf = fused_linear_reference(h, w_next, gamma, 1e-5)  # rms_norm(h) then the product, op for op
+    want = fused_linear_reference(scaled, w_next, None, 1e-5, row_squares=squares)
+    torch.testing.assert_close(want.float(), hf.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for tiles in (None, (16, 16, 32, 4, 2), (1, 8, 64, 4, 3)):
+        read = fused_linear_triton(scaled, w_next, None, 1e-5, tiles=tiles, row_squares=squares)
+        torch.testing.assert_close(read.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    if dtype == torch.float32:
+        h64 = h.double()
+        oracle = torch.nn.functional.linear(
+            gamma.double() * h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5), w_next.double())
+        torch.testing.assert_close(read.double(), oracle, atol=2e-5, rtol=2e-5)
+
+
+def test_epilogue_arguments_are_checked():
+    x, weight, gamma, residual = case(4)
+    op, norm_out = torch.ops.specgraph.fused_linear, torch.ops.specgraph.fused_linear_norm_out
+    with pytest.raises(ValueError, match=r"weight must be \[2N, K=96\]"):
+        op(x, weight[:39], None, 0.0, None, False, True)
+    with pytest.raises(ValueError, match="row_squares must be float32"):
+        op(x, weight, gamma, 1e-6, None, False, False, torch.ones(1, 3, 6))
+    with pytest.raises(ValueError, match="row_squares must be float32"):
+        op(x, weight, None, 1e-6, None, False, False, torch.ones(1, 3, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"next_gamma must be \[N=40\]"):
+        norm_out(x, weight, residual, gamma)
+
+
+class _RowsLayer(torch.nn.Module):
+    """o + residual handing the next norm's readers gamma * h and its squares; gate/up scaled by the rstd with
+    the SiLU·mul epilogue; down + residual: a multi-row MLP half as fold_norms_rows leaves it."""
+
+    def forward(self, x, w_o, residual, gamma, w_gu, w_down):
+        h, scaled, squares = torch.ops.specgraph.fused_linear_norm_out(x, w_o, residual, gamma)
+        act = torch.ops.specgraph.fused_linear(scaled, w_gu, None, 1e-5, None, False, True, squares)
+        return torch.ops.specgraph.fused_linear(act, w_down, None, 0.0, h)
+
+
+def test_epilogue_ops_through_export_decompositions_and_compile():
+    g = torch.Generator().manual_seed(9)
+    x, residual = torch.randn(1, 4, 32, generator=g), torch.randn(1, 4, 32, generator=g)
+    args = (x, torch.randn(32, 32, generator=g) / 6, residual, 1 + 0.1 * torch.randn(32, generator=g),
+            torch.randn(96, 32, generator=g) / 6, torch.randn(32, 48, generator=g) / 7)
+    want = _RowsLayer()(*args)
+    h = residual + torch.nn.functional.linear(x, args[1])  # the same layer in HF's ops
+    gate, up = torch.nn.functional.linear(rms_norm_reference(h, args[3], 1e-5), args[4]).chunk(2, -1)
+    torch.testing.assert_close(want, h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, args[5]),
+                               atol=1e-5, rtol=1e-5)
+    decomposed = torch.export.export(_RowsLayer(), args).run_decompositions(specgraph.kernels.DECOMPOSITIONS)
+    assert not any("specgraph" in str(n.target) for n in decomposed.graph.nodes)
+    torch.testing.assert_close(decomposed.module()(*args), want)
+    torch.testing.assert_close(torch.compile(_RowsLayer(), fullgraph=True)(*args), want)

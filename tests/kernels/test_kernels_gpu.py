@@ -157,3 +157,42 @@ def test_fused_linear_at_real_shapes_replayed_in_a_cuda_graph(k, n, m):
         graph.replay()
         torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
 
+
+
+@pytest.mark.parametrize("hidden, inter", [(576, 1536), (4096, 14336)], ids=["smollm2", "8b"])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_fused_linear_epilogues_at_real_shapes_replayed_in_a_cuda_graph(hidden, inter, m):
+    """fold_norms_rows' ops in bf16, replayed in a CUDA graph: o + residual against its reference, the handed
+    over gamma * h and squares against the reference's of the kernel's own h, gate/up scaled by the rstd with
+    the SiLU·mul epilogue against its reference on the kernel's own inputs; and that pair of references
+    against HF's norm-then-product."""
+    from specgraph.kernels.fused_linear import fused_linear_reference, norm_out_reference
+
+    g = torch.Generator(device="cuda").manual_seed(hidden + m)
+    rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    x, residual, gamma = rand(1, m, hidden), rand(1, m, hidden), 1 + 0.1 * rand(hidden)
+    w_o, w_gu = rand(hidden, hidden) / hidden**0.5, rand(2 * inter, hidden) / hidden**0.5
+
+    def layer():
+        h, scaled, squares = torch.ops.specgraph.fused_linear_norm_out(x, w_o, residual, gamma)
+        return h, scaled, squares, torch.ops.specgraph.fused_linear(scaled, w_gu, None, 1e-5, None, False, True, squares)
+
+    outs = layer()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer()
+    for out in outs:
+        out.zero_()
+    graph.replay()
+    h, scaled, squares, act = outs
+    want_h = fused_linear_reference(x, w_o, None, 0.0, residual)
+    torch.testing.assert_close(h.float(), want_h.float(), atol=3e-2, rtol=3e-2)
+    want_scaled, want_squares = norm_out_reference(h, gamma)
+    torch.testing.assert_close(scaled.float(), want_scaled.float(), atol=0, rtol=8e-3)  # one bf16 rounding
+    torch.testing.assert_close(squares, want_squares, atol=1e-3, rtol=1e-5)  # float32 sums of 16 squares
+    want_act = fused_linear_reference(scaled, w_gu, None, 1e-5, None, False, True, squares)
+    torch.testing.assert_close(act.float(), want_act.float(), atol=3e-2, rtol=3e-2)
+    hf = fused_linear_reference(want_h, w_gu, gamma, 1e-5, None, False, True)  # norm, gate/up, SiLU·mul as HF
+    ref_scaled, ref_squares = norm_out_reference(want_h, gamma)
+    chained = fused_linear_reference(ref_scaled, w_gu, None, 1e-5, None, False, True, ref_squares)
+    torch.testing.assert_close(chained.float(), hf.float(), atol=3e-2, rtol=3e-2)

@@ -96,7 +96,7 @@ def test_splits_merged_by_their_last_program_or_a_second_launch(seed):
     case = make_case(300 + seed, dtype=torch.float32).to(device=device)
     want = tree_attention_reference(*case.args())
     for splits in (2, 9):
-        here = tree_attention_triton(*case.args(), num_splits=splits)
+        here = tree_attention_triton(*case.args(), num_splits=splits, merge_here=True)
         launched = tree_attention_triton(*case.args(), num_splits=splits, merge_here=False)
         torch.testing.assert_close(here, want, atol=TOLERANCE[torch.float32], rtol=0)
         torch.testing.assert_close(here, launched, atol=1e-6, rtol=0)

@@ -1,0 +1,141 @@
+"""fold_norms_rows (experimental): in steps of 2..16 rows, each RMSNorm whose input is a residual add of a
+product moves into that product's epilogue and its readers' row scaling, and the gated MLP's SiLU·mul into
+the packed gate/up product's epilogue -- so no multi-row product has anything between its load of x and
+``tl.dot`` (with a prologue there, the 16-row tiles lost to cuBLAS; without, they matched it: fourteenth
+session, docs/benchmarks.md).
+
+Requires: fold_norms has run (it folds one-row steps; it leaves steps of more rows untouched).
+Ensures: in a step of 2..MAX_ROWS rows: (1) a norm ``n`` = HF's LlamaRMSNorm of ``h = add(r, linear(y, W))``
+  (the linear bias-free, read only by the add, maybe through an eval-mode dropout; either order), every user of n a bias-free linear, becomes
+  ``(h, scaled, squares) = fused_linear_norm_out(y, W, r, gamma)``: every reader of h reads the first
+  output, each linear ``linear(n, V)`` becomes ``fused_linear(scaled, V, None, eps, None, False, False,
+  squares)`` (the product of ``gamma * h``, each row times its rstd from the squares); (2)
+  ``silu(gu[..., :I]) * gu[..., I:]`` on the halves of one packed gate/up product gu (a bias-free linear, or
+  a fused_linear of (1) without a prologue), gu read only by that split, becomes that product with
+  ``silu_mul=True`` (output [..., I]). Norms with another producer (the first layer's, after the embedding),
+  Gemma's (1 + weight) norms, other activations stay, counted when the rows are out of range.
+  Counters: norms_folded, silu_mul_folded, rows_out_of_range.
+Numerics: the readers scale the product of ``gamma * h`` (rounded to h's dtype) by the rstd, where HF
+  rounds the normalized row first; the rstd sums h ** 2 in float32 per 16 columns, then over the row. Within
+  the bf16 tolerance of fused_linear's tests, not bit for bit.
+Why experimental: correct and tested on the CPU, not yet measured on the GPU (a verify step of 8 nodes
+  pays ~0.2 ms for its norm and SiLU·mul kernels at the 8B shape: fourteenth session's profile).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from .. import kernels  # noqa: F401  (registers the specgraph ops)
+from ..kernels.fused_linear import MAX_ROWS
+from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, _rms_norm_parts
+from .pass_result import GraphContext, PassResult, drop_dead_code
+from .pass_result import is_call as _call, val as _val
+
+aten = torch.ops.aten
+NORM_OUT = torch.ops.specgraph.fused_linear_norm_out.default
+
+
+def _rows_in_range(node) -> bool:
+    val = _val(node)
+    return val is not None and 2 <= math.prod(val.shape[:-1]) <= MAX_ROWS
+
+
+def _residual_product(add):
+    """(linear, the nodes between it and the add, r) when ``add`` is ``r + linear(y, W)`` (either order,
+    maybe through an eval-mode dropout, Phi-3's), the linear bias-free and read only on the way to the add,
+    all of the add's shape and dtype; else None."""
+    if not (_call(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs and _val(add) is not None):
+        return None
+    for residual, product in (add.args, add.args[::-1]):
+        linear, between = product, []
+        if _call(product, aten.dropout.default) and product.args[2:3] == (False,) and list(product.users) == [add]:
+            linear, between = product.args[0], [product]
+        reader = between[0] if between else add
+        if not (_call(linear, LINEAR) and _bias_free(linear) and list(linear.users) == [reader]
+                and isinstance(residual, torch.fx.Node) and _val(residual) is not None and _val(linear) is not None):
+            continue
+        if {(_val(t).shape, _val(t).dtype) for t in (residual, linear)} == {(_val(add).shape, _val(add).dtype)}:
+            return linear, between, residual
+    return None
+
+
+def _fake_like(val, shape, dtype):
+    with val.fake_mode:
+        return torch.empty(shape, dtype=dtype, device=val.device)
+
+
+def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
+    graph = gm.graph
+    norms = silu_muls = out_of_range = 0
+    chains, bypassed = [], []
+    # (1) a norm of a residual add of a product: the product hands its readers gamma * h and h's squares
+    for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
+        users = list(node.users)
+        if not users or not all(_call(u, LINEAR) and u.args[0] is node and _bias_free(u) for u in users):
+            continue
+        parts = _rms_norm_parts(node)
+        if parts is None:
+            continue
+        h, gamma, eps, chain = parts
+        producer = _residual_product(h)
+        if producer is None:
+            continue
+        if not _rows_in_range(h):
+            out_of_range += 1
+            continue
+        linear, between, residual = producer
+        with graph.inserting_before(h):
+            fused = graph.call_function(NORM_OUT, (linear.args[0], linear.args[1], residual, gamma))
+            outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(3)]
+        h_val = _val(h)
+        squares = _fake_like(h_val, (*h_val.shape[:-1], -(-h_val.shape[-1] // 16)), torch.float32)
+        fused.meta["val"] = (h_val, _fake_like(h_val, h_val.shape, h_val.dtype), squares)
+        for out, value in zip(outs, fused.meta["val"]):
+            out.meta["val"] = value
+        for reader in users:
+            with graph.inserting_before(reader):
+                read = graph.call_function(FUSED_LINEAR, (outs[1], reader.args[1], None, eps, None, False, False,
+                                                          outs[2]))
+            read.meta = dict(reader.meta)
+            reader.replace_all_uses_with(read)
+            graph.erase_node(reader)
+        h.replace_all_uses_with(outs[0])  # the norm chain too: it is dead now, and dropped below
+        for dead in (h, *between, linear):
+            graph.erase_node(dead)
+        chains.append(chain)  # dead now, but x32: h itself, or its cast that may also carry the residual on
+        norms += 1
+    # (2) silu(gate) * up on one packed gate/up product: the product's epilogue
+    for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
+        gate_up = _gated_source(node)
+        if gate_up is None or len(gate_up.users) != 1:
+            continue
+        if _call(gate_up, LINEAR) and _bias_free(gate_up):
+            args = (gate_up.args[0], gate_up.args[1], None, 0.0, None, False, True, None)
+        elif _call(gate_up, FUSED_LINEAR) and gate_up.args[2] is None and gate_up.args[4] is None \
+                and gate_up.args[5:7] in ((), (False,), (False, False)):
+            args = (*gate_up.args[:5], False, True, gate_up.args[7] if len(gate_up.args) > 7 else None)
+        else:
+            continue
+        if not _rows_in_range(node):
+            out_of_range += 1
+            continue
+        with graph.inserting_before(node):
+            fused = graph.call_function(FUSED_LINEAR, args)
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        bypassed.append(node)
+        silu_muls += 1
+    drop_dead_code(graph, [n for chain in chains for n in chain if not n._erased] + bypassed)
+    gm.recompile()
+
+    # Postconditions: no folded norm survives; each producer feeds readers that scale by its squares.
+    assert all(n._erased for chain in chains for n in chain[:-1]), "fold_norms_rows left a folded norm alive"
+    assert len(graph.find_nodes(op="call_function", target=NORM_OUT)) == norms
+    scaled_readers = [n for n in graph.find_nodes(op="call_function", target=FUSED_LINEAR)
+                      if len(n.args) > 7 and n.args[7] is not None]
+    assert all(_call(n.args[7], operator.getitem) and n.args[7].args[0].target == NORM_OUT for n in scaled_readers)
+    return PassResult(gm, bool(norms or silu_muls),
+                      {"norms_folded": norms, "silu_mul_folded": silu_muls, "rows_out_of_range": out_of_range})

@@ -1,0 +1,78 @@
+"""fold_norms_rows (experimental: SPECGRAPH_EXTRA_PASSES=fold_norms_rows): in steps of 2..16 rows, the norms
+whose input is a residual add of a product move into that product's epilogue and their readers' row scaling,
+SiLU·mul into the packed gate/up product's epilogue. The folded step computes the unfolded one's logits and
+cache (fp32, CPU: the ops' references) on four architectures, every node of a tree still matches HF eager on
+its root path, and steps outside 2..16 rows are left alone."""
+import pytest
+import torch
+
+from specgraph.capture import Capture
+from specgraph.drafts.autoregressive import chain_mask
+from capture_harness import Driver, check_tree_against_hf
+from test_capture import TOL, tiny_model
+
+NORM_OUT = torch.ops.specgraph.fused_linear_norm_out.default
+FUSED = torch.ops.specgraph.fused_linear.default
+
+
+def _step(model, rows, monkeypatch, extra: bool):
+    if extra:
+        monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_norms_rows")
+    else:
+        monkeypatch.delenv("SPECGRAPH_EXTRA_PASSES", raising=False)
+    return Capture(model, 64).step(1, rows)
+
+
+@pytest.mark.parametrize("name, silu", [("llama", True), ("qwen3", True), ("phi3", False), ("gemma3", None)])
+def test_multi_row_step_matches_the_unfolded_one(name, silu, monkeypatch):
+    """8 rows: every norm but the first layer's (its input is the embedding) and the final one (read through
+    prune_logits' alias) folds; SiLU·mul where fuse_projections split the packed gate/up (Phi-3 chunks its
+    own); Gemma-3's (1 + weight) norms sit between each product and its residual add: nothing."""
+    model = tiny_model(name)
+    layers = model.config.num_hidden_layers
+    plain, step = _step(model, 8, monkeypatch, False), _step(model, 8, monkeypatch, True)
+    counters = dict(step.pass_results)["fold_norms_rows"].counters
+    if silu is None:
+        assert counters == {"norms_folded": 0, "silu_mul_folded": 0, "rows_out_of_range": 0}
+    else:
+        assert counters == {"norms_folded": 2 * layers - 1, "silu_mul_folded": layers if silu else 0,
+                            "rows_out_of_range": 0}
+        graph = step.program.graph_module.graph
+        assert len(graph.find_nodes(op="call_function", target=NORM_OUT)) == 2 * layers - 1
+        readers = [n for n in graph.find_nodes(op="call_function", target=FUSED) if n.args[7] is not None]
+        assert len(readers) == 2 * layers - 1  # one packed q/k/v or gate/up product per norm
+        rsqrts = [len(s.program.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default))
+                  for s in (plain, step)]
+        assert rsqrts[0] - rsqrts[1] == 2 * layers - 1  # the folded norms' (Qwen3's q/k norms stay)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 101, (1, 8), generator=gen)
+    cache_len = torch.tensor([7])
+    positions = cache_len.unsqueeze(1) + torch.arange(8)
+    chain = chain_mask(8, "cpu").expand(1, 8).contiguous()
+    for s in (plain, step):
+        s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(6)))
+    with torch.no_grad():
+        want, got = plain(ids, positions, cache_len, chain), step(ids, positions, cache_len, chain)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.kv, plain.kv, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_every_node_matches_hf_with_the_fold(name, monkeypatch):
+    """Three sequences, a 5-node tree each (15 rows): each node's logits equal HF eager's on its root path."""
+    monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_norms_rows")
+    d = Driver(tiny_model(name), batch=3, max_length=96, seed=3)
+    d.prefill([[d.rng.randrange(3, 101) for _ in range(length)] for length in (6, 29, 17)])
+    counters = dict(d.capture.step(3, 5).pass_results)["fold_norms_rows"].counters
+    assert counters["norms_folded"] == 2 * d.model.config.num_hidden_layers - 1
+    check_tree_against_hf(d, nodes=5, tol=TOL)
+
+
+@pytest.mark.parametrize("rows, out_of_range", [(1, 0), (17, 5)])
+def test_rows_outside_the_kernels_range_are_left_alone(rows, out_of_range, monkeypatch):
+    """One row is fold_norms' (already folded: nothing left to match); 17 rows exceed fused_linear's 16:
+    counted, the graph keeps its norms and SiLU·mul."""
+    step = _step(tiny_model("llama"), rows, monkeypatch, True)
+    assert dict(step.pass_results)["fold_norms_rows"].counters == {"norms_folded": 0, "silu_mul_folded": 0,
+                                                                   "rows_out_of_range": out_of_range}
+    assert not step.program.graph_module.graph.find_nodes(op="call_function", target=NORM_OUT)
