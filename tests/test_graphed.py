@@ -127,9 +127,13 @@ def _assert_matches_hf(model, spec, rows, new_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,batch", [("eagle3", 1), ("eagle3", 2), ("ngram", 2)])
-def test_recorded_step_is_token_exact_on_cuda(kind, batch, monkeypatch):
+@pytest.mark.parametrize("kind,batch,extra", [("eagle3", 1, ""), ("eagle3", 2, ""), ("ngram", 2, ""),
+                                             ("ngram", 2, "fold_norms_rows")])
+def test_recorded_step_is_token_exact_on_cuda(kind, batch, extra, monkeypatch):
+    """Greedy generate through the recorded step graph equals HF's greedy on the GPU (with extra: the
+    experimental pass too, its kernels in the verify step of 2 x 5 rows)."""
     monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", extra)
     model, spec = _compile_on_cuda(kind, 4, (4, 3, 10), batch, 160)
     rows = prompts(3, [11, 30][:batch])
     for call in range(2):  # the second call reuses the recorded graph with new prompts copied in
