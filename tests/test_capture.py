@@ -94,8 +94,10 @@ def test_pass_counters(driver):
     for node in folded:  # the step's own K/V (un-expanded: the kernel does GQA), in the cache's dtype
         key, value = (node.args[i].meta["val"] for i in (3, 4))
         assert node.args[1] is kv and key.shape == value.shape == (driver.batch, info.num_kv_heads, 8, info.head_dim)
-    # 8 rows per sequence: up to fold_rotary.MAX_ROWS, the RoPE moves into the attention
-    _assert_rope_folded(step, driver.model)
+    # 3 sequences x 8 rows: above fold_rotary.MAX_ROWS rows in all, the RoPE stays in the graph
+    assert dict(step.pass_results)["fold_rotary"].counters == {"rotary_folded": 0, "rotary_unfolded": info.num_layers}
+    assert all(len(n.args) == 9 for n in folded)
+    _assert_rope_folded(driver.capture.step(1, 8), driver.model)  # one sequence x 8 rows: folded
 
 
 def _assert_rope_folded(step, model):
@@ -123,7 +125,7 @@ def test_multi_row_fold_is_exact_when_allowed(driver, monkeypatch):
     the RoPE stays apart; with it raised, a 12-node tree folds and every node still matches HF on its
     root path."""
     fold_rotary = importlib.import_module("specgraph.passes.fold_rotary")
-    above = driver.capture.step(driver.batch, fold_rotary.MAX_ROWS + 1)  # above the limit: apart, counted
+    above = driver.capture.step(1, fold_rotary.MAX_ROWS + 1)  # above the limit: apart, counted
     assert dict(above.pass_results)["fold_rotary"].counters == {"rotary_folded": 0,
                                                                 "rotary_unfolded": above.info.num_layers}
     monkeypatch.setattr(fold_rotary, "MAX_ROWS", 64)

@@ -170,3 +170,25 @@ def test_smollm2_decode_step_folds_every_layer_and_matches_hf():
     counters = dict(driver.capture.step(1, 1).pass_results)["fold_norms"].counters
     assert counters == {"norms_folded": 2 * layers, "adds_folded": 2 * layers, "gated_folded": layers,
                         "too_many_rows": 0}
+
+
+class SelfAdd(torch.nn.Module):
+    """h = y + y of one product, then a norm read by a product: no residual apart from the product."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm, self.out = torch.nn.Linear(16, 16, bias=False), LlamaRMSNorm(16), torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return self.out(self.norm(y + y))
+
+
+def test_a_product_added_to_itself_is_not_a_residual_add():
+    torch.manual_seed(0)
+    module = SelfAdd()
+    x = torch.randn(1, 1, 16)
+    program = torch.export.export(module, (x,))
+    result = fold_norms(program.graph_module, None)
+    assert result.counters["adds_folded"] == 0 and result.counters["norms_folded"] == 1
+    torch.testing.assert_close(program.module()(x), module(x))

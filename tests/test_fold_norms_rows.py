@@ -76,3 +76,16 @@ def test_rows_outside_the_kernels_range_are_left_alone(rows, out_of_range, monke
     assert dict(step.pass_results)["fold_norms_rows"].counters == {"norms_folded": 0, "silu_mul_folded": 0,
                                                                    "rows_out_of_range": out_of_range}
     assert not step.program.graph_module.graph.find_nodes(op="call_function", target=NORM_OUT)
+
+
+def test_a_product_added_to_itself_is_not_a_producer():
+    """h = y + y (one product on both sides of the add): no residual to hand over; the norm stays."""
+    from specgraph.passes.fold_norms_rows import fold_norms_rows
+    from test_fold_norms import SelfAdd
+
+    torch.manual_seed(0)
+    module, x = SelfAdd(), torch.randn(1, 4, 16)
+    program = torch.export.export(module, (x,))
+    assert fold_norms_rows(program.graph_module, None).counters == {"norms_folded": 0, "silu_mul_folded": 0,
+                                                                    "rows_out_of_range": 0}
+    torch.testing.assert_close(program.module()(x), module(x))

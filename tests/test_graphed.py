@@ -141,6 +141,9 @@ def test_recorded_step_is_token_exact_on_cuda(kind, batch, extra, monkeypatch):
         _assert_matches_hf(model, spec, rows, 40)
     (step,) = _graphed_steps(spec)
     assert step.recordings == 1 and step.graph is not None
+    if extra:  # the verify step (2 sequences x 5 nodes) took the folds
+        counters = [dict(s.pass_results)[extra].counters for s in spec.capture._steps.values()]
+        assert any(c["norms_folded"] > 0 and c["silu_mul_folded"] > 0 for c in counters), counters
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ Contract:
   out:      [..., N]  ``[residual +] epilogue(F.linear([rms_norm](x) or [silu(gate) * up], weight))``
 ``specgraph::fused_linear_norm_out(x, weight, residual, next_gamma)`` is the producer of such an x: the
 product with the residual add, plus ``next_gamma * out`` and out's float32 sums of squares per 16 columns
-([..., N / 16]), written by the same programs (``norm_out_reference``). The pass fold_norms_rows
+([..., ceil(N / 16)]), written by the same programs (``norm_out_reference``). The pass fold_norms_rows
 (experimental) uses the pair and ``silu_mul`` for steps of 2..16 rows, where a prologue in front of
 ``tl.dot`` lost to cuBLAS and the bare 16-row tiles matched it (fourteenth session).
 
@@ -180,7 +180,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
                         tiles: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
                         row_squares: torch.Tensor | None = None, next_gamma: torch.Tensor | None = None):
     """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]
-    (silu_mul: weight [2N, K]); with next_gamma, (out, next_gamma * out, row_squares of out [..., N / 16])."""
+    (silu_mul: weight [2N, K]); with next_gamma, (out, next_gamma * out, row_squares of out [..., ceil(N / 16)])."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -198,6 +198,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     scaled = squares_out = None
     if next_gamma is not None:
         block_n = max(block_n, SQUARE_COLS)  # whole chunks of 16 columns per program
+        block_k = min(block_k, 512) if block_m == 1 else block_k  # one row's [BN, BK] lanes stay in registers
         assert block_n % SQUARE_COLS == 0, f"fused_linear_triton: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}"
         scaled = torch.empty_like(out)
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
@@ -235,11 +236,11 @@ def fused_linear_reference(x, weight, gamma=None, eps: float = 1e-6, residual=No
     if gated:
         gate, up = x.chunk(2, -1)
         x = torch.nn.functional.silu(gate) * up
-    if row_squares is not None:  # x = gamma * h: the product times each row's rstd of h, in float32
+    out = torch.nn.functional.linear(x, weight)
+    if row_squares is not None:  # x = gamma * h: each row of the product times h's rstd (the kernel scales its
+        # float32 sums; rounding the product first spares a float32 copy of the weight on this path)
         rstd = torch.rsqrt(row_squares.sum(-1, keepdim=True) / x.shape[-1] + eps)
-        out = (torch.nn.functional.linear(x.float(), weight.float()) * rstd).to(x.dtype)
-    else:
-        out = torch.nn.functional.linear(x, weight)
+        out = (out.float() * rstd).to(x.dtype)
     if silu_mul:  # weight packs gate then up: silu(gate) * up, each rounded as HF's MLP rounds them
         gate, up = out.chunk(2, -1)
         out = torch.nn.functional.silu(gate) * up

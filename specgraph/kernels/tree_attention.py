@@ -272,9 +272,10 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     # Measured on the H200 (benchmarks/kernels.py): when the grid cannot fill the GPU (it is split
     # over the prefix: batch-1 decode, short verify steps), 16-row tiles with 8 warps beat 32- and
     # 64-row ones by 20-35% up to 32 rows (--decode); at B = 32, 64-row tiles (--sweep).
-    # A longer verify step that still cannot fill it (batch 1, 64 nodes: 256 rows a KV head) split
-    # best in 64-row tiles, 4 warps, at most 4 prefix splits merged by a launch of their own (1k
-    # context: 25.5 -> 17.3 us; the in-kernel merge is one program reading the tile's every partial).
+    # A longer verify step whose 64-row tiles still cannot fill it (batch 1, 64 nodes: 256 rows a KV
+    # head) split best in 64-row tiles, 4 warps, each prefix split at least 6 key blocks, merged by a
+    # launch of their own (1k context: 5 splits, 25.5 -> 17.3 us; the in-kernel merge is one program
+    # reading the tile's every partial). Measured at 1k context and batch 1 only.
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
     small_grid = rows <= 32 and b * h_kv * triton.cdiv(rows, 16) < sms
     split_grid = not small_grid and b * h_kv * triton.cdiv(rows, 64) < sms
@@ -286,8 +287,8 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     m_tiles = triton.cdiv(rows, config["block_m"])
     if num_splits is None:
         programs = b * h_kv * m_tiles  # split the prefix only when the grid cannot fill the SMs
-        prefix_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, 4 * config["block_n"]),
-                            63 if config["block_m"] <= 32 else 4)
+        blocks_per_split = 4 if config["block_m"] <= 32 else 6
+        prefix_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, blocks_per_split * config["block_n"]), 63)
         num_splits = 1 if programs >= sms or prefix_splits <= 1 else prefix_splits + 1  # + the window's program
     config.setdefault("merge_here", config["block_m"] <= 32)  # small tiles merge in the kernel
     config.update(m_tiles=m_tiles, num_splits=num_splits)

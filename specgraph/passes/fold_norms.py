@@ -143,6 +143,8 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if len(add.args) != 2 or add.kwargs or _val(add) is None:
             continue
         for residual, product in (add.args, add.args[::-1]):
+            if residual is product:  # y + y: no residual apart from the product
+                break
             linear, reader = product, add
             if _call(product, aten.dropout.default) and product.args[2:3] == (False,) and list(product.users) == [add]:
                 linear, reader = product.args[0], product  # eval-mode dropout (Phi-3's): the identity

@@ -54,6 +54,8 @@ def _residual_product(add):
         if _call(product, aten.dropout.default) and product.args[2:3] == (False,) and list(product.users) == [add]:
             linear, between = product.args[0], [product]
         reader = between[0] if between else add
+        if residual is product or residual is linear:  # y + y: no residual apart from the product
+            continue
         if not (_call(linear, LINEAR) and _bias_free(linear) and list(linear.users) == [reader]
                 and isinstance(residual, torch.fx.Node) and _val(residual) is not None and _val(linear) is not None):
             continue
@@ -70,6 +72,7 @@ def _fake_like(val, shape, dtype):
 def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = silu_muls = out_of_range = 0
+    producers_before = len(graph.find_nodes(op="call_function", target=NORM_OUT))
     chains, bypassed = [], []
     # (1) a norm of a residual add of a product: the product hands its readers gamma * h and h's squares
     for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
@@ -133,7 +136,8 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
 
     # Postconditions: no folded norm survives; each producer feeds readers that scale by its squares.
     assert all(n._erased for chain in chains for n in chain[:-1]), "fold_norms_rows left a folded norm alive"
-    assert len(graph.find_nodes(op="call_function", target=NORM_OUT)) == norms
+    assert all(n._erased for n in bypassed), "fold_norms_rows left a folded SiLU·mul alive"
+    assert len(graph.find_nodes(op="call_function", target=NORM_OUT)) == producers_before + norms
     scaled_readers = [n for n in graph.find_nodes(op="call_function", target=FUSED_LINEAR)
                       if len(n.args) > 7 and n.args[7] is not None]
     assert all(_call(n.args[7], operator.getitem) and n.args[7].args[0].target == NORM_OUT for n in scaled_readers)

@@ -5,11 +5,12 @@ Requires: fold_cache_writes has run: per folded layer ``tree_attention_write(q, 
   convention, whole head_dim) of two tensors with the same cos/sin: ``x * cos.unsqueeze(1) +
   cat(-x[..., D/2:], x[..., :D/2]) * sin.unsqueeze(1)``, up to a cast to the dtype it already has
   and a concatenation with an empty pass-through part (partial-rotary code, e.g. Phi-3, at factor 1).
-  Only steps of up to MAX_ROWS rows per sequence (plain decoding, short verify steps) fold.
+  Only steps of one row per sequence (plain decoding) or of up to MAX_ROWS rows in all (a short verify
+  step at batch 1) fold.
 Ensures: such a layer becomes ``tree_attention_write(q0, kv, l, k0, value, cache_len, tree_mask, scale,
   window, cos, sin)`` on the unrotated q0 / k0 (cos, sin [B, R, D]: the step's tables, shared by every
   layer that uses them); the kernel rotates q at load and the keys before it reads and stores them.
-  Any other layer (partial rotary, another convention, no RoPE, R > MAX_ROWS) keeps its rotated inputs,
+  Any other layer (partial rotary, another convention, no RoPE, B x R > MAX_ROWS with R > 1) keeps its rotated inputs,
   counted, not refused: this is a speed-up. The same tree_attention_write nodes remain, one per folded layer.
 Why: inductor ran each layer's RoPE as launches of its own (q and k: 3.4 + 2.5 us per layer of the 8B
   step in the seventh session's profile); in the kernel it is a second load of q and of the new keys.
@@ -28,11 +29,13 @@ from .replace_attention import CASTS
 
 aten = torch.ops.aten
 TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
-# Rows per sequence up to which the fold is measured faster (H200, Llama-3.1-8B shape, 1k context): R = 1,
+# Rows of a step (B x R) up to which the fold is measured faster when R > 1 (R = 1 folds at any batch)
+# (H200, Llama-3.1-8B shape, 1k context): R = 1,
 # the plain decode step 4.856 -> 4.789-4.804 ms (2026-12-01); R = 8, the attention kernel alone with
 # the rotation 13.66 us against 13.34 without (fourteenth session, launch_config's tiles) while the two
 # RoPE launches it replaces took 2.75 us a layer in the verify step's profile. (An earlier multi-row kernel
-# measured 5.13 -> 6.19 ms at R = 8.) Not measured above 8.
+# measured 5.13 -> 6.19 ms at R = 8.) Not measured above 8 rows, nor at batch > 1 with R > 1 (there the
+# attention takes other tiles: 64 rows, 4 warps, at B x R > 8 for the 8B shape).
 MAX_ROWS = 8
 
 
@@ -108,10 +111,10 @@ def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if len(node.args) > 9 or node.kwargs:
             unfolded.append(f"layer {layer}: already given cos/sin")
             continue
-        rows = _val(q).shape[2] if _val(q) is not None else None
-        if rows is None or rows > MAX_ROWS:
-            unfolded.append(f"layer {layer}: {rows} rows per sequence; the fold is measured faster only up to "
-                            f"{MAX_ROWS} (MAX_ROWS)")
+        batch, rows = (_val(q).shape[0], _val(q).shape[2]) if _val(q) is not None else (None, None)
+        if rows is None or (rows > 1 and batch * rows > MAX_ROWS):
+            unfolded.append(f"layer {layer}: {batch} x {rows} rows; the fold is measured faster at one row per "
+                            f"sequence, or up to {MAX_ROWS} rows in all (MAX_ROWS)")
             continue
         q_parts, k_parts = _rope_parts(q), _rope_parts(key)
         if q_parts is None or k_parts is None:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import specgraph.kernels
-from specgraph.kernels.fused_linear import MAX_ROWS, fused_linear_reference, fused_linear_triton, rms_norm_reference
+from specgraph.kernels.fused_linear import (MAX_ROWS, fused_linear_norm_out_reference, fused_linear_reference,
+                                            fused_linear_triton, rms_norm_reference)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -143,17 +144,20 @@ def test_silu_mul_epilogue_is_hf_gated_mlp_input(m, dtype, norm):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 8])
-def test_norm_out_feeds_the_next_norms_readers(m, dtype):
+@pytest.mark.parametrize("n", [40, 80, 1100], ids=["part_chunk", "whole_chunks", "partials_over_64"])
+def test_norm_out_feeds_the_next_norms_readers(m, n, dtype):
     """A residual-add product hands the next RMSNorm's readers gamma * h and h's row sums of squares; a reader
     scaling its product by the rstd computes HF's norm-then-product (the rstd from float32 sums, the rounding of
     gamma * h instead of HF's rounding of the normalized row: within the dtype's tolerance), the kernel as its
     reference does, and the float64 formula for float32."""
-    x, w_o, _, residual = (t.to(DEVICE) for t in case(3 * m, m, 64, 80, dtype))  # out: 80 columns, 5 chunks of 16
+    x, w_o, _, residual = (t.to(DEVICE) for t in case(3 * m, m, 64, n, dtype))  # n columns: ceil(n / 16) chunks
     g = torch.Generator().manual_seed(m)
-    gamma = (1 + 0.2 * torch.randn(80, generator=g)).to(dtype).to(DEVICE)
-    w_next = (torch.randn(48, 80, generator=g) / 80**0.5).to(dtype).to(DEVICE)
-    h, scaled, squares = torch.ops.specgraph.fused_linear_norm_out(x, w_o, residual, gamma)  # CPU: the reference
-    assert squares.shape == (1, m, 5) and squares.dtype == torch.float32
+    gamma = (1 + 0.2 * torch.randn(n, generator=g)).to(dtype).to(DEVICE)
+    w_next = (torch.randn(48, n, generator=g) / n**0.5).to(dtype).to(DEVICE)
+    h, scaled, squares = fused_linear_norm_out_reference(x, w_o, residual, gamma)
+    assert squares.shape == (1, m, -(-n // 16)) and squares.dtype == torch.float32
+    assert tuple(t.shape for t in torch.ops.specgraph.fused_linear_norm_out(x, w_o, residual, gamma)) == (
+        h.shape, scaled.shape, squares.shape)
     got = fused_linear_triton(x, w_o, None, 0.0, residual, next_gamma=gamma)
     for a, b in zip(got, (h, scaled, squares)):
         torch.testing.assert_close(a.float(), b.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
