@@ -29,7 +29,7 @@ import operator
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from ..kernels.fused_linear import MAX_ROWS
+from ..kernels.fused_linear import MAX_ROWS, SQUARE_COLS
 from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, _rms_norm_parts
 from .pass_result import GraphContext, PassResult, drop_dead_code
 from .pass_result import is_call as _call, val as _val
@@ -94,7 +94,7 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             fused = graph.call_function(NORM_OUT, (linear.args[0], linear.args[1], residual, gamma))
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(3)]
         h_val = _val(h)
-        squares = _fake_like(h_val, (*h_val.shape[:-1], -(-h_val.shape[-1] // 16)), torch.float32)
+        squares = _fake_like(h_val, (*h_val.shape[:-1], -(-h_val.shape[-1] // SQUARE_COLS)), torch.float32)
         fused.meta["val"] = (h_val, _fake_like(h_val, h_val.shape, h_val.dtype), squares)
         for out, value in zip(outs, fused.meta["val"]):
             out.meta["val"] = value
