@@ -202,7 +202,7 @@ DECODE_CASES = ("16:1", "1024:1", "4096:1", "1024:8")  # context:rows R, at batc
 DECODE_SPLITS = (None, 1, 2, 3, 5, 9, 17, 33)  # None: launch_config's choice; else prefix splits + 1
 
 
-def decode_sweep(bandwidth: float, shapes, cases, out: Path) -> list[dict]:
+def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=DECODE_SPLITS, ropes=(True, False)) -> list[dict]:
     """The folded op (``tree_attention_write`` with RoPE, as the decode step runs it) at batch-1
     shapes: launch_config's choice with and without RoPE, then RoPE x tiles x warps x splits.
     Prints the default and the best five per case and RoPE setting; every row goes to ``out`` (after each case)."""
@@ -245,14 +245,14 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path) -> list[dict]:
             kd, vd = k[:, :, : context + 1], v[:, :, : context + 1]
             sdpa = lambda: F.scaled_dot_product_attention(q, kd, vd, scale=d**-0.5, enable_gqa=True)  # noqa: E731
             results.append(dict(case, config="sdpa decode (peer)", rope=False, ms=graphed_ms(sdpa)))
-        tiles = (16, 32, 64) + ((128,) if r * h // h_kv >= 128 else ())
-        for rope, bm, nw, splits in itertools.product((True, False), tiles, (4, 8), DECODE_SPLITS):
-            ms = run(rope, splits, block_m=bm, num_warps=nw)
+        case_tiles = tiles or (16, 32, 64) + ((128,) if r * h // h_kv >= 128 else ())
+        for rope, bm, nw, n_splits in itertools.product(ropes, case_tiles, (4, 8), splits):
+            ms = run(rope, n_splits, block_m=bm, num_warps=nw)
             results.append(dict(case, config="sweep", rope=rope, block_m=bm, num_warps=nw, ms=ms,
-                                splits=splits or launch_config(q, h_kv, s_max, block_m=bm)["num_splits"]))
+                                splits=n_splits or launch_config(q, h_kv, s_max, block_m=bm)["num_splits"]))
         rows += results
         print(f"# decode {shape} context={context} R={r}: floor {floor_ms * 1e3:.2f} us")
-        best = [x for rope in (True, False) for x in sorted(
+        best = [x for rope in ropes for x in sorted(
             (x for x in results if x["config"] == "sweep" and x["rope"] == rope), key=lambda x: x["ms"])[:5]]
         for x in results[:3] + best:
             print(f"#   {x['ms'] * 1e3:7.2f} us  {x['config']:<18} rope={x['rope']!s:<5} block_m={x.get('block_m')} "
@@ -271,6 +271,11 @@ def main() -> None:
                         help="only the batch-1 decode sweep of the folded op (RoPE on/off, tiles, warps, splits)")
     parser.add_argument("--decode-shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--decode-cases", nargs="+", default=list(DECODE_CASES), metavar="CONTEXT:ROWS")
+    parser.add_argument("--decode-tiles", type=int, nargs="+", help="block_m values to sweep (default: 16 32 64, "
+                        "and 128 where a KV head has 128 rows or more); each config compiles, ~2 s apiece")
+    parser.add_argument("--decode-splits", type=int, nargs="+", default=list(DECODE_SPLITS[1:]),
+                        help="split counts to sweep besides launch_config's own (prefix splits + 1)")
+    parser.add_argument("--decode-rope", choices=("both", "on", "off"), default="both")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     from tqdm import tqdm
@@ -280,7 +285,9 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.decode:
         args.out.mkdir(parents=True, exist_ok=True)
-        decode_sweep(bandwidth, args.decode_shapes, args.decode_cases, args.out / "kernels-decode.json")
+        ropes = {"both": (True, False), "on": (True,), "off": (False,)}[args.decode_rope]
+        decode_sweep(bandwidth, args.decode_shapes, args.decode_cases, args.out / "kernels-decode.json",
+                     args.decode_tiles, (None, *args.decode_splits), ropes)
         return
     if args.sweep:
         sweep(bandwidth)
