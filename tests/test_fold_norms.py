@@ -117,9 +117,6 @@ def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, monkey
     gen = torch.Generator().manual_seed(5)
     b, r = 1, 1  # decode at batch 1: the one case folded
     ids = torch.randint(3, 101, (b, r), generator=gen)
-    cache_len = torch.tensor([7])
-    positions = cache_len.unsqueeze(1) + torch.arange(r)
-    chain = chain_mask(r, "cpu").expand(b, r).contiguous()
     monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_norms")
     plain = Capture(model, 64).step(b, r)
     assert "fold_norms" not in dict(plain.pass_results)
@@ -133,6 +130,16 @@ def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, monkey
                             "gated_folded": layers if gated else 0, "too_many_rows": 0}
     else:  # Gemma-3: (1 + weight) norms, norms between each product and its residual add, GELU
         assert counters["norms_folded"] == counters["adds_folded"] == counters["gated_folded"] == 0
+    assert_same_step(plain, step, ids)
+
+
+def assert_same_step(plain, step, ids):
+    """Both captured steps, on the same random cache, over ``ids`` [B, R] as a chain at context 7: the same
+    logits and the same cache written."""
+    b, r = ids.shape
+    cache_len = torch.full((b,), 7)
+    positions = cache_len.unsqueeze(1) + torch.arange(r)
+    chain = chain_mask(r, "cpu").expand(b, r).contiguous()
     for s in (plain, step):
         s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(6)))
     with torch.no_grad():

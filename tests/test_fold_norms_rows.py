@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specgraph.capture import Capture
-from specgraph.drafts.autoregressive import chain_mask
 from capture_harness import Driver, check_tree_against_hf
 from test_capture import TOL, tiny_model
+from test_fold_norms import assert_same_step
 
 NORM_OUT = torch.ops.specgraph.fused_linear_norm_out.default
 FUSED = torch.ops.specgraph.fused_linear.default
@@ -44,17 +44,7 @@ def test_multi_row_step_matches_the_unfolded_one(name, silu, monkeypatch):
         rsqrts = [len(s.program.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default))
                   for s in (plain, step)]
         assert rsqrts[0] - rsqrts[1] == 2 * layers - 1  # the folded norms' (Qwen3's q/k norms stay)
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 101, (1, 8), generator=gen)
-    cache_len = torch.tensor([7])
-    positions = cache_len.unsqueeze(1) + torch.arange(8)
-    chain = chain_mask(8, "cpu").expand(1, 8).contiguous()
-    for s in (plain, step):
-        s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(6)))
-    with torch.no_grad():
-        want, got = plain(ids, positions, cache_len, chain), step(ids, positions, cache_len, chain)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(step.kv, plain.kv, atol=1e-6, rtol=1e-6)
+    assert_same_step(plain, step, torch.randint(3, 101, (1, 8), generator=torch.Generator().manual_seed(5)))
 
 
 @pytest.mark.parametrize("name", ["llama", "phi3"])

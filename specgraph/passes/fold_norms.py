@@ -75,6 +75,20 @@ def _rms_norm_parts(node):
     return None
 
 
+def norms_read_by_linears(graph: torch.fx.Graph):
+    """(norm, its users, ``_rms_norm_parts``) for each HF LlamaRMSNorm whose every user is a bias-free linear
+    reading it as x; a list, so callers may rewrite the graph while they go."""
+    found = []
+    for node in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
+        users = list(node.users)
+        if not users or not all(_call(u, LINEAR) and u.args[0] is node and _bias_free(u) for u in users):
+            continue
+        parts = _rms_norm_parts(node)
+        if parts is not None:
+            found.append((node, users, parts))
+    return found
+
+
 def _gated_source(node):
     """``gu`` when node is ``silu(gu[..., :I]) * gu[..., I:]`` (HF's gated MLP on a packed gate/up
     product, as fuse_projections splits it) and only one product reads it; else None."""
@@ -119,14 +133,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     skipped = {"too_many_rows": 0}
     chains = []
     # (1) a norm whose every user is a bias-free linear: each linear takes x and the norm itself
-    for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
-        users = list(node.users)
-        if not users or not all(_call(u, LINEAR) and u.args[0] is node and _bias_free(u) for u in users):
-            continue
-        parts = _rms_norm_parts(node)
-        if parts is None:
-            continue
-        x, gamma, eps, chain = parts
+    for _, users, (x, gamma, eps, chain) in norms_read_by_linears(graph):
         if reason := _why_not(x):
             skipped[reason] += 1
             continue

@@ -30,7 +30,7 @@ import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
 from ..kernels.fused_linear import MAX_ROWS, SQUARE_COLS
-from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, _rms_norm_parts
+from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears
 from .pass_result import GraphContext, PassResult, drop_dead_code
 from .pass_result import is_call as _call, val as _val
 
@@ -75,14 +75,9 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     producers_before = len(graph.find_nodes(op="call_function", target=NORM_OUT))
     chains, bypassed = [], []
     # (1) a norm of a residual add of a product: the product hands its readers gamma * h and h's squares
-    for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
-        users = list(node.users)
-        if not users or not all(_call(u, LINEAR) and u.args[0] is node and _bias_free(u) for u in users):
+    for _, users, (h, gamma, eps, chain) in norms_read_by_linears(graph):
+        if h._erased:  # a second norm of an h already handed over: its readers keep that norm
             continue
-        parts = _rms_norm_parts(node)
-        if parts is None:
-            continue
-        h, gamma, eps, chain = parts
         producer = _residual_product(h)
         if producer is None:
             continue
