@@ -37,7 +37,7 @@ the script, not for numbers).
 triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
-(SPECGRAPH_EXTRA_PASSES=fold_norms: with an experimental pass);
+(SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one);
 the JSON records it.
 synthetic_accept output is NOT the model's (benchmarks only).
 """

@@ -13,7 +13,7 @@ Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served fro
             fused  norm in the q/k/v and gate/up products' prologue, SiLU*mul in the down product's,
                    the residual add in the o and down products' epilogue, in the default tiles and in
                    the best tiles of the sweep.
-            rows_folded  (M > 1) as the experimental pass fold_norms_rows leaves a step: o and down
+            rows_folded  (M > 1) as the pass fold_norms_rows leaves a step: o and down
                    add the residual and hand gamma * h and h's squares to the next norm's readers,
                    q/k/v and gate/up scale their rows by the rstd, gate/up writes silu(gate) * up.
   At M > 1 the product part also times those epilogue forms (qkv_scaled, o_norm_out,
@@ -91,7 +91,7 @@ def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[
             except Exception as error:  # noqa: BLE001  (a tile that does not compile is skipped, and said)
                 print(f"#   tile {tile} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
         fl.TILE_OVERRIDE = None
-        default = fl.tile_config(m, *key, 2, kind in ("qkv", "gate_up"))
+        default = fl.tile_config(m, *key, 2, kind in ("qkv", "gate_up"), kind == "gate_up_silu")
         row["default_tile"], row["default_us"] = list(default), timings.get(default)
         tile = min(timings, key=timings.get)
         row["best_tile"], row["best_us"] = list(tile), timings[tile]

@@ -65,7 +65,7 @@ def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
     names = [name for name, _ in step.pass_results]
     assert names == ["replace_attention", "tap_hidden_states", "prune_logits", "fuse_projections",
-                     "inplace_cache_writes", "fold_cache_writes", "fold_rotary", "fold_norms"]
+                     "inplace_cache_writes", "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows"]
     result = step.pass_results[0][1]
     assert [r.modified for _, r in step.pass_results[1:3]] == [False, False]  # nothing asked of them
     info = step.info
@@ -98,6 +98,8 @@ def test_pass_counters(driver):
     assert dict(step.pass_results)["fold_rotary"].counters == {"rotary_folded": 0, "rotary_unfolded": info.num_layers}
     assert all(len(n.args) == 9 for n in folded)
     _assert_rope_folded(driver.capture.step(1, 8), driver.model)  # one sequence x 8 rows: folded
+    rows_fold = dict(step.pass_results)["fold_norms_rows"].counters  # 24 rows: above fused_linear's 16
+    assert rows_fold["norms_folded"] == rows_fold["silu_mul_folded"] == 0
 
 
 def _assert_rope_folded(step, model):
@@ -217,9 +219,9 @@ def test_skipping_speed_up_passes_keeps_logits_and_cache(monkeypatch):
     positions = cache_len.unsqueeze(1)
     chain = torch.ones(2, 1, dtype=torch.int64)
     full = Capture(model, 64).step(2, 1)
-    assert [name for name, _ in full.pass_results][-1] == "fold_norms"
+    assert [name for name, _ in full.pass_results][-2:] == ["fold_norms", "fold_norms_rows"]
     _assert_rope_folded(full, model)
-    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_rotary, fold_cache_writes, fold_norms")
+    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_rotary, fold_cache_writes, fold_norms, fold_norms_rows")
     bare = Capture(model, 64).step(2, 1)
     assert [name for name, _ in bare.pass_results][-1] == "inplace_cache_writes"
     graph = bare.program.graph_module.graph

@@ -1,4 +1,4 @@
-"""fold_norms_rows (experimental: SPECGRAPH_EXTRA_PASSES=fold_norms_rows): in steps of 2..16 rows, the norms
+"""fold_norms_rows: in steps of 2..16 rows, the norms
 whose input is a residual add of a product move into that product's epilogue and their readers' row scaling,
 SiLU·mul into the packed gate/up product's epilogue. The folded step computes the unfolded one's logits and
 cache (fp32, CPU: the ops' references) on four architectures, every node of a tree still matches HF eager on
@@ -15,11 +15,11 @@ NORM_OUT = torch.ops.specgraph.fused_linear_norm_out.default
 FUSED = torch.ops.specgraph.fused_linear.default
 
 
-def _step(model, rows, monkeypatch, extra: bool):
-    if extra:
-        monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_norms_rows")
+def _step(model, rows, monkeypatch, folded: bool):
+    if folded:
+        monkeypatch.delenv("SPECGRAPH_SKIP_PASSES", raising=False)
     else:
-        monkeypatch.delenv("SPECGRAPH_EXTRA_PASSES", raising=False)
+        monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_norms_rows")
     return Capture(model, 64).step(1, rows)
 
 
@@ -50,7 +50,7 @@ def test_multi_row_step_matches_the_unfolded_one(name, silu, monkeypatch):
 @pytest.mark.parametrize("name", ["llama", "phi3"])
 def test_every_node_matches_hf_with_the_fold(name, monkeypatch):
     """Three sequences, a 5-node tree each (15 rows): each node's logits equal HF eager's on its root path."""
-    monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_norms_rows")
+    monkeypatch.delenv("SPECGRAPH_SKIP_PASSES", raising=False)
     d = Driver(tiny_model(name), batch=3, max_length=96, seed=3)
     d.prefill([[d.rng.randrange(3, 101) for _ in range(length)] for length in (6, 29, 17)])
     counters = dict(d.capture.step(3, 5).pass_results)["fold_norms_rows"].counters

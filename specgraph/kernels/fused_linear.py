@@ -23,8 +23,9 @@ Contract:
 ``specgraph::fused_linear_norm_out(x, weight, residual, next_gamma)`` is the producer of such an x: the
 product with the residual add, plus ``next_gamma * out`` and out's float32 sums of squares per 16 columns
 ([..., ceil(N / 16)]), written by the same programs (``norm_out_reference``). The pass fold_norms_rows
-(experimental) uses the pair and ``silu_mul`` for steps of 2..16 rows, where a prologue in front of
-``tl.dot`` lost to cuBLAS and the bare 16-row tiles matched it (fourteenth session).
+uses the pair and ``silu_mul`` for steps of 2..16 rows, where a prologue in front of ``tl.dot`` lost to
+cuBLAS and the bare 16-row tiles matched it (fourteenth session; the 8B verify step of 8 nodes 1.136x ->
+1.046x its plain step, fifteenth).
 
 Why: at batch 1 a small model's step is bound by launches, not bytes (SmolLM2-135M: ~250 launches a
 decode step at ~3 us each, 14x its bytes floor, docs/benchmarks.md). A decoder layer launches a
@@ -160,11 +161,14 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, SquaresIn, NextGamma, Scale
 TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = None  # benchmarks' sweeps
 
 
-def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight, from the sweeps of
-    ``benchmarks/fused_linear.py`` (H200, docs/benchmarks.md, thirteenth session): one row on the CUDA cores
-    in 8-row slices of the weight; small weights the whole of K per step (up to 2048) in 8 warps, 8B-sized
-    ones 1024 columns a step in 4 warps with the norm, 512 in 8 without; more rows, 16-row tl.dot tiles."""
+def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
+                silu_mul: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight (silu_mul: N output
+    columns of a [2N, K] weight), from the sweeps of ``benchmarks/fused_linear.py`` (H200, docs/benchmarks.md,
+    thirteenth and fifteenth sessions): one row on the CUDA cores in 8-row slices of the weight; small weights
+    the whole of K per step (up to 2048) in 8 warps, 8B-sized ones 1024 columns a step in 4 warps with the
+    norm, 512 in 8 without; more rows, 16-row tl.dot tiles (the 8B gate/up with silu_mul: 64 x 128 in 3
+    stages, 57.6 us at 8 rows against 61.4 in the others' 32 x 256 in 4, cuBLAS 55.9)."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
     small = n * k * itemsize <= SMALL_WEIGHT_BYTES
@@ -172,6 +176,8 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False) -> tu
         return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))), 8, 3
     if m == 1:
         return (1, 8, 1024, 4, 3) if norm else (1, 8, 512, 8, 3)
+    if silu_mul and not small:
+        return 16, 64, min(128, triton.next_power_of_2(k)), 4, 3
     return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 
@@ -192,7 +198,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         res = res.contiguous()
     squares_in = row_squares.reshape(m, -1).contiguous() if row_squares is not None else None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None)
+    tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None, silu_mul=silu_mul)
     block_m, block_n, block_k, num_warps, num_stages = tiles
     block_m = 1 if m == 1 and block_m == 1 else 16
     scaled = squares_out = None

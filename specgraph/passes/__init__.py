@@ -32,13 +32,14 @@ from .tap_hidden_states import tap_hidden_states
 # (replace_attention finds each layer's K/V through its scatter_ writes), then fold into the attention
 # that reads them, and the RoPE of q and k folds into that attention. Projections fuse after the
 # taps and the LM-head slice, which find their nodes through module paths; norms fold into the fused
-# projections last (one-row steps of small models only: where it was measured faster).
+# projections last: fold_norms in one-row steps, fold_norms_rows in steps of 2..16 rows (into the
+# products' epilogues and their readers' row scaling: measured faster, fifteenth session).
 PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections, inplace_cache_writes,
-            fold_cache_writes, fold_rotary, fold_norms)
+            fold_cache_writes, fold_rotary, fold_norms, fold_norms_rows)
 # Passes that only make the graph faster: the graph is correct without them (SPECGRAPH_SKIP_PASSES).
-OPTIONAL = ("fuse_projections", "fold_cache_writes", "fold_rotary", "fold_norms")
+OPTIONAL = ("fuse_projections", "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows")
 # Speed-up passes that are correct and tested but not measured faster: off unless SPECGRAPH_EXTRA_PASSES.
-EXPERIMENTAL: dict = {"fold_norms_rows": fold_norms_rows}
+EXPERIMENTAL: dict = {}
 
 
 def skipped_passes() -> set[str]:
