@@ -37,8 +37,8 @@ the script, not for numbers).
 triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
-(SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one);
-the JSON records it.
+(SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one; SPECGRAPH_ARGMAX_CHUNK=2048:
+the greedy argmax in two stages); the JSON records them.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
 from __future__ import annotations
@@ -274,7 +274,8 @@ def main() -> None:
                torch=torch.__version__, shape=shape_name, prompt=args.prompt,
                cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
                skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
-               extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""))
+               extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
+               argmax_chunk=os.environ.get("SPECGRAPH_ARGMAX_CHUNK", ""))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 

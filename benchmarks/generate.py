@@ -215,7 +215,8 @@ def main() -> None:
                   prompts=len(rows), max_new_tokens=args.max_new_tokens, copy_bandwidth_gbs=bandwidth / 1e9,
                   floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor,
                   skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
-                  extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""), methods={})
+                  extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
+                  argmax_chunk=os.environ.get("SPECGRAPH_ARGMAX_CHUNK", ""), methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()

@@ -368,6 +368,24 @@ def test_plain_decoding_on_the_same_engine():
         specgraph.compile(model, None, tree=Chain(3))
 
 
+def test_argmax_in_chunks_is_token_exact(monkeypatch):
+    """SPECGRAPH_ARGMAX_CHUNK (experimental): the greedy argmax of every step in two stages, chunks of 16 of
+    the 101 logits (the last one partial): the same tokens as HF greedy; a value that is not a count is
+    refused by name."""
+    monkeypatch.setenv("SPECGRAPH_ARGMAX_CHUNK", "16")
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=2, max_length=128)
+    rows = prompts(6, [9, 30])
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=25, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=25, eos_token_id=None)
+    monkeypatch.setenv("SPECGRAPH_ARGMAX_CHUNK", "big")
+    with pytest.raises(ValueError, match="SPECGRAPH_ARGMAX_CHUNK='big'"):
+        specgraph.compile(model, NGram(), tree=Chain(4), max_batch=2, max_length=128).generate(ids, attention_mask=mask,
+                                                                                          max_new_tokens=2)
+
+
 def test_synthetic_acceptance_is_forced_and_labelled():
     """Benchmarks only: every step commits exactly k tokens (the last may be cut by max_new_tokens),
     with a warning on every call; sampling and out-of-range k are refused."""

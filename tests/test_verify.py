@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from specgraph import Chain, StaticTree, Tree
 import specgraph.kernels  # registers the ops
-from specgraph.kernels.verify import sampling_probs, verify_forced, verify_greedy, verify_sample, verify_typical
+from specgraph.kernels.verify import (greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample,
+                                      verify_typical)
 from oracles import longest_accepted_path
 from strategies import dfs_parents
 
@@ -196,3 +197,30 @@ def test_forced_acceptance_walks_the_first_child_chain(case, accept):
         assert (acc.path[row, k:] == -1).all()
         want = [int(tokens[row, i]) for i in chain[1:]] + [int(targets[row, chain[-1]])]
         assert acc.emitted[row, :k].tolist() == want and int(acc.bonus[row]) == want[-1]
+
+
+@given(st.data())
+def test_greedy_tokens_in_chunks_is_argmax(data):
+    """The two-stage argmax is torch.argmax bit for bit: the first index of the maximum, NaN the maximum,
+    rows of -inf index 0; a 3-value range makes ties (within and across chunks) common; V not a
+    multiple of the chunk pads the last one."""
+    vocab, chunk = data.draw(st.integers(1, 300)), data.draw(st.integers(1, 64))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    seed = data.draw(st.integers(0, 2**16))
+    logits = torch.randint(-1, 2, (2, 3, vocab), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    specials = data.draw(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 2), st.integers(0, vocab - 1),
+                                            st.sampled_from([float("nan"), float("inf"), float("-inf")])), max_size=4))
+    for b, n, v, value in specials:
+        logits[b, n, v] = value
+    logits[1, 2] = float("-inf")
+    assert torch.equal(greedy_tokens(logits, chunk), logits.argmax(-1))
+
+
+def test_greedy_tokens_in_chunks_compiled():
+    """Through inductor (CPU codegen) at a real vocabulary's width (SmolLM2's 49152 plus a partial chunk),
+    bf16 with ties across chunks: the same indices as eager argmax."""
+    logits = torch.randint(-2, 3, (8, 49152 + 77), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits[3, 40000] = logits[3, 70] = 9  # the same maximum in two chunks: the first wins
+    compiled = torch.compile(lambda x: greedy_tokens(x, 2048), fullgraph=True)
+    assert torch.equal(compiled(logits), logits.argmax(-1))
+    assert compiled(logits)[3].item() == 70

@@ -12,11 +12,12 @@ reads ``emitted`` and ``accept_len`` only.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 
-from ..kernels.verify import sampling_probs, verify_forced, verify_greedy, verify_sample
+from ..kernels.verify import greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample
 from ..trees import Tree
 
 
@@ -25,6 +26,16 @@ class StepOut(NamedTuple):
     accept_len: torch.Tensor  # [B], 0 for rows that were already done
     cache_len: torch.Tensor  # [B] after the step
     next_tree: Tree | None  # the draft's next tree (None for host-side drafts)
+
+
+def argmax_chunk() -> int:
+    """``SPECGRAPH_ARGMAX_CHUNK`` (experimental, not yet measured): the greedy argmax in two stages over
+    chunks of this many logits (``greedy_tokens``); 0 or unset: one ``argmax``."""
+    value = os.environ.get("SPECGRAPH_ARGMAX_CHUNK", "0").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(f"SPECGRAPH_ARGMAX_CHUNK={value!r}: give a whole number of logits per chunk (e.g. 2048), "
+                         "or 0 to take one argmax")
+    return int(value)
 
 
 def features_of(taps: list[torch.Tensor]) -> torch.Tensor:
@@ -49,6 +60,7 @@ class DecodeStep:
                              (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32))}
             self.set_sampling(sampling)
         self.synthetic_accept = synthetic_accept
+        self.argmax_chunk = argmax_chunk()
         self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
         self.target_fn = self.target.run if compiled_target else self.target.graph
         self.kv = capture.kv(batch)
@@ -67,10 +79,11 @@ class DecodeStep:
         logits = out[0]
         features = features_of(list(out[1:])) if self.target.tapped else None
         if self.synthetic_accept is not None:
-            acc = verify_forced(tree.tokens, tree.first_child, logits.argmax(-1), self.synthetic_accept,
-                                self.spec.max_depth)
+            acc = verify_forced(tree.tokens, tree.first_child, greedy_tokens(logits, self.argmax_chunk),
+                                self.synthetic_accept, self.spec.max_depth)
         elif self.sampling is None:
-            acc = verify_greedy(tree.tokens, tree.parents, tree.mask, logits.argmax(-1), self.spec.max_depth)
+            target_tokens = greedy_tokens(logits, self.argmax_chunk)  # [B, N]
+            acc = verify_greedy(tree.tokens, tree.parents, tree.mask, target_tokens, self.spec.max_depth)
         else:
             probs = sampling_probs(logits, **self.sampling)
             acc = verify_sample(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth)

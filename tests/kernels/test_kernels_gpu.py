@@ -196,3 +196,17 @@ def test_fused_linear_epilogues_at_real_shapes_replayed_in_a_cuda_graph(hidden, 
     ref_scaled, ref_squares = norm_out_reference(want_h, gamma)
     chained = fused_linear_reference(ref_scaled, w_gu, None, 1e-5, None, False, True, ref_squares)
     torch.testing.assert_close(chained.float(), hf.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("vocab", [49152, 128256])
+def test_greedy_tokens_in_chunks_compiled_on_cuda(rows, vocab):
+    """The two-stage greedy argmax (SPECGRAPH_ARGMAX_CHUNK) compiled by inductor for CUDA at real vocabulary
+    widths (128256: a partial last chunk): eager argmax's indices, ties across chunks to the first."""
+    from specgraph.kernels.verify import greedy_tokens
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randint(-3, 4, (rows, vocab), device="cuda", generator=g).to(torch.bfloat16)
+    logits[0, vocab - 5] = logits[0, 3000] = 8  # one maximum in two chunks: the first wins
+    got = torch.compile(lambda x: greedy_tokens(x, 2048), fullgraph=True)(logits)
+    assert torch.equal(got, logits.argmax(-1)) and got[0].item() == 3000
