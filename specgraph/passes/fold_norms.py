@@ -127,6 +127,27 @@ def _bias_free(linear) -> bool:
     return len(linear.args) < 3 or linear.args[2] is None
 
 
+def residual_product(add):
+    """(linear, the nodes between it and the add, r) when ``add`` is ``r + linear(y, W)`` (either order,
+    maybe through an eval-mode dropout, Phi-3's), the linear bias-free and read only on the way to the add,
+    all of the add's shape and dtype; else None."""
+    if not (_call(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs and _val(add) is not None):
+        return None
+    for residual, product in (add.args, add.args[::-1]):
+        linear, between = product, []
+        if _call(product, aten.dropout.default) and product.args[2:3] == (False,) and list(product.users) == [add]:
+            linear, between = product.args[0], [product]
+        reader = between[0] if between else add
+        if residual is product or residual is linear:  # y + y: no residual apart from the product
+            continue
+        if not (_call(linear, LINEAR) and _bias_free(linear) and list(linear.users) == [reader]
+                and isinstance(residual, torch.fx.Node) and _val(residual) is not None and _val(linear) is not None):
+            continue
+        if {(_val(t).shape, _val(t).dtype) for t in (residual, linear)} == {(_val(add).shape, _val(add).dtype)}:
+            return linear, between, residual
+    return None
+
+
 def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = adds = gated = 0
@@ -147,33 +168,20 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         norms += 1
     # (2) residual + linear(y, W): the add becomes the product's epilogue
     for add in list(graph.find_nodes(op="call_function", target=aten.add.Tensor)):
-        if len(add.args) != 2 or add.kwargs or _val(add) is None:
+        match = residual_product(add)
+        if match is None:
             continue
-        for residual, product in (add.args, add.args[::-1]):
-            if residual is product:  # y + y: no residual apart from the product
-                break
-            linear, reader = product, add
-            if _call(product, aten.dropout.default) and product.args[2:3] == (False,) and list(product.users) == [add]:
-                linear, reader = product.args[0], product  # eval-mode dropout (Phi-3's): the identity
-            if not (_call(linear, LINEAR) and _bias_free(linear) and list(linear.users) == [reader]
-                    and _val(residual) is not None and _val(linear) is not None):
-                continue
-            if (_val(residual).shape, _val(residual).dtype) != (_val(add).shape, _val(add).dtype) \
-                    or _val(linear).shape != _val(add).shape or _val(linear).dtype != _val(add).dtype:
-                continue
-            if reason := _why_not(add):
-                skipped[reason] += 1
-                break
-            with graph.inserting_before(add):
-                fused = graph.call_function(FUSED_LINEAR, (linear.args[0], linear.args[1], None, 0.0, residual))
-            fused.meta = dict(add.meta)
-            add.replace_all_uses_with(fused)
-            graph.erase_node(add)
-            if product is not linear:
-                graph.erase_node(product)
-            graph.erase_node(linear)
-            adds += 1
-            break
+        if reason := _why_not(add):
+            skipped[reason] += 1
+            continue
+        linear, between, residual = match
+        with graph.inserting_before(add):
+            fused = graph.call_function(FUSED_LINEAR, (linear.args[0], linear.args[1], None, 0.0, residual))
+        fused.meta = dict(add.meta)
+        add.replace_all_uses_with(fused)
+        for dead in (add, *between, linear):
+            graph.erase_node(dead)
+        adds += 1
     # (3) a product reading silu(gate) * up, the halves of one packed gate/up output: SiLU·mul in its prologue
     for node in list(graph.nodes):
         if _call(node, LINEAR) and _bias_free(node):

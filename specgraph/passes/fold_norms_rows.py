@@ -31,7 +31,7 @@ import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
 from ..kernels.fused_linear import MAX_ROWS, SQUARE_COLS
-from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears
+from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears, residual_product
 from .pass_result import GraphContext, PassResult, drop_dead_code
 from .pass_result import is_call as _call, val as _val
 
@@ -42,27 +42,6 @@ NORM_OUT = torch.ops.specgraph.fused_linear_norm_out.default
 def _rows_in_range(node) -> bool:
     val = _val(node)
     return val is not None and 2 <= math.prod(val.shape[:-1]) <= MAX_ROWS
-
-
-def _residual_product(add):
-    """(linear, the nodes between it and the add, r) when ``add`` is ``r + linear(y, W)`` (either order,
-    maybe through an eval-mode dropout, Phi-3's), the linear bias-free and read only on the way to the add,
-    all of the add's shape and dtype; else None."""
-    if not (_call(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs and _val(add) is not None):
-        return None
-    for residual, product in (add.args, add.args[::-1]):
-        linear, between = product, []
-        if _call(product, aten.dropout.default) and product.args[2:3] == (False,) and list(product.users) == [add]:
-            linear, between = product.args[0], [product]
-        reader = between[0] if between else add
-        if residual is product or residual is linear:  # y + y: no residual apart from the product
-            continue
-        if not (_call(linear, LINEAR) and _bias_free(linear) and list(linear.users) == [reader]
-                and isinstance(residual, torch.fx.Node) and _val(residual) is not None and _val(linear) is not None):
-            continue
-        if {(_val(t).shape, _val(t).dtype) for t in (residual, linear)} == {(_val(add).shape, _val(add).dtype)}:
-            return linear, between, residual
-    return None
 
 
 def _fake_like(val, shape, dtype):
@@ -79,7 +58,7 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     for _, users, (h, gamma, eps, chain) in norms_read_by_linears(graph):
         if h._erased:  # a second norm of an h already handed over: its readers keep that norm
             continue
-        producer = _residual_product(h)
+        producer = residual_product(h)
         if producer is None:
             continue
         if not _rows_in_range(h):
