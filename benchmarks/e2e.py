@@ -30,6 +30,11 @@ Every figure is measured in this run, on the same model:
   profile_verify  the same for verify steps of each --profile-verify-n nodes (NGram chain,
              synthetic_accept=1): where the verify step's time over plain decode goes
              (DIR/e2e-profile-verify-nN-DATE.txt)
+  profile_draft  the same for whole speculative steps with an EAGLE-3 head on each --profile-draft-trees
+             tree (synthetic_accept=1): verify, accept, commit and the draft's levels; against
+             profile_verify at the tree's node count, what drafting costs. --shape smollm2 uses the
+             shipped SmolLM2 head (its 8,192-token draft vocabulary), others a random full-vocabulary one
+             (DIR/e2e-profile-draft-TREE-DATE.txt)
 --shape smollm2: SmolLM2-135M's config with random weights (the small-model regime, where launches
 and not bytes set the step's time); --tiny: a 4-layer model of the same kinds (for a quick check of
 the script, not for numbers).
@@ -37,8 +42,8 @@ the script, not for numbers).
 triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
-(SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one; SPECGRAPH_ARGMAX_CHUNK=2048:
-the greedy argmax in two stages); the JSON records them.
+(SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one; SPECGRAPH_ARGMAX_CHUNK=0:
+the greedy argmax in one stage, not two of 2048); the JSON records them.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
 from __future__ import annotations
@@ -60,10 +65,14 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import specgraph  # noqa: E402
 from generate import copy_bandwidth, set_inductor_options  # noqa: E402  (benchmarks/generate.py)
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
+from specgraph.models import load_default_draft  # noqa: E402
+from specgraph.runtime.step import argmax_chunk  # noqa: E402
+from specgraph.trees import parse_tree  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
-SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile", "profile_verify")
+SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile", "profile_verify",
+            "profile_draft")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
                 tie_word_embeddings=False)
@@ -260,6 +269,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=32, help="decode steps the profile section records")
     parser.add_argument("--profile-verify-n", type=int, nargs="+", default=[64],
                         help="nodes per step profile_verify records (one profile each)")
+    parser.add_argument("--profile-draft-trees", nargs="+", default=["chain4", "dynamic:8,8,64"],
+                        help="trees profile_draft records (chainK, dynamic:STEPS,TOPK,NODES)")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config values for an experiment, e.g. combo_kernels=1 triton.enable_pdl=1")
     args = parser.parse_args()
@@ -275,7 +286,7 @@ def main() -> None:
                cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
                skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-               argmax_chunk=os.environ.get("SPECGRAPH_ARGMAX_CHUNK", ""))
+               argmax_chunk=argmax_chunk())
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 
@@ -363,6 +374,13 @@ def main() -> None:
             save(section, **{f"n{n}": profile_section(spec_for(NGram(), specgraph.Chain(n - 1), accept=1), prompt, args,
                                                        device, f"profile-verify-n{n}", nodes=n)
                              for n in args.profile_verify_n})
+        elif section == "profile_draft":  # whole speculative steps: verify + commit + draft levels
+            head = (load_default_draft() if args.shape == "smollm2" and not args.tiny else Eagle3.for_target(model))
+            head = head.to(device, torch.bfloat16)
+            save(section, **{text: profile_section(spec_for(head, parse_tree(text), accept=1), prompt, args, device,
+                                                   f"profile-draft-{text.replace(':', '').replace(',', '-')}",
+                                                   nodes=parse_tree(text).num_nodes)
+                             for text in args.profile_draft_trees})
     print(json.dumps(res, indent=2))
 
 

@@ -51,6 +51,7 @@ from transformers import StaticCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
+from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "specgraph" / "data" / "mt_bench_questions.jsonl"
@@ -216,7 +217,7 @@ def main() -> None:
                   floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor,
                   skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                   extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-                  argmax_chunk=os.environ.get("SPECGRAPH_ARGMAX_CHUNK", ""), methods={})
+                  argmax_chunk=argmax_chunk(), methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()

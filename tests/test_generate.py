@@ -368,11 +368,12 @@ def test_plain_decoding_on_the_same_engine():
         specgraph.compile(model, None, tree=Chain(3))
 
 
-def test_argmax_in_chunks_is_token_exact(monkeypatch):
-    """SPECGRAPH_ARGMAX_CHUNK (experimental): the greedy argmax of every step in two stages, chunks of 16 of
-    the 101 logits (the last one partial): the same tokens as HF greedy; a value that is not a count is
+@pytest.mark.parametrize("chunk", ["16", "0"])
+def test_argmax_in_chunks_is_token_exact(monkeypatch, chunk):
+    """SPECGRAPH_ARGMAX_CHUNK: the greedy argmax of every step in two stages, chunks of 16 of the 101 logits
+    (the last one partial), or in one (0): the same tokens as HF greedy; a value that is not a count is
     refused by name."""
-    monkeypatch.setenv("SPECGRAPH_ARGMAX_CHUNK", "16")
+    monkeypatch.setenv("SPECGRAPH_ARGMAX_CHUNK", chunk)
     model = tiny_model("llama")
     spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=2, max_length=128)
     rows = prompts(6, [9, 30])
