@@ -15,7 +15,7 @@ group() {
   echo "$name: rc=$? $(tail -n 1 "$dir/$name.log")"
 }
 group kernels tests/kernels/test_kernels_gpu.py tests/kernels/test_fused_linear.py tests/kernels/test_kv_write.py \
-  tests/kernels/test_compact_kv.py &
+  tests/kernels/test_compact_kv.py tests/kernels/test_topk.py &
 group attention tests/kernels/test_tree_attention.py tests/kernels/test_tree_attention_write.py &
 group graphed tests/test_graphed.py tests/test_gpu.py tests/test_generate_gpu.py tests/test_capture_gpu.py &
 group folds -m "not model" tests/test_fold_norms.py tests/test_fold_rotary.py tests/test_fuse_projections.py &

@@ -1,7 +1,7 @@
 """Kernel benchmark (GPU): tree_attention against its peers, and the verify /
 compact ops against their torch references, all measured in one run.
 
-    python benchmarks/kernels.py [--quick] [--decode] [--out DIR]
+    python benchmarks/kernels.py [--quick] [--decode] [--topk] [--out DIR]
 
 For every (shape, B, prefix, N), bf16: median time of
   tree      specgraph::tree_attention (the Triton kernel)
@@ -171,6 +171,32 @@ def bench_ops() -> list[dict]:
     return rows
 
 
+TOPK_CASES = ((1, 8192), (8, 8192), (64, 8192), (8, 49152), (8, 128256), (64, 128256))  # rows, vocabulary
+
+
+def topk_sweep(bandwidth: float, k: int, out: Path) -> list[dict]:
+    """A draft level's top k of float32 log-probs: ``torch.topk``, ``trees.top_k`` (chunked torch, what the
+    drafts run) and ``specgraph::topk`` (the Triton kernel), each a CUDA-graph replay, against the
+    floor (the rows read once / copy bandwidth); the kernel's indices checked against its reference."""
+    from specgraph.kernels.topk import topk_reference
+    from specgraph.trees import top_k
+
+    rows = []
+    for r, vocab in TOPK_CASES:
+        x = torch.randn(r, vocab, device="cuda").log_softmax(-1)
+        got, want = torch.ops.specgraph.topk(x, k), topk_reference(x, k)
+        row = dict(rows=r, vocab=vocab, k=k, floor_us=r * vocab * 4 / bandwidth * 1e6,
+                   exact=bool(torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])),
+                   torch_topk_us=graphed_ms(lambda: x.topk(k, -1)) * 1e3,
+                   chunked_us=graphed_ms(lambda: top_k(x, k)) * 1e3,
+                   kernel_us=graphed_ms(lambda: torch.ops.specgraph.topk(x, k)) * 1e3)
+        rows.append(row)
+        print(f"# topk rows={r} V={vocab} k={k}: floor {row['floor_us']:.2f} us | torch.topk {row['torch_topk_us']:.2f} | "
+              f"trees.top_k {row['chunked_us']:.2f} | specgraph::topk {row['kernel_us']:.2f} | exact {row['exact']}")
+    out.write_text(json.dumps(dict(bandwidth=bandwidth, topk=rows), indent=1))
+    return rows
+
+
 def sweep(bandwidth: float) -> None:
     """Time tile configurations at the acceptance shapes (B=32, 4k, 8B) and print them."""
     import itertools
@@ -276,6 +302,8 @@ def main() -> None:
     parser.add_argument("--decode-splits", type=int, nargs="+", default=list(DECODE_SPLITS[1:]),
                         help="split counts to sweep besides launch_config's own (prefix splits + 1)")
     parser.add_argument("--decode-rope", choices=("both", "on", "off"), default="both")
+    parser.add_argument("--topk", type=int, nargs="?", const=8, metavar="K",
+                        help="only the draft top-k comparison (torch.topk, trees.top_k, specgraph::topk), k = K (8)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     from tqdm import tqdm
@@ -288,6 +316,10 @@ def main() -> None:
         ropes = {"both": (True, False), "on": (True,), "off": (False,)}[args.decode_rope]
         decode_sweep(bandwidth, args.decode_shapes, args.decode_cases, args.out / "kernels-decode.json",
                      args.decode_tiles, (None, *args.decode_splits), ropes)
+        return
+    if args.topk:
+        args.out.mkdir(parents=True, exist_ok=True)
+        topk_sweep(bandwidth, args.topk, args.out / "kernels-topk.json")
         return
     if args.sweep:
         sweep(bandwidth)

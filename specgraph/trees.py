@@ -14,12 +14,14 @@ with static shapes and no host synchronisation (it runs under CUDA graphs).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence, Union
 
 import torch
 
 from .kernels.bitmask import MAX_NODES, ancestor_masks, check_num_nodes, first_child_next_sibling, mask_to_matrix
+from .kernels.topk import MAX_K as TOPK_KERNEL_MAX_K
 
 
 # ----------------------------------------------------------------------------- specs
@@ -279,6 +281,16 @@ def random_parents(rng, n: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- a draft's top k
 TOPK_CHUNK = 256  # a long row's top k is taken per chunk of this many, then over the chunks' winners
+DRAFT_TOPK = ("torch", "kernel")
+
+
+def draft_topk() -> str:
+    """``SPECGRAPH_DRAFT_TOPK``: "torch" (default: ``torch.topk``, chunked for long rows) or "kernel"
+    (experimental, not yet measured: ``specgraph::topk``, one Triton launch a level on CUDA)."""
+    value = os.environ.get("SPECGRAPH_DRAFT_TOPK", "").strip() or "torch"
+    if value not in DRAFT_TOPK:
+        raise ValueError(f"SPECGRAPH_DRAFT_TOPK={value!r}: expected one of {', '.join(DRAFT_TOPK)}")
+    return value
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,11 +301,14 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     among its chunks' k bests); equal values may come back in another index order. Why: on CUDA
     one topk over a few long rows runs one block per row (47 us for 8 rows of 8,192 on the H200,
     15% of an EAGLE-2 tree step); chunked, the first round spreads over rows x chunks.
+    ``SPECGRAPH_DRAFT_TOPK=kernel``: ``specgraph::topk`` instead (``draft_topk``).
     x: [..., V] float -> values [..., k], indices [..., k] int64.
     """
     v = x.shape[-1]
     if k == 1:
         return x.max(-1, keepdim=True)
+    if draft_topk() == "kernel" and k <= TOPK_KERNEL_MAX_K:
+        return torch.ops.specgraph.topk(x, k)  # ties to the lower index
     if k > TOPK_CHUNK or v < 4 * TOPK_CHUNK:
         return x.topk(k, -1)
     chunks = -(-v // TOPK_CHUNK)

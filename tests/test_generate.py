@@ -387,6 +387,34 @@ def test_argmax_in_chunks_is_token_exact(monkeypatch, chunk):
                                                                                           max_new_tokens=2)
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_draft_topk_kernel_is_token_exact(monkeypatch, backend):
+    """SPECGRAPH_DRAFT_TOPK=kernel (experimental): the EAGLE-2 tree's top-k through specgraph::topk (on the
+    CPU its reference), in the eager step and inside the compiled one; the same tokens as HF greedy; an
+    unknown value is refused by name."""
+    from specgraph.drafts import Eagle3
+    from specgraph.kernels import topk as topk_module
+
+    calls = []
+    reference = topk_module.topk_reference
+    monkeypatch.setattr(topk_module, "topk_reference", lambda x, k: calls.append(k) or reference(x, k))
+    monkeypatch.setenv("SPECGRAPH_DRAFT_TOPK", "kernel")
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
+    spec = specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_batch=2,
+                             max_length=128, backend=backend)
+    rows = prompts(11, [7, 30])
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)
+    assert calls and set(calls) == {3}  # the op ran: every level's top 3
+    monkeypatch.setenv("SPECGRAPH_DRAFT_TOPK", "cub")
+    with pytest.raises(ValueError, match="SPECGRAPH_DRAFT_TOPK='cub'"):
+        specgraph.trees.top_k(torch.randn(2, 50), 3)
+
+
 def test_synthetic_acceptance_is_forced_and_labelled():
     """Benchmarks only: every step commits exactly k tokens (the last may be cut by max_new_tokens),
     with a warning on every call; sampling and out-of-range k are refused."""

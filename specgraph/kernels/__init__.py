@@ -12,6 +12,7 @@ import torch
 
 from . import compact_kv as _compact_kv  # noqa: F401
 from . import fused_linear as _fused_linear
+from . import topk as _topk
 from . import kv_write as _kv_write  # noqa: F401  (export traces it as its reference: export.py)
 from . import tree_attention as _tree_attention
 from . import tree_attention_write as _tree_attention_write  # noqa: F401  (export traces its reference)
@@ -23,6 +24,7 @@ DECOMPOSITIONS = {
     torch.ops.specgraph.verify_greedy.default: _verify.verify_greedy_decomposition,
     torch.ops.specgraph.fused_linear.default: _fused_linear.fused_linear_reference,
     torch.ops.specgraph.fused_linear_norm_out.default: _fused_linear.fused_linear_norm_out_reference,
+    torch.ops.specgraph.topk.default: _topk.topk_reference,
 }
 
 

@@ -210,3 +210,26 @@ def test_greedy_tokens_in_chunks_compiled_on_cuda(rows, vocab):
     logits[0, vocab - 5] = logits[0, 3000] = 8  # one maximum in two chunks: the first wins
     got = torch.compile(lambda x: greedy_tokens(x, 2048), fullgraph=True)(logits)
     assert torch.equal(got, logits.argmax(-1)) and got[0].item() == 3000
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("vocab", [8192, 49152, 128256])
+@pytest.mark.parametrize("k", [2, 8, 10])
+def test_topk_at_draft_vocabularies(rows, vocab, k):
+    """specgraph::topk on CUDA (one pass at 8,192, two above) against its reference, bit for bit: float32
+    log-probs with ties (rounded to 1/8) and bf16 logits; eager, in a CUDA graph and compiled."""
+    from specgraph.kernels.topk import topk_reference
+
+    g = torch.Generator(device="cuda").manual_seed(vocab + rows)
+    logprobs = (torch.randn(rows, vocab, device="cuda", generator=g) * 8).round() / 8
+    logits = torch.randn(rows, vocab, device="cuda", generator=g).to(torch.bfloat16)
+    for x in (logprobs, logits):
+        want = topk_reference(x, k)
+        eager = torch.ops.specgraph.topk(x, k)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = torch.ops.specgraph.topk(x, k)
+        graph.replay()
+        compiled = torch.compile(lambda t: torch.ops.specgraph.topk(t, k), fullgraph=True)(x)
+        for values, indices in (eager, replayed, compiled):
+            assert torch.equal(indices, want[1]) and torch.equal(values, want[0])

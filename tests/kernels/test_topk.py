@@ -1,0 +1,119 @@
+"""topk: the reference and the Triton kernel against a Python oracle (sorted by (-value, index), NaN as
++inf), on rows full of ties, infinities and NaN, one pass and two; the op's fake and errors."""
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import specgraph.kernels  # noqa: F401
+from specgraph.kernels import topk as topk_module
+from specgraph.kernels.topk import topk_reference, topk_triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                                  reason="Triton needs a GPU or TRITON_INTERPRET=1")
+SPECIAL = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0]
+
+
+def oracle(x: torch.Tensor, k: int) -> list[list[int]]:
+    """Each row's k best indices: larger first, NaN as +inf, equal values by lower index."""
+    rows = x.reshape(-1, x.shape[-1]).double().tolist()
+    key = lambda row, i: (-(math.inf if math.isnan(row[i]) else row[i]), i)  # noqa: E731
+    return [sorted(range(len(row)), key=lambda i: key(row, i))[:k] for row in rows]
+
+
+def tied_rows(seed: int, rows: int, vocab: int, dtype, special: bool) -> torch.Tensor:
+    """Few distinct values (many ties across chunks), optionally NaN, +-inf and +-0 sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 4, (rows, vocab), generator=g).to(torch.float32) / 2
+    if special:
+        where = torch.randint(0, vocab, (rows, len(SPECIAL)), generator=g)
+        for j, value in enumerate(SPECIAL):
+            x[torch.arange(rows), where[:, j]] = value
+    return x.to(dtype)
+
+
+def assert_matches_oracle(x, values, indices, k):
+    want = oracle(x.cpu(), k)
+    assert indices.reshape(-1, k).cpu().tolist() == want
+    flat = x.reshape(-1, x.shape[-1]).cpu()
+    expected = flat.gather(1, torch.tensor(want))
+    got = values.reshape(-1, k).cpu()
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(torch.nan_to_num(got, nan=0.0), torch.nan_to_num(expected, nan=0.0))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 5), vocab=st.integers(1, 300), k=st.integers(1, 12),
+       special=st.booleans())
+def test_reference_matches_oracle(seed, rows, vocab, k, special):
+    k = min(k, vocab)
+    x = tied_rows(seed, rows, vocab, torch.float32, special)
+    values, indices = topk_reference(x, k)
+    assert_matches_oracle(x, values, indices, k)
+
+
+def test_reference_agrees_with_torch_topk_without_ties():
+    x = torch.randn(3, 7, 1000, dtype=torch.float64)
+    got, want = topk_reference(x, 10), x.topk(10, -1)
+    assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+
+
+@needs_triton
+@pytest.mark.parametrize("vocab", [5, 300, 8192, 8193, 3 * 4096 + 17])  # one pass; two, last chunk partial
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("special", [False, True])
+def test_kernel_matches_oracle(vocab, dtype, special):
+    k = min(5, vocab)
+    x = tied_rows(vocab, 3, vocab, dtype, special).to(DEVICE)
+    values, indices = topk_triton(x, k)
+    assert values.dtype == dtype and indices.dtype == torch.int64
+    assert_matches_oracle(x, values, indices, k)
+
+
+@needs_triton
+def test_kernel_two_passes_with_fewer_than_k_in_the_last_chunk():
+    """The last chunk holds 2 entries < k = 4: its missing candidates (-1) are never picked, even when
+    every real entry is -inf."""
+    vocab = topk_module.CHUNK + 2
+    x = torch.full((2, vocab), float("-inf"), device=DEVICE)
+    x[1, -1] = 1.0
+    values, indices = topk_triton(x, 4)
+    assert indices.cpu().tolist() == [[0, 1, 2, 3], [vocab - 1, 0, 1, 2]]
+    assert_matches_oracle(x, values, indices, 4)
+
+
+def test_op_checks_and_fake_shapes():
+    x = torch.randn(2, 3, 50)
+    values, indices = torch.ops.specgraph.topk(x, 4)
+    assert values.shape == indices.shape == (2, 3, 4) and indices.dtype == torch.int64
+    assert_matches_oracle(x, values, indices, 4)
+    torch.library.opcheck(torch.ops.specgraph.topk.default, (x, 4))  # fake vs real, schema, dispatch
+    with torch.device("meta"):
+        fake = torch.ops.specgraph.topk(torch.empty(8, 8192, dtype=torch.bfloat16), 8)
+    assert fake[0].shape == (8, 8) and fake[0].dtype == torch.bfloat16 and fake[1].dtype == torch.int64
+    with pytest.raises(ValueError, match=r"k=9 must be in 1 \.\. min\(64, V=8\)"):
+        torch.ops.specgraph.topk(torch.randn(2, 8), 9)
+    with pytest.raises(ValueError, match="x must be a float tensor"):
+        torch.ops.specgraph.topk(torch.arange(8), 2)
+
+
+def test_op_compiles_on_cpu():
+    x = torch.randn(4, 700)
+    got = torch.compile(lambda t: torch.ops.specgraph.topk(t.float() * 2, 6), fullgraph=True)(x)
+    assert_matches_oracle(x * 2, *got, 6)
+
+
+@needs_triton
+@pytest.mark.parametrize("vocab", [6, 2 * 4096 + 6])
+def test_kernel_signed_zeros_tie_by_index(vocab):
+    """-0.0 and +0.0 are equal: the lower index first, whichever sign it has (bit patterns would not tie)."""
+    x = torch.full((1, vocab), -1.0, device=DEVICE)
+    x[0, 2], x[0, 4], x[0, -1] = -0.0, 0.0, -0.0
+    values, indices = topk_triton(x, 3)
+    assert indices.cpu().tolist() == [[2, 4, vocab - 1]]
+    assert torch.equal(values.cpu().signbit(), torch.tensor([[True, False, True]]))
