@@ -285,8 +285,9 @@ DRAFT_TOPK = ("torch", "kernel")
 
 
 def draft_topk() -> str:
-    """``SPECGRAPH_DRAFT_TOPK``: "torch" (default: ``torch.topk``, chunked for long rows) or "kernel"
-    (experimental, not yet measured: ``specgraph::topk``, one Triton launch a level on CUDA)."""
+    """``SPECGRAPH_DRAFT_TOPK``: "torch" (default: ``torch.topk``, chunked for long rows, and stable
+    sorts to rank EAGLE-2 candidates) or "kernel" (experimental, not yet measured: ``specgraph::topk``
+    for both, one Triton launch each on CUDA)."""
     value = os.environ.get("SPECGRAPH_DRAFT_TOPK", "").strip() or "torch"
     if value not in DRAFT_TOPK:
         raise ValueError(f"SPECGRAPH_DRAFT_TOPK={value!r}: expected one of {', '.join(DRAFT_TOPK)}")
@@ -301,7 +302,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     among its chunks' k bests); equal values may come back in another index order. Why: on CUDA
     one topk over a few long rows runs one block per row (47 us for 8 rows of 8,192 on the H200,
     15% of an EAGLE-2 tree step); chunked, the first round spreads over rows x chunks.
-    ``SPECGRAPH_DRAFT_TOPK=kernel``: ``specgraph::topk`` instead (``draft_topk``).
+    ``SPECGRAPH_DRAFT_TOPK=kernel``: ``specgraph::topk`` instead (``draft_topk``; ``rank_order`` too).
     x: [..., V] float -> values [..., k], indices [..., k] int64.
     """
     v = x.shape[-1]
@@ -321,16 +322,22 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- EAGLE-2 selection
-def rank_order(scores: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
-    """Candidate ids best first: higher score first, ties to the lower id, NaN last.
+def rank_order(scores: torch.Tensor, nan: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """Candidate ids best first (the first ``k``, or all): higher score first, ties to the lower id, NaN last.
 
-    scores: [B, E] float (NaN already replaced), nan: [B, E] bool -> [B, E] int64.
+    scores: [B, E] float (NaN already replaced), nan: [B, E] bool -> [B, k or E] int64.
     Because a child's score never exceeds its parent's and a parent's id is
     lower, a parent always ranks before its child: any prefix is ancestor-closed.
+    With ``SPECGRAPH_DRAFT_TOPK=kernel`` the first k come from ``specgraph::topk`` (one launch, not
+    two stable sorts): NaN as -inf and -inf as the lowest finite float, the same order unless a
+    score is exactly that float (no sum of a few log-probabilities is).
     """
+    if k is not None and draft_topk() == "kernel" and k <= TOPK_KERNEL_MAX_K:
+        key = torch.where(nan, float("-inf"), scores.clamp(min=torch.finfo(scores.dtype).min))
+        return torch.ops.specgraph.topk(key, k)[1]
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     nan_last = torch.sort(nan.gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices
-    return order.gather(-1, nan_last)
+    return order.gather(-1, nan_last)[..., :k]
 
 
 class Frontier(NamedTuple):
@@ -356,7 +363,7 @@ def _nan_to_neg_inf(scores: torch.Tensor) -> torch.Tensor:
 
 def _frontier(scores, tokens, parents, ids, k) -> Frontier:
     clean = _nan_to_neg_inf(scores)
-    rows = rank_order(clean, scores.isnan())[:, :k]
+    rows = rank_order(clean, scores.isnan(), k)
     return Frontier(scores, tokens, parents, clean.gather(1, rows), ids.gather(1, rows), rows)
 
 
@@ -413,7 +420,7 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
         clean = torch.minimum(clean, torch.cat([clean, clean.new_full((b, 1), float("inf"))], 1).gather(1, up))
         nan = nan | torch.cat([nan, nan.new_zeros(b, 1)], 1).gather(1, up)
         up = torch.cat([up, up.new_full((b, 1), e)], 1).gather(1, up)
-    kept = rank_order(clean, nan)[:, : n - 1]  # [B, N-1] candidate ids, best first
+    kept = rank_order(clean, nan, n - 1)  # [B, N-1] candidate ids, best first
     # The kept tree in rank space: rank r's parent is a better rank (or -1, the root).
     rank_of = torch.full((b, e + 1), -1, dtype=torch.int64, device=device)
     rank_of = rank_of.scatter(1, kept, torch.arange(n - 1, device=device).expand(b, n - 1))

@@ -11,6 +11,14 @@ from specgraph import Chain, DynamicTree, Tree, select_tree
 from specgraph.trees import expand_frontier, seed_frontier
 from oracles import dfs_order_ok, select_oracle
 
+@pytest.fixture(scope="module", params=["torch", "kernel"], autouse=True)
+def draft_topk(request):
+    """Every test twice: candidates ranked by stable sorts, and by specgraph::topk (SPECGRAPH_DRAFT_TOPK)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECGRAPH_DRAFT_TOPK", request.param)
+        yield request.param
+
+
 # Log-probabilities that make selection hard: exact ties, probability-one
 # edges (0.0), tiny positive overshoot (low-precision log-softmax), underflow
 # to -inf, NaN from a padded row's garbage logits.
@@ -147,8 +155,8 @@ def test_ties_to_the_higher_id_break_closure(monkeypatch):
 
     real_rule = trees.rank_order
 
-    def ties_to_higher_id(scores, nan):  # rank the reversed ids, then map back
-        return scores.shape[-1] - 1 - real_rule(scores.flip(-1), nan.flip(-1))
+    def ties_to_higher_id(scores, nan, k=None):  # rank the reversed ids, then map back
+        return (scores.shape[-1] - 1 - real_rule(scores.flip(-1), nan.flip(-1)))[..., :k]
 
     monkeypatch.setattr(trees, "rank_order", ties_to_higher_id)
     spec = DynamicTree(steps=2, topk=2, nodes=2)
