@@ -308,7 +308,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     v = x.shape[-1]
     if k == 1:
         return x.max(-1, keepdim=True)
-    if draft_topk() == "kernel" and k <= TOPK_KERNEL_MAX_K:
+    if draft_topk() == "kernel" and k <= TOPK_KERNEL_MAX_K and x.dtype != torch.float64:
         return torch.ops.specgraph.topk(x, k)  # ties to the lower index
     if k > TOPK_CHUNK or v < 4 * TOPK_CHUNK:
         return x.topk(k, -1)

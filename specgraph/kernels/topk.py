@@ -2,7 +2,7 @@
 (a draft's vocabulary), best first, in one launch (two past 8,192 entries).
 
 Contract:
-  x:       [..., V] float (any float dtype), V >= k
+  x:       [..., V] float32, bfloat16 or float16 (compared exactly as float32), V >= k
   k:       1 .. 64
   returns  values [..., k] (x's dtype, x's own values), indices [..., k] int64
 Order: larger first; equal values (-0.0 = +0.0) by lower index (so the result
@@ -44,7 +44,7 @@ def _topk_kernel(X, IdxIn, Values, Indices, V, stride_xr, stride_ir, stride_or,
     bits = key.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     packed = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - lane).to(tl.int64)
-    dead = -9223372036854775807 - 1  # below every packed lane (-inf packs to about -2**63 / 4.3)
+    dead = -9223372036854775807 - 1  # -2**63: below every lane (-inf orders as -2**31 + 2**23 - 1)
     packed = tl.where(alive, packed, dead)
     out = (row * tl.num_programs(1) + chunk) * stride_or
     for i in tl.static_range(K):
@@ -52,12 +52,12 @@ def _topk_kernel(X, IdxIn, Values, Indices, V, stride_xr, stride_ir, stride_or,
         found = top != dead
         pos = BLOCK - 1 - (top & (BLOCK - 1)).to(tl.int32)
         packed = tl.where(lane == pos, dead, packed)
-        where = chunk * BLOCK + pos
-        value = tl.load(X + row * stride_xr + where, mask=found, other=float("-inf"))  # itself (NaN stays)
+        entry = chunk * BLOCK + pos
+        value = tl.load(X + row * stride_xr + entry, mask=found, other=float("-inf"))  # itself (NaN stays)
         if HAS_IDX:
-            index = tl.load(IdxIn + row * stride_ir + where, mask=found, other=-1)
+            index = tl.load(IdxIn + row * stride_ir + entry, mask=found, other=-1)
         else:
-            index = tl.where(found, where.to(tl.int64), -1)
+            index = tl.where(found, entry.to(tl.int64), -1)
         tl.store(Values + out + i, value)
         tl.store(Indices + out + i, index)
 
@@ -92,8 +92,9 @@ def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _check(x: torch.Tensor, k: int) -> None:
-    if not x.is_floating_point() or x.dim() < 1:
-        raise ValueError(f"topk: x must be a float tensor [..., V]; got {x.dtype} {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1:
+        raise ValueError(f"topk: x must be a float32, bfloat16 or float16 tensor [..., V]; got {x.dtype} "
+                         f"{tuple(x.shape)} (cast it: the kernel compares in float32)")
     if not 1 <= k <= min(MAX_K, x.shape[-1]):
         raise ValueError(f"topk: k={k} must be in 1 .. min({MAX_K}, V={x.shape[-1]})")
 
