@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A/B of SPECGRAPH_DRAFT_TOPK on the H200 (one device call, ~7 minutes): the draft top-k kernel against
-# torch.topk and trees.top_k, its GPU tests, then whole SmolLM2-shape EAGLE-2 (64-node) steps profiled with
-# the kernel (kernel/) and without (torch/), a 64-node verify-only step for the draft's share (a chain's
-# top 1 is a max either way). Logs and JSON in DIR.
+# A/B of SPECGRAPH_DRAFT_EXPERIMENTS on the H200 (one device call, ~9 minutes): the draft top-k kernel
+# against torch.topk and trees.top_k, its GPU tests, then whole SmolLM2-shape EAGLE-2 (64-node) steps
+# profiled with no experiment, with topk, and with topk and fuse_projections, and a 64-node verify-only
+# step for the draft's share (a chain's top 1 is a max either way). Logs and JSON in DIR.
 #
 #   bash benchmarks/draft_ab.sh [DIR]
 set -uo pipefail
@@ -16,20 +16,21 @@ run() {  # run NAME SECONDS CMD...
 run tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py -k topk
 run topk 120 python3 benchmarks/kernels.py --topk --out "$dir"
 grep "^# topk" "$dir/topk.log"
-for mode in kernel torch; do
-  run "e2e-$mode" 300 env SPECGRAPH_DRAFT_TOPK=$mode python3 benchmarks/e2e.py --shape smollm2 \
-    --sections profile_verify profile_draft --profile-verify-n 64 --profile-draft-trees dynamic:8,8,64 \
-    --out "$dir/$mode"
+for mode in none topk topk,fuse_projections; do  # the first also profiles the verify-only step
+  sections="profile_draft"; [ "$mode" = none ] && sections="profile_verify profile_draft"
+  run "e2e-$mode" 240 env SPECGRAPH_DRAFT_EXPERIMENTS=${mode#none} python3 benchmarks/e2e.py --shape smollm2 \
+    --sections $sections --profile-verify-n 64 --profile-draft-trees dynamic:8,8,64 --out "$dir/$mode"
 done
 python3 - "$dir" <<'PY'
 import json, sys
 from pathlib import Path
-for mode in ("kernel", "torch"):
+verify = {}
+for mode in ("none", "topk", "topk,fuse_projections"):
     for path in sorted(Path(sys.argv[1], mode).glob("e2e-*.json")):
         res = json.loads(path.read_text())
-        verify = res.get("profile_verify", {}).get("n64", {})
+        verify = res.get("profile_verify", {}).get("n64", verify)
         for tree, prof in res.get("profile_draft", {}).items():
-            draft = prof["device_ms"] - verify.get("device_ms", float("nan")) if prof.get("nodes") == 64 else float("nan")
-            print(f"{mode:6s} {tree:16s} device {prof['device_ms']:.3f} ms  wall {prof['wall_ms']:.3f} ms  "
-                  f"draft (64 nodes) {draft:.3f} ms")
+            draft = prof["device_ms"] - verify.get("device_ms", float("nan"))
+            print(f"{mode:22s} {tree:16s} device {prof['device_ms']:.3f} ms  wall {prof['wall_ms']:.3f} ms  "
+                  f"draft {draft:.3f} ms (the step less verify's {verify.get('device_ms', float('nan')):.3f})")
 PY

@@ -43,8 +43,8 @@ triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
 (SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one; SPECGRAPH_ARGMAX_CHUNK=0:
-the greedy argmax in one stage, not two of 2048; SPECGRAPH_DRAFT_TOPK=kernel: a draft level's top k
-through specgraph::topk); the JSON records them.
+the greedy argmax in one stage, not two of 2048; SPECGRAPH_DRAFT_EXPERIMENTS=topk,fuse_projections:
+the draft-side experiments, specgraph/experiments.py); the JSON records them.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
 from __future__ import annotations
@@ -68,7 +68,8 @@ from generate import copy_bandwidth, set_inductor_options  # noqa: E402  (benchm
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
 from specgraph.models import load_default_draft  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
-from specgraph.trees import draft_topk, parse_tree  # noqa: E402
+from specgraph.experiments import draft_experiments  # noqa: E402
+from specgraph.trees import parse_tree  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
@@ -287,7 +288,7 @@ def main() -> None:
                cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
                skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-               argmax_chunk=argmax_chunk(), draft_topk=draft_topk())
+               argmax_chunk=argmax_chunk(), draft_experiments=",".join(sorted(draft_experiments())))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 

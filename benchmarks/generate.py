@@ -52,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
-from specgraph.trees import draft_topk, parse_tree  # noqa: E402
+from specgraph.experiments import draft_experiments  # noqa: E402
+from specgraph.trees import parse_tree  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "specgraph" / "data" / "mt_bench_questions.jsonl"
 METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree",
@@ -217,7 +218,7 @@ def main() -> None:
                   floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor,
                   skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                   extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-                  argmax_chunk=argmax_chunk(), draft_topk=draft_topk(), methods={})
+                  argmax_chunk=argmax_chunk(), draft_experiments=",".join(sorted(draft_experiments())), methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()

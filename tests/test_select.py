@@ -11,11 +11,12 @@ from specgraph import Chain, DynamicTree, Tree, select_tree
 from specgraph.trees import expand_frontier, seed_frontier
 from oracles import dfs_order_ok, select_oracle
 
-@pytest.fixture(scope="module", params=["torch", "kernel"], autouse=True)
-def draft_topk(request):
-    """Every test twice: candidates ranked by stable sorts, and by specgraph::topk (SPECGRAPH_DRAFT_TOPK)."""
+@pytest.fixture(scope="module", params=["", "topk"], autouse=True)
+def draft_experiments(request):
+    """Every test twice: candidates ranked by stable sorts, and by specgraph::topk
+    (SPECGRAPH_DRAFT_EXPERIMENTS=topk)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SPECGRAPH_DRAFT_TOPK", request.param)
+        patch.setenv("SPECGRAPH_DRAFT_EXPERIMENTS", request.param)
         yield request.param
 
 

@@ -8,14 +8,21 @@ prefix plus the window slots its ``tree_mask`` row names — so a chain of new
 context, the K lanes of one EAGLE-2 step and one level of a static tree are
 all the same call. RoPE, RMSNorm and the MLP are transformers' own modules,
 so rope scaling and activations follow the draft's config exactly.
+
+``fuse_projections(draft, on)`` (experimental, ``SPECGRAPH_DRAFT_EXPERIMENTS=fuse_projections``):
+q/k/v and gate/up laid out back to back (``passes.pack_projections``, the Parameters keep their values)
+and read as one product each in no-grad calls (proposing, committing: all of generate); a call with
+grad enabled keeps the separate products (the joined weights are detached views).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from .. import kernels  # noqa: F401  (registers specgraph::tree_attention)
+from ..passes.fuse_projections import joined_view, pack_projections
 
 
 class DraftAttention(nn.Module):
@@ -28,13 +35,19 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.fused_qkv = None  # (weight, bias) views over q/k/v's packed storage (fuse_projections)
 
     def forward(self, x, cos, sin, kv, cache_len, slots, tree_mask):
         """x [B, R, F]; kv (k_cache, v_cache) [B, H_kv, S, D], written in place; slots, tree_mask [B, R]."""
         b, r, _ = x.shape
-        q = self.q_proj(x).view(b, r, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, R, D]
-        k = self.k_proj(x).view(b, r, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, R, D]
-        v = self.v_proj(x).view(b, r, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.fused_qkv is not None and not torch.is_grad_enabled():
+            sizes = [self.num_heads * self.head_dim] + 2 * [self.num_kv_heads * self.head_dim]
+            q, k, v = F.linear(x, *self.fused_qkv).split(sizes, -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, r, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, R, D]
+        k = k.view(b, r, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, R, D]
+        v = v.view(b, r, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k_cache, v_cache = kv
         index = (cache_len.view(b, 1) + slots).view(b, 1, r, 1).expand_as(k)
@@ -55,7 +68,32 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(config, attention_in)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.fused_gate_up = None  # (weight, bias) views over gate/up's packed storage (fuse_projections)
 
     def forward(self, attn_in, residual, cos, sin, kv, cache_len, slots, tree_mask):
         h = residual + self.self_attn(attn_in, cos, sin, kv, cache_len, slots, tree_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed = self.post_attention_layernorm(h)
+        if self.fused_gate_up is not None and not torch.is_grad_enabled():
+            gate, up = F.linear(normed, *self.fused_gate_up).chunk(2, -1)
+            return h + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+        return h + self.mlp(normed)
+
+
+@torch.no_grad()
+def fuse_projections(draft: nn.Module, on: bool = True) -> int:
+    """Each DraftLayer of ``draft``: with ``on``, its q/k/v and gate/up packed back to back and read as one
+    product each in no-grad calls; off: the separate products again. Values unchanged. Returns the
+    layers fused."""
+    fused = 0
+    for layer in draft.modules():
+        if not isinstance(layer, DraftLayer):
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.fused_qkv = layer.fused_gate_up = None
+        if not on:
+            continue
+        pack_projections(layer)
+        attn.fused_qkv = joined_view([attn.q_proj, attn.k_proj, attn.v_proj])
+        layer.fused_gate_up = joined_view([mlp.gate_proj, mlp.up_proj])
+        fused += attn.fused_qkv is not None and layer.fused_gate_up is not None
+    return fused

@@ -51,6 +51,19 @@ def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].detach().as_strided(shape, stride)
 
 
+def joined_view(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of sibling ``linears`` as one product: views over their storage when their weights
+    (and biases) lie back to back (``pack_projections``), else None."""
+    weights, biases = [m.weight.data for m in linears], [m.bias for m in linears]
+    if not _back_to_back(weights):
+        return None
+    if all(b is None for b in biases):
+        return _joined(weights), None
+    if any(b is None for b in biases) or not _back_to_back([b.data for b in biases]):
+        return None
+    return _joined(weights), _joined([b.data for b in biases])
+
+
 @torch.no_grad()
 def pack_projections(model: torch.nn.Module) -> int:
     """Lay out every group of sibling projections (PACK_GROUPS) back to back in one tensor, in place.

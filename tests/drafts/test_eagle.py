@@ -222,3 +222,39 @@ def test_eagle1_compiles_once_across_prompt_lengths(aot_eager_compile):
     spec = specgraph.compile(model, make_draft("eagle", model), tree=DynamicTree(steps=3, topk=2, nodes=6),
                              max_length=128, backend="inductor")
     assert_one_compile_across_lengths(spec, model, [[6], [40], [75]])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_fused_projections_compute_the_same_draft_layer(kind):
+    """fuse_projections (SPECGRAPH_DRAFT_EXPERIMENTS): with the weights packed, a no-grad pass of the draft
+    reads q/k/v and gate/up as one product each (the separate modules never run) and gives the separate
+    products' output; a pass with grad runs them separately (the fused views carry no gradient)."""
+    from specgraph.drafts.layer import fuse_projections
+
+    model = tiny_model("llama")
+    draft = make_draft(kind, model)
+    assert not draft.bind(model)
+    session = draft.session(Chain(3), 2, 64, "cpu")
+    width = draft.fc.in_features if kind == "eagle3" else model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 5), generator=g)
+    features, start = torch.randn(2, 5, width, generator=g), torch.tensor([0, 3])
+    with torch.no_grad():
+        want = session._chain(tokens, features, start)
+    separate = []
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(draft.layer.self_attn, name).register_forward_hook(lambda *_: separate.append(1))
+    for name in ("gate_proj", "up_proj"):
+        getattr(draft.layer.mlp, name).register_forward_hook(lambda *_: separate.append(1))
+    assert fuse_projections(draft) == 1
+    with torch.no_grad():
+        got = session._chain(tokens, features, start)
+    assert not separate  # the fused products ran
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    session.kv = [session.kv[0].clone(), session.kv[1].clone()]  # K and V apart: writes with grad, no views
+    torch.testing.assert_close(session._chain(tokens, features, start).detach(), want, rtol=1e-5, atol=1e-6)
+    assert len(separate) == 5  # with grad: the separate products (the fused weights are detached views)
+    fuse_projections(draft, on=False)
+    with torch.no_grad():
+        torch.testing.assert_close(session._chain(tokens, features, start), want, rtol=1e-5, atol=1e-6)
+    assert len(separate) == 10
