@@ -83,9 +83,9 @@ class DraftLayer(nn.Module):
 def fuse_projections(draft: nn.Module, on: bool = True) -> int:
     """Each DraftLayer of ``draft``: with ``on``, its q/k/v and gate/up packed back to back and read as one
     product each in no-grad calls; off: the separate products again. Values unchanged. Returns the
-    layers fused."""
+    layers fused (0 for a draft that is not a module: n-grams)."""
     fused = 0
-    for layer in draft.modules():
+    for layer in draft.modules() if isinstance(draft, nn.Module) else ():
         if not isinstance(layer, DraftLayer):
             continue
         attn, mlp = layer.self_attn, layer.mlp
