@@ -13,7 +13,8 @@ run() {  # run NAME SECONDS CMD...
   timeout "$limit" "$@" > "$dir/$name.log" 2>&1
   echo "== $name rc=$? $(tail -n 3 "$dir/$name.log" | tr '\n' ' ' | cut -c1-300)"
 }
-run tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py -k topk
+run tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py tests/test_graphed.py \
+  -k "topk or recorded_step"
 run topk 120 python3 benchmarks/kernels.py --topk --out "$dir"
 grep "^# topk" "$dir/topk.log"
 for mode in none topk topk,fuse_projections; do  # the first also profiles the verify-only step
