@@ -212,9 +212,9 @@ def test_greedy_tokens_in_chunks_compiled_on_cuda(rows, vocab):
     assert torch.equal(got, logits.argmax(-1)) and got[0].item() == 3000
 
 
-@pytest.mark.parametrize("rows", [1, 8, 64])
-@pytest.mark.parametrize("vocab", [8192, 49152, 128256])
-@pytest.mark.parametrize("k", [2, 8, 10])
+@pytest.mark.parametrize("rows", [8, 64])
+@pytest.mark.parametrize("vocab", [8192, 128256])  # one pass; two, the last chunk partial
+@pytest.mark.parametrize("k", [8, 64])
 def test_topk_at_draft_vocabularies(rows, vocab, k):
     """specgraph::topk on CUDA (one pass at 8,192, two above) against its reference, bit for bit: float32
     log-probs with ties (rounded to 1/8) and bf16 logits; eager, in a CUDA graph and compiled."""
