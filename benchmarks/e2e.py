@@ -66,9 +66,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import specgraph  # noqa: E402
 from generate import copy_bandwidth, set_inductor_options  # noqa: E402  (benchmarks/generate.py)
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
+from specgraph.experiments import draft_experiments  # noqa: E402
 from specgraph.models import load_default_draft  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
-from specgraph.experiments import draft_experiments  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
@@ -379,10 +379,11 @@ def main() -> None:
         elif section == "profile_draft":  # whole speculative steps: verify + commit + draft levels
             head = (load_default_draft() if args.shape == "smollm2" and not args.tiny else Eagle3.for_target(model))
             head = head.to(device, torch.bfloat16)
-            save(section, **{text: profile_section(spec_for(head, parse_tree(text), accept=1), prompt, args, device,
+            trees = {text: parse_tree(text) for text in args.profile_draft_trees}
+            save(section, **{text: profile_section(spec_for(head, tree, accept=1), prompt, args, device,
                                                    f"profile-draft-{text.replace(':', '').replace(',', '-')}",
-                                                   nodes=parse_tree(text).num_nodes)
-                             for text in args.profile_draft_trees})
+                                                   nodes=tree.num_nodes)
+                             for text, tree in trees.items()})
     print(json.dumps(res, indent=2))
 
 

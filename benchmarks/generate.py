@@ -50,9 +50,9 @@ from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
+from specgraph.experiments import draft_experiments  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
-from specgraph.experiments import draft_experiments  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "specgraph" / "data" / "mt_bench_questions.jsonl"

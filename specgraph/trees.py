@@ -19,8 +19,8 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
-from .kernels.bitmask import MAX_NODES, ancestor_masks, check_num_nodes, first_child_next_sibling, mask_to_matrix
 from .experiments import draft_experiments
+from .kernels.bitmask import MAX_NODES, ancestor_masks, check_num_nodes, first_child_next_sibling, mask_to_matrix
 from .kernels.topk import MAX_K as TOPK_KERNEL_MAX_K
 
 
@@ -281,6 +281,8 @@ def random_parents(rng, n: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- a draft's top k
 TOPK_CHUNK = 256  # a long row's top k is taken per chunk of this many, then over the chunks' winners
+
+
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.topk(k, -1)`` (values best first, indices) for a long last dimension (a vocabulary).
 
