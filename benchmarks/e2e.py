@@ -43,8 +43,8 @@ triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
 (SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one; SPECGRAPH_ARGMAX_CHUNK=0:
-the greedy argmax in one stage, not two of 2048; SPECGRAPH_DRAFT_EXPERIMENTS=topk,fuse_projections:
-the draft-side experiments, specgraph/experiments.py); the JSON records them.
+the greedy argmax in one stage, not two of 2048; SPECGRAPH_SKIP_FAST_PATHS=topk,fuse_projections:
+the draft-side fast paths off, specgraph/fast_paths.py); the JSON records them.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import specgraph  # noqa: E402
 from generate import copy_bandwidth, set_inductor_options  # noqa: E402  (benchmarks/generate.py)
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
-from specgraph.experiments import draft_experiments  # noqa: E402
+from specgraph.fast_paths import skipped_fast_paths  # noqa: E402
 from specgraph.models import load_default_draft  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
@@ -288,7 +288,7 @@ def main() -> None:
                cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
                skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-               argmax_chunk=argmax_chunk(), draft_experiments=",".join(sorted(draft_experiments())))
+               argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths())
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 

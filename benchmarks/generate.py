@@ -50,7 +50,7 @@ from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
-from specgraph.experiments import draft_experiments  # noqa: E402
+from specgraph.fast_paths import skipped_fast_paths  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
@@ -218,7 +218,7 @@ def main() -> None:
                   floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor,
                   skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                   extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-                  argmax_chunk=argmax_chunk(), draft_experiments=",".join(sorted(draft_experiments())), methods={})
+                  argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(), methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()

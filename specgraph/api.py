@@ -12,7 +12,7 @@ from .capture import Capture, TargetInfo
 from .errors import CompileError
 from .drafts.layer import fuse_projections as fuse_draft_projections
 from .drafts.ngram import NGram
-from .experiments import draft_experiments
+from .fast_paths import draft_fast_paths
 from .runtime.generate import Sampling, speculative_generate
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree
@@ -160,7 +160,7 @@ class SpecModel:
         self.model, self.draft, self.config = model, draft, config
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
         self.capture = Capture.shared(model.eval(), config.max_length, config.backend)  # reused across compiles
-        fuse_draft_projections(draft, "fuse_projections" in draft_experiments())  # experimental, off by default
+        fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
         self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
         # what generate may run per call: the tree; with policy="measured" also a chain as deep as the
         # tree (a smaller tree: at a large batch it can win where the tree loses) and plain decoding

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
-from .experiments import draft_experiments
+from .fast_paths import draft_fast_paths
 from .kernels.bitmask import MAX_NODES, ancestor_masks, check_num_nodes, first_child_next_sibling, mask_to_matrix
 from .kernels.topk import MAX_K as TOPK_KERNEL_MAX_K
 
@@ -291,13 +291,14 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     among its chunks' k bests); equal values may come back in another index order. Why: on CUDA
     one topk over a few long rows runs one block per row (47 us for 8 rows of 8,192 on the H200,
     15% of an EAGLE-2 tree step); chunked, the first round spreads over rows x chunks.
-    ``SPECGRAPH_DRAFT_EXPERIMENTS=topk``: ``specgraph::topk`` instead (``rank_order`` too).
+    By default (fast path ``topk``) k ≤ 64 of a float32/16 row come from ``specgraph::topk`` instead: one
+    launch, ties to the lower index (``rank_order`` too).
     x: [..., V] float -> values [..., k], indices [..., k] int64.
     """
     v = x.shape[-1]
     if k == 1:
         return x.max(-1, keepdim=True)
-    if "topk" in draft_experiments() and k <= TOPK_KERNEL_MAX_K and x.dtype != torch.float64:
+    if "topk" in draft_fast_paths() and k <= TOPK_KERNEL_MAX_K and x.dtype != torch.float64:
         return torch.ops.specgraph.topk(x, k)  # ties to the lower index
     if k > TOPK_CHUNK or v < 4 * TOPK_CHUNK:
         return x.topk(k, -1)
@@ -317,11 +318,11 @@ def rank_order(scores: torch.Tensor, nan: torch.Tensor, k: int | None = None) ->
     scores: [B, E] float (NaN already replaced), nan: [B, E] bool -> [B, k or E] int64.
     Because a child's score never exceeds its parent's and a parent's id is
     lower, a parent always ranks before its child: any prefix is ancestor-closed.
-    With ``SPECGRAPH_DRAFT_EXPERIMENTS=topk`` the first k come from ``specgraph::topk`` (one launch, not
+    By default (fast path ``topk``) the first k come from ``specgraph::topk`` (one launch, not
     two stable sorts): NaN as -inf and -inf as the lowest finite float, the same order unless a
     score is exactly that float (no sum of a few log-probabilities is).
     """
-    if k is not None and "topk" in draft_experiments() and k <= TOPK_KERNEL_MAX_K:
+    if k is not None and "topk" in draft_fast_paths() and k <= TOPK_KERNEL_MAX_K:
         key = torch.where(nan, float("-inf"), scores.clamp(min=torch.finfo(scores.dtype).min))
         return torch.ops.specgraph.topk(key, k)[1]
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices

@@ -387,41 +387,6 @@ def test_argmax_in_chunks_is_token_exact(monkeypatch, chunk):
                                                                                           max_new_tokens=2)
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_draft_experiments_are_token_exact(monkeypatch, backend):
-    """SPECGRAPH_DRAFT_EXPERIMENTS=topk,fuse_projections: the EAGLE-2 tree's top-k and its candidates'
-    ranking through specgraph::topk (on the CPU its reference), the draft layer's q/k/v and gate/up as
-    one product each, in the eager step and inside the compiled one; the same tokens as HF greedy; an
-    unknown name is refused."""
-    from specgraph.drafts import Eagle3
-    from specgraph.kernels import topk as topk_module
-
-    calls = []
-    reference = topk_module.topk_reference
-    monkeypatch.setattr(topk_module, "topk_reference", lambda x, k: calls.append(k) or reference(x, k))
-    monkeypatch.setenv("SPECGRAPH_DRAFT_EXPERIMENTS", "topk,fuse_projections")
-    model = tiny_model("llama")
-    torch.manual_seed(0)
-    draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
-    spec = specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_batch=2,
-                             max_length=128, backend=backend)
-    attn = draft.midlayer.self_attn
-    assert attn.fused_qkv is not None and draft.midlayer.fused_gate_up is not None
-    assert attn.fused_qkv[0].data_ptr() == attn.q_proj.weight.data_ptr()  # a view of the packed weights
-    rows = prompts(11, [7, 30])
-    ids, mask = left_pad(rows)
-    out = spec.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
-    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
-        assert got == hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)
-    assert set(calls) == {3, 7}  # the op ran: each level's top 3 tokens and lanes, the 7 nodes kept
-    monkeypatch.setenv("SPECGRAPH_DRAFT_EXPERIMENTS", "")
-    specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_length=128)
-    assert attn.fused_qkv is None and draft.midlayer.fused_gate_up is None  # off again at the next compile
-    monkeypatch.setenv("SPECGRAPH_DRAFT_EXPERIMENTS", "topk,cub")
-    with pytest.raises(ValueError, match=r"SPECGRAPH_DRAFT_EXPERIMENTS names \['cub'\]"):
-        specgraph.trees.top_k(torch.randn(2, 50), 3)
-
-
 def test_synthetic_acceptance_is_forced_and_labelled():
     """Benchmarks only: every step commits exactly k tokens (the last may be cut by max_new_tokens),
     with a warning on every call; sampling and out-of-range k are refused."""

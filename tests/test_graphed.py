@@ -127,16 +127,16 @@ def _assert_matches_hf(model, spec, rows, new_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,batch,skip,experiments", [
+@pytest.mark.parametrize("kind,batch,skip,skip_fast", [
     ("eagle3", 1, "", ""), ("eagle3", 2, "", ""), ("eagle3", 2, "", "topk,fuse_projections"), ("ngram", 2, "", ""),
     ("ngram", 2, "fold_norms_rows", "")])
-def test_recorded_step_is_token_exact_on_cuda(kind, batch, skip, experiments, monkeypatch):
+def test_recorded_step_is_token_exact_on_cuda(kind, batch, skip, skip_fast, monkeypatch):
     """Greedy generate through the recorded step graph equals HF's greedy on the GPU (ngram: the verify step
-    of 2 x 5 rows takes fold_norms_rows' kernels; with skip, without them; EAGLE-3 also with the draft
-    experiments: specgraph::topk's kernel and the fused draft products inside the graph)."""
+    of 2 x 5 rows takes fold_norms_rows' kernels; with skip, without them; EAGLE-3 with the draft fast paths,
+    specgraph::topk's kernel and the fused draft products inside the graph, and without them)."""
     monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
     monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", skip)
-    monkeypatch.setenv("SPECGRAPH_DRAFT_EXPERIMENTS", experiments)
+    monkeypatch.setenv("SPECGRAPH_SKIP_FAST_PATHS", skip_fast)
     model, spec = _compile_on_cuda(kind, 4, (4, 3, 10), batch, 160)
     rows = prompts(3, [11, 30][:batch])
     for call in range(2):  # the second call reuses the recorded graph with new prompts copied in

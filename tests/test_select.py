@@ -12,11 +12,11 @@ from specgraph.trees import expand_frontier, seed_frontier
 from oracles import dfs_order_ok, select_oracle
 
 @pytest.fixture(scope="module", params=["", "topk"], autouse=True)
-def draft_experiments(request):
-    """Every test twice: candidates ranked by stable sorts, and by specgraph::topk
-    (SPECGRAPH_DRAFT_EXPERIMENTS=topk)."""
+def skip_fast_paths(request):
+    """Every test twice: candidates ranked by specgraph::topk (the default), and by stable sorts
+    (SPECGRAPH_SKIP_FAST_PATHS=topk)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SPECGRAPH_DRAFT_EXPERIMENTS", request.param)
+        patch.setenv("SPECGRAPH_SKIP_FAST_PATHS", request.param)
         yield request.param
 
 

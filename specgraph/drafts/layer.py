@@ -9,7 +9,7 @@ context, the K lanes of one EAGLE-2 step and one level of a static tree are
 all the same call. RoPE, RMSNorm and the MLP are transformers' own modules,
 so rope scaling and activations follow the draft's config exactly.
 
-``fuse_projections(draft, on)`` (experimental, ``SPECGRAPH_DRAFT_EXPERIMENTS=fuse_projections``):
+``fuse_projections(draft, on)`` (``compile`` calls it; fast path ``fuse_projections``, on by default):
 q/k/v and gate/up laid out back to back (``passes.pack_projections``, the Parameters keep their values)
 and read as one product each in no-grad calls (proposing, committing: all of generate); a call with
 grad enabled keeps the separate products (the joined weights are detached views).

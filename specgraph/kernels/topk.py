@@ -91,6 +91,20 @@ def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return x.gather(-1, order), order
 
 
+def topk_packed(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's packing in plain torch (the CPU implementation): one ``torch.topk`` over int64
+    (order-preserving float bits << 32 | the index reversed), exact and unique, where a sort of the
+    whole row would cost several times more. x: [..., V] -> values [..., k], indices [..., k] int64."""
+    v = x.shape[-1]
+    inf = float("inf")
+    key = torch.nan_to_num(x.float() + 0.0, nan=inf, posinf=inf, neginf=-inf)  # NaN as +inf; -0 + 0 = +0
+    bits = key.view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # signed order = float order
+    packed = (ordered << 32) | torch.arange(v - 1, -1, -1, device=x.device)  # equal values: lower index wins
+    indices = v - 1 - (packed.topk(k, -1).values & 0xFFFFFFFF)
+    return x.gather(-1, indices), indices
+
+
 def _check(x: torch.Tensor, k: int) -> None:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1:
         raise ValueError(f"topk: x must be a float32, bfloat16 or float16 tensor [..., V]; got {x.dtype} "
@@ -101,9 +115,16 @@ def _check(x: torch.Tensor, k: int) -> None:
 
 @torch.library.custom_op("specgraph::topk", mutates_args=())
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best of each row, best first, ties to the lower index (contract above). CPU: the reference."""
+    """The k best of each row, best first, ties to the lower index (contract above). Other devices: the
+    reference."""
     _check(x, k)
     return topk_reference(x, k)
+
+
+@topk.register_kernel("cpu")
+def _topk_cpu(x, k):
+    _check(x, k)
+    return topk_packed(x, k)
 
 
 @topk.register_kernel("cuda")

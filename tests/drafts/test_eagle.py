@@ -226,7 +226,7 @@ def test_eagle1_compiles_once_across_prompt_lengths(aot_eager_compile):
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_fused_projections_compute_the_same_draft_layer(kind):
-    """fuse_projections (SPECGRAPH_DRAFT_EXPERIMENTS): with the weights packed, a no-grad pass of the draft
+    """fuse_projections (a draft fast path): with the weights packed, a no-grad pass of the draft
     reads q/k/v and gate/up as one product each (the separate modules never run) and gives the separate
     products' output; a pass with grad runs them separately (the fused views carry no gradient)."""
     from specgraph.drafts.layer import fuse_projections

@@ -1,5 +1,6 @@
-"""topk: the reference and the Triton kernel against a Python oracle (sorted by (-value, index), NaN as
-+inf), on rows full of ties, infinities and NaN, one pass and two; the op's fake and errors."""
+"""topk: the reference, the CPU packing and the Triton kernel against a Python oracle (sorted by
+(-value, index), NaN as +inf), on rows full of ties, infinities and NaN, one pass and two; the op's
+fake and errors."""
 import math
 import os
 
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 import specgraph.kernels  # noqa: F401
 from specgraph.kernels import topk as topk_module
-from specgraph.kernels.topk import topk_reference, topk_triton
+from specgraph.kernels.topk import topk_packed, topk_reference, topk_triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -50,11 +51,13 @@ def assert_matches_oracle(x, values, indices, k):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 5), vocab=st.integers(1, 300), k=st.integers(1, 12),
        special=st.booleans())
-def test_reference_matches_oracle(seed, rows, vocab, k, special):
+def test_reference_and_cpu_packing_match_oracle(seed, rows, vocab, k, special):
     k = min(k, vocab)
-    x = tied_rows(seed, rows, vocab, torch.float32, special)
-    values, indices = topk_reference(x, k)
-    assert_matches_oracle(x, values, indices, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = tied_rows(seed, rows, vocab, dtype, special)
+        for topk in (topk_reference, topk_packed, torch.ops.specgraph.topk):  # the op on the CPU: packed
+            values, indices = topk(x, k)
+            assert_matches_oracle(x, values, indices, k)
 
 
 def test_reference_agrees_with_torch_topk_without_ties():
