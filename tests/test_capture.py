@@ -1,7 +1,6 @@
 """Capture + replace_attention on tiny random configs of six architectures:
 every node's logits equal the HF eager model on that node's root path alone;
 after several verify/compact steps the cache equals HF's own."""
-import importlib
 
 import pytest
 import torch
@@ -94,10 +93,8 @@ def test_pass_counters(driver):
     for node in folded:  # the step's own K/V (un-expanded: the kernel does GQA), in the cache's dtype
         key, value = (node.args[i].meta["val"] for i in (3, 4))
         assert node.args[1] is kv and key.shape == value.shape == (driver.batch, info.num_kv_heads, 8, info.head_dim)
-    # 3 sequences x 8 rows: above fold_rotary.MAX_ROWS rows in all, the RoPE stays in the graph
-    assert dict(step.pass_results)["fold_rotary"].counters == {"rotary_folded": 0, "rotary_unfolded": info.num_layers}
-    assert all(len(n.args) == 9 for n in folded)
-    _assert_rope_folded(driver.capture.step(1, 8), driver.model)  # one sequence x 8 rows: folded
+    _assert_rope_folded(step, driver.model)  # 3 sequences x 8 rows: within fold_rotary.MAX_ROWS rows in all
+    _assert_rope_folded(driver.capture.step(1, 8), driver.model)  # one sequence x 8 rows
     rows_fold = dict(step.pass_results)["fold_norms_rows"].counters  # 24 rows: above fused_linear's 16
     assert rows_fold["norms_folded"] == rows_fold["silu_mul_folded"] == 0
 
@@ -123,16 +120,18 @@ def test_single_row_step_rotates_in_attention_and_matches_hf(driver):
 
 
 def test_multi_row_fold_is_exact_when_allowed(driver, monkeypatch):
-    """The fold is correct at any R (MAX_ROWS is a measured speed limit, not a correctness one): above it
-    the RoPE stays apart; with it raised, a 12-node tree folds and every node still matches HF on its
-    root path."""
-    fold_rotary = importlib.import_module("specgraph.passes.fold_rotary")
-    above = driver.capture.step(1, fold_rotary.MAX_ROWS + 1)  # above the limit: apart, counted
-    assert dict(above.pass_results)["fold_rotary"].counters == {"rotary_folded": 0,
-                                                                "rotary_unfolded": above.info.num_layers}
-    monkeypatch.setattr(fold_rotary, "MAX_ROWS", 64)
+    """The fold is correct at any R (MAX_ROWS is a measured speed limit, not a correctness one): a 12-node
+    tree for 3 sequences folds and every node still matches HF on its root path; with the limit lowered
+    (SPECGRAPH_FOLD_ROTARY_ROWS) the RoPE stays apart, counted; a limit that is not a number is refused."""
     _assert_rope_folded(driver.capture.step(driver.batch, 12), driver.model)
     check_tree_against_hf(driver, nodes=12, tol=TOL)
+    monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "8")
+    above = driver.capture.step(1, 9)  # above the limit: apart, counted
+    assert dict(above.pass_results)["fold_rotary"].counters == {"rotary_folded": 0,
+                                                                "rotary_unfolded": above.info.num_layers}
+    monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "many")
+    with pytest.raises(ValueError, match="SPECGRAPH_FOLD_ROTARY_ROWS='many'"):
+        driver.capture.step(1, 10)
 
 
 def test_partial_rotary_stays_apart_and_exact():

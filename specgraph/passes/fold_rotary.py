@@ -5,8 +5,8 @@ Requires: fold_cache_writes has run: per folded layer ``tree_attention_write(q, 
   convention, whole head_dim) of two tensors with the same cos/sin: ``x * cos.unsqueeze(1) +
   cat(-x[..., D/2:], x[..., :D/2]) * sin.unsqueeze(1)``, up to a cast to the dtype it already has
   and a concatenation with an empty pass-through part (partial-rotary code, e.g. Phi-3, at factor 1).
-  Only steps of one row per sequence (plain decoding) or of up to MAX_ROWS rows in all (a short verify
-  step at batch 1) fold.
+  Only steps of one row per sequence (plain decoding) or of up to MAX_ROWS rows in all (a verify step
+  of up to 64 nodes at batch 1) fold.
 Ensures: such a layer becomes ``tree_attention_write(q0, kv, l, k0, value, cache_len, tree_mask, scale,
   window, cos, sin)`` on the unrotated q0 / k0 (cos, sin [B, R, D]: the step's tables, shared by every
   layer that uses them); the kernel rotates q at load and the keys before it reads and stores them.
@@ -14,7 +14,8 @@ Ensures: such a layer becomes ``tree_attention_write(q0, kv, l, k0, value, cache
   counted, not refused: this is a speed-up. The same tree_attention_write nodes remain, one per folded layer.
 Why: inductor ran each layer's RoPE as launches of its own (q and k: 3.4 + 2.5 us per layer of the 8B
   step in the seventh session's profile); in the kernel it is a second load of q and of the new keys.
-  Folded, the 8B plain decode step measured 0.05-0.07 ms (1.1-1.4%) faster on the H200.
+  Folded, the 8B plain decode step measured 0.05-0.07 ms (1.1-1.4%) faster on the H200, the 64-node
+  SmolLM2 verify step 0.18 ms (15%).
 """
 from __future__ import annotations
 
@@ -30,13 +31,26 @@ from .replace_attention import CASTS
 aten = torch.ops.aten
 TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
 # Rows of a step (B x R) up to which the fold is measured faster when R > 1 (R = 1 folds at any batch)
-# (H200, Llama-3.1-8B shape, 1k context): R = 1,
-# the plain decode step 4.856 -> 4.789-4.804 ms (2026-12-01); R = 8, the attention kernel alone with
-# the rotation 13.66 us against 13.34 without (fourteenth session, launch_config's tiles) while the two
-# RoPE launches it replaces took 2.75 us a layer in the verify step's profile. (An earlier multi-row kernel
-# measured 5.13 -> 6.19 ms at R = 8.) Not measured above 8 rows, nor at batch > 1 with R > 1 (there the
-# attention takes other tiles: 64 rows, 4 warps, at B x R > 8 for the 8B shape).
-MAX_ROWS = 8
+# (H200, 1k context): R = 1, Llama-3.1-8B shape, the plain decode step 4.856 -> 4.789-4.804 ms
+# (2026-12-01); R = 64 at batch 1, SmolLM2 shape, the 64-node verify step 1.156 -> 0.977 ms of device
+# time (seventeenth session: the attention kernel with the rotation 12.74 us against 11.81 without, the
+# two RoPE launches it replaces 6.6 us a layer); at the 8B shape and 64 rows the kernel measured 20.54
+# against 17.25 us while the two launches took 7.0 us a layer in the fourteenth session's verify
+# profile (the 8B step itself not re-timed with it). Not measured at batch > 1 with R > 1 (those fold up to
+# the same rows in all).
+MAX_ROWS = 64
+
+
+def max_rows() -> int:
+    """MAX_ROWS, or ``SPECGRAPH_FOLD_ROTARY_ROWS`` (a whole number) for A/B runs (8: the limit before the
+    seventeenth session)."""
+    value = os.environ.get("SPECGRAPH_FOLD_ROTARY_ROWS", "")
+    if not value:
+        return MAX_ROWS
+    if not value.isdigit():
+        raise ValueError(f"SPECGRAPH_FOLD_ROTARY_ROWS={value!r}: give the largest step (rows in all) whose RoPE "
+                         f"folds, a whole number (default {MAX_ROWS})")
+    return int(value)
 
 
 def _no_op_cast(node) -> bool:
@@ -105,16 +119,16 @@ def _rope_parts(node):
 def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     writes = list(graph.find_nodes(op="call_function", target=TREE_ATTENTION_WRITE))
-    folded, unfolded, bypassed = 0, [], []
+    folded, unfolded, bypassed, limit = 0, [], [], max_rows()
     for node in writes:
         q, kv, layer, key = node.args[:4]
         if len(node.args) > 9 or node.kwargs:
             unfolded.append(f"layer {layer}: already given cos/sin")
             continue
         batch, rows = (_val(q).shape[0], _val(q).shape[2]) if _val(q) is not None else (None, None)
-        if rows is None or (rows > 1 and batch * rows > MAX_ROWS):
+        if rows is None or (rows > 1 and batch * rows > limit):
             unfolded.append(f"layer {layer}: {batch} x {rows} rows; the fold is measured faster at one row per "
-                            f"sequence, or up to {MAX_ROWS} rows in all (MAX_ROWS)")
+                            f"sequence, or up to {limit} rows in all (MAX_ROWS, SPECGRAPH_FOLD_ROTARY_ROWS)")
             continue
         q_parts, k_parts = _rope_parts(q), _rope_parts(key)
         if q_parts is None or k_parts is None:
