@@ -36,8 +36,8 @@ TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
 # time (seventeenth session: the attention kernel with the rotation 12.74 us against 11.81 without, the
 # two RoPE launches it replaces 6.6 us a layer); at the 8B shape and 64 rows the kernel measured 20.54
 # against 17.25 us while the two launches took 7.0 us a layer in the fourteenth session's verify
-# profile (the 8B step itself not re-timed with it). Not measured at batch > 1 with R > 1 (those fold up to
-# the same rows in all).
+# profile (the 8B step itself not re-timed with it). Not measured at batch > 1 with R > 1 (those fold
+# up to the same rows in all).
 MAX_ROWS = 64
 
 
