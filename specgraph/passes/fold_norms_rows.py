@@ -5,7 +5,7 @@ the packed gate/up product's epilogue -- so no multi-row product has anything be
 session, docs/benchmarks.md).
 
 Requires: fold_norms has run (it folds one-row steps; it leaves steps of more rows untouched).
-Ensures: in a step of 2..MAX_ROWS rows (``max_rows()``): (1) a norm ``n`` = HF's LlamaRMSNorm of ``h = add(r, linear(y, W))``
+Ensures: in a step of 2..max_rows() rows: (1) a norm ``n`` = HF's LlamaRMSNorm of ``h = add(r, linear(y, W))``
   (the linear bias-free, read only by the add, maybe through an eval-mode dropout; either order), every user of n a bias-free linear, becomes
   ``(h, scaled, squares) = fused_linear_norm_out(y, W, r, gamma)``: every reader of h reads the first
   output, each linear ``linear(n, V)`` becomes ``fused_linear(scaled, V, None, eps, None, False, False,
