@@ -7,6 +7,10 @@ from hypothesis import settings
 settings.register_profile("ci", deadline=None, max_examples=300, derandomize=True, print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=60)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads (by default every
+# worker takes them all: on the 2-core CI machine, 2 workers x 2 threads oversubscribe it)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):
