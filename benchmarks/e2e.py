@@ -44,7 +44,8 @@ Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-
 SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
 (SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one; SPECGRAPH_ARGMAX_CHUNK=0:
 the greedy argmax in one stage, not two of 2048; SPECGRAPH_SKIP_FAST_PATHS=topk,fuse_projections:
-the draft-side fast paths off, specgraph/fast_paths.py); the JSON records them.
+the draft-side fast paths off, specgraph/fast_paths.py; SPECGRAPH_FOLD_ROTARY_ROWS / SPECGRAPH_FOLD_NORMS_ROWS:
+the most rows a step may have for fold_rotary / fold_norms_rows, benchmarks/rows_ab.sh); the JSON records them.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
 from __future__ import annotations
@@ -68,6 +69,8 @@ from generate import copy_bandwidth, set_inductor_options  # noqa: E402  (benchm
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
 from specgraph.fast_paths import skipped_fast_paths  # noqa: E402
 from specgraph.models import load_default_draft  # noqa: E402
+from specgraph.passes.fold_norms_rows import max_rows as fold_norms_rows_limit  # noqa: E402
+from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
@@ -288,7 +291,8 @@ def main() -> None:
                cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
                skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-               argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths())
+               argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
+               fold_rows=dict(rotary=fold_rotary_limit(), norms=fold_norms_rows_limit()))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 

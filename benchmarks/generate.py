@@ -52,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
 from specgraph.fast_paths import skipped_fast_paths  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
+from specgraph.passes.fold_norms_rows import max_rows as fold_norms_rows_limit  # noqa: E402
+from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
@@ -218,7 +220,8 @@ def main() -> None:
                   floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor,
                   skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                   extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-                  argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(), methods={})
+                  argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
+                  fold_rows=dict(rotary=fold_rotary_limit(), norms=fold_norms_rows_limit()), methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()
