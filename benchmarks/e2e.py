@@ -65,13 +65,9 @@ from tqdm import tqdm
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import specgraph  # noqa: E402
-from generate import copy_bandwidth, set_inductor_options  # noqa: E402  (benchmarks/generate.py)
+from generate import copy_bandwidth, run_settings, set_inductor_options  # noqa: E402  (benchmarks/generate.py)
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
-from specgraph.fast_paths import skipped_fast_paths  # noqa: E402
 from specgraph.models import load_default_draft  # noqa: E402
-from specgraph.passes.fold_norms_rows import max_rows as fold_norms_rows_limit  # noqa: E402
-from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit  # noqa: E402
-from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
 os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
@@ -288,11 +284,7 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
     res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                torch=torch.__version__, shape=shape_name, prompt=args.prompt,
-               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor,
-               skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
-               extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-               argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
-               fold_rows=dict(rotary=fold_rotary_limit(), norms=fold_norms_rows_limit()))
+               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor, **run_settings())
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 

@@ -90,6 +90,15 @@ def specgraph_method(model, method: str):
 NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitudes
 
 
+def run_settings() -> dict:
+    """The environment settings a result depends on (passes skipped or added, the argmax's chunk, the draft
+    fast paths skipped, the folds' row limits), for the results JSON of every benchmark."""
+    return dict(skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
+                extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
+                argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
+                fold_rows=dict(rotary=fold_rotary_limit(), norms=fold_norms_rows_limit()))
+
+
 def set_inductor_options(pairs: list[str]) -> dict:
     """``--inductor KEY=VALUE ...``: torch._inductor.config values for an experiment (e.g.
     ``combo_kernels=1``: independent kernels fused into one launch; ``triton.enable_pdl=1``:
@@ -217,11 +226,7 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     result = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   prompts=len(rows), max_new_tokens=args.max_new_tokens, copy_bandwidth_gbs=bandwidth / 1e9,
-                  floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor,
-                  skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
-                  extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
-                  argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
-                  fold_rows=dict(rotary=fold_rotary_limit(), norms=fold_norms_rows_limit()), methods={})
+                  floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor, **run_settings(), methods={})
     reference = None
     for method in tqdm(args.methods, desc="methods"):
         start = time.perf_counter()

@@ -8,16 +8,9 @@
 #
 # STEP is tests, sweep, rows16 or rows64 (default: tests rows16 rows64; the sweep is long). Each profile
 # compiles two steps (~2-3 minutes on a fresh machine): pass a subset to split the work over device calls.
-set -uo pipefail
-dir=${1:-rows-ab}
-shift || true
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests rows16 rows64)
-mkdir -p "$dir"
-run() {  # run NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$dir/$name.log" 2>&1
-  echo "== $name rc=$? $(tail -n 3 "$dir/$name.log" | tr '\n' ' ' | cut -c1-300)"
-}
+default_dir=rows-ab
+default_steps=(tests rows16 rows64)
+source "$(dirname "$0")/ab_common.sh"
 for step in "${steps[@]}"; do
   case $step in
     tests) run tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py -k fused_linear ;;

@@ -283,6 +283,11 @@ def random_parents(rng, n: int) -> list[int]:
 TOPK_CHUNK = 256  # a long row's top k is taken per chunk of this many, then over the chunks' winners
 
 
+def _topk_kernel_takes(x: torch.Tensor, k: int) -> bool:
+    """The fast path ``topk`` is on and ``specgraph::topk`` takes x (float32/16, k <= 64)."""
+    return "topk" in draft_fast_paths() and k <= TOPK_KERNEL_MAX_K and x.dtype != torch.float64
+
+
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.topk(k, -1)`` (values best first, indices) for a long last dimension (a vocabulary).
 
@@ -298,7 +303,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     v = x.shape[-1]
     if k == 1:
         return x.max(-1, keepdim=True)
-    if "topk" in draft_fast_paths() and k <= TOPK_KERNEL_MAX_K and x.dtype != torch.float64:
+    if _topk_kernel_takes(x, k):
         return torch.ops.specgraph.topk(x, k)  # ties to the lower index
     if k > TOPK_CHUNK or v < 4 * TOPK_CHUNK:
         return x.topk(k, -1)
@@ -322,7 +327,7 @@ def rank_order(scores: torch.Tensor, nan: torch.Tensor, k: int | None = None) ->
     two stable sorts): NaN as -inf and -inf as the lowest finite float, the same order unless a
     score is exactly that float (no sum of a few log-probabilities is).
     """
-    if k is not None and "topk" in draft_fast_paths() and k <= TOPK_KERNEL_MAX_K:
+    if k is not None and _topk_kernel_takes(scores, k):
         key = torch.where(nan, float("-inf"), scores.clamp(min=torch.finfo(scores.dtype).min))
         return torch.ops.specgraph.topk(key, k)[1]
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices

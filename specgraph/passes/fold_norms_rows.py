@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
+from ..errors import env_whole_number
 from ..kernels.fused_linear import MAX_ROWS as KERNEL_MAX_ROWS, SQUARE_COLS
 from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears, residual_product
 from .pass_result import GraphContext, PassResult, drop_dead_code
@@ -46,13 +46,8 @@ MAX_ROWS = 16  # rows of a step (in all) up to which the fold is measured faster
 
 def max_rows() -> int:
     """MAX_ROWS, or ``SPECGRAPH_FOLD_NORMS_ROWS`` (2 .. fused_linear's 64) for measuring the larger tiles."""
-    value = os.environ.get("SPECGRAPH_FOLD_NORMS_ROWS", "")
-    if not value:
-        return MAX_ROWS
-    if not value.isdigit() or not 2 <= int(value) <= KERNEL_MAX_ROWS:
-        raise ValueError(f"SPECGRAPH_FOLD_NORMS_ROWS={value!r}: give the most rows a step may have for "
-                         f"fold_norms_rows, a whole number in 2..{KERNEL_MAX_ROWS} (default {MAX_ROWS})")
-    return int(value)
+    return env_whole_number("SPECGRAPH_FOLD_NORMS_ROWS", MAX_ROWS, "the most rows a step may have for "
+                            "fold_norms_rows", 2, KERNEL_MAX_ROWS)
 
 
 def _rows_in_range(node, limit: int) -> bool:

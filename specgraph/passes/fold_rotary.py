@@ -24,6 +24,7 @@ import os
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
+from ..errors import env_whole_number
 from .pass_result import GraphContext, PassResult, drop_dead_code, walk_back
 from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
@@ -44,13 +45,7 @@ MAX_ROWS = 64
 def max_rows() -> int:
     """MAX_ROWS, or ``SPECGRAPH_FOLD_ROTARY_ROWS`` (a whole number) for A/B runs (8: the limit before the
     seventeenth session)."""
-    value = os.environ.get("SPECGRAPH_FOLD_ROTARY_ROWS", "")
-    if not value:
-        return MAX_ROWS
-    if not value.isdigit():
-        raise ValueError(f"SPECGRAPH_FOLD_ROTARY_ROWS={value!r}: give the largest step (rows in all) whose RoPE "
-                         f"folds, a whole number (default {MAX_ROWS})")
-    return int(value)
+    return env_whole_number("SPECGRAPH_FOLD_ROTARY_ROWS", MAX_ROWS, "the largest step (rows in all) whose RoPE folds")
 
 
 def _no_op_cast(node) -> bool:

@@ -12,11 +12,11 @@ reads ``emitted`` and ``accept_len`` only.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from ..errors import env_whole_number
 from ..kernels.verify import greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample
 from ..trees import Tree
 
@@ -35,11 +35,8 @@ def argmax_chunk() -> int:
     """``SPECGRAPH_ARGMAX_CHUNK``: the greedy argmax in two stages over chunks of this many logits
     (``greedy_tokens``; default 2048: 23-26 us less a step at the 8B shape's 128k vocabulary, sixteenth
     session); 0: one ``argmax``."""
-    value = os.environ.get("SPECGRAPH_ARGMAX_CHUNK", "").strip() or str(DEFAULT_ARGMAX_CHUNK)
-    if not value.isdigit():
-        raise ValueError(f"SPECGRAPH_ARGMAX_CHUNK={value!r}: give a whole number of logits per chunk (e.g. 2048), "
-                         "or 0 to take one argmax")
-    return int(value)
+    return env_whole_number("SPECGRAPH_ARGMAX_CHUNK", DEFAULT_ARGMAX_CHUNK,
+                            "the logits per chunk of the two-stage argmax (0: one argmax)")
 
 
 def features_of(taps: list[torch.Tensor]) -> torch.Tensor:
