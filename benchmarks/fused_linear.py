@@ -19,7 +19,7 @@ Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served fro
   At M > 1 the product part also times those epilogue forms (qkv_scaled, o_norm_out,
   gate_up_silu, down_norm_out).
 
-    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--rows 1 8 64] [--tiles all|wide-rows] [--out DIR]
+    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--tiles all|wide-rows] [--out DIR]
 """
 from __future__ import annotations
 
@@ -43,8 +43,6 @@ SHAPES = {  # layers, hidden, q/k/v rows, intermediate: the decoder layers' prod
 }
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M 1: one row on the CUDA cores (M = 1 only), 16: tl.dot
 DOT_TILES = [(16, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
-# past 16 rows (--rows 32 64): one 32/64-row tile over all of them, next to DOT_TILES' 16-row tiles
-TALL_TILES = [(bm, bn, bk, w, 3) for bm, bn, bk, w in itertools.product((32, 64), (16, 32), (64, 128), (4, 8))]
 ROW_TILES = [(1, bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))]
 WIDE_ROW_TILES = [(1, bn, bk, w, 3) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
 EPS = 1e-5
@@ -183,9 +181,7 @@ def main() -> None:
         args.rows = [1]
 
     def sweep(m: int) -> list[tuple[int, int, int, int, int]]:
-        if args.tiles == "wide-rows":
-            return WIDE_ROW_TILES
-        return (ROW_TILES if m == 1 else []) + DOT_TILES + [t for t in TALL_TILES if m > 16 and t[0] <= 2 * m]
+        return WIDE_ROW_TILES if args.tiles == "wide-rows" else (ROW_TILES if m == 1 else []) + DOT_TILES
 
     results = dict(bandwidth=bandwidth, tiles=sorted({t for m in args.rows for t in sweep(m)}), shapes={})
     for shape in args.shapes:

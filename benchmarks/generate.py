@@ -52,7 +52,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
 from specgraph.fast_paths import skipped_fast_paths  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
-from specgraph.passes.fold_norms_rows import max_rows as fold_norms_rows_limit  # noqa: E402
 from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit  # noqa: E402
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
@@ -92,11 +91,11 @@ NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitu
 
 def run_settings() -> dict:
     """The environment settings a result depends on (passes skipped or added, the argmax's chunk, the draft
-    fast paths skipped, the folds' row limits), for the results JSON of every benchmark."""
+    fast paths skipped, fold_rotary's row limits at 64- and 128-dim heads), for the results JSON of every benchmark."""
     return dict(skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
                 extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
                 argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
-                fold_rows=dict(rotary=fold_rotary_limit(), norms=fold_norms_rows_limit()))
+                fold_rotary_rows=dict(head_dim_64=fold_rotary_limit(64), head_dim_128=fold_rotary_limit(128)))
 
 
 def set_inductor_options(pairs: list[str]) -> dict:

@@ -244,10 +244,15 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
         s_max = max(context, 1024) + 272  # as e2e's max_length leaves past the prompt
         g = torch.Generator(device="cuda").manual_seed(0)
         rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-        q, k, v, new_k, new_v = rand(1, h, r, d), rand(1, h_kv, s_max, d), rand(1, h_kv, s_max, d), \
-            rand(1, h_kv, r, d), rand(1, h_kv, r, d)
-        angles = torch.arange(context, context + r, device="cuda")[None, :, None] * 1e-2
-        cos, sin = angles.cos().expand(1, r, d).to(torch.bfloat16), angles.sin().expand(1, r, d).to(torch.bfloat16)
+        # as the step graph passes them: q / new k / new v views of one fused projection's [1, R, (H + 2 H_kv) D]
+        # output, cos / sin HF's materialized [1, R, D] tables (frequencies repeated over the two halves)
+        qkv = rand(1, r, (h + 2 * h_kv) * d)
+        q, new_k, new_v = (part.unflatten(-1, (-1, d)).transpose(1, 2)
+                           for part in qkv.split((h * d, h_kv * d, h_kv * d), dim=-1))
+        k, v = rand(1, h_kv, s_max, d), rand(1, h_kv, s_max, d)
+        freqs = 10000.0 ** -(torch.arange(0, d, 2, device="cuda") / d)
+        angles = torch.arange(context, context + r, device="cuda")[None, :, None] * freqs.repeat(2)
+        cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
         cache_len = torch.tensor([context], device="cuda", dtype=torch.int32)
         chain = chain_mask(r, "cuda")[None]  # row i sees rows 0..i
         floor_ms = (2 * h_kv * (context + r) * d * 2 + 2 * h * r * d * 2) / bandwidth * 1e3

@@ -2,6 +2,8 @@
 every node's logits equal the HF eager model on that node's root path alone;
 after several verify/compact steps the cache equals HF's own."""
 
+import importlib
+
 import pytest
 import torch
 import transformers
@@ -9,6 +11,7 @@ import transformers
 from specgraph.capture import TargetInfo
 from capture_harness import Driver, check_cache_against_hf, check_tree_against_hf
 
+FOLD_ROTARY = importlib.import_module("specgraph.passes.fold_rotary")  # the module (the package exports the pass)
 TOL = dict(atol=1e-4, rtol=1e-4)  # fp32; different summation order than HF's SDPA
 COMMON = dict(hidden_size=64, intermediate_size=96, vocab_size=101, max_position_embeddings=512, pad_token_id=0,
               bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
@@ -93,7 +96,11 @@ def test_pass_counters(driver):
     for node in folded:  # the step's own K/V (un-expanded: the kernel does GQA), in the cache's dtype
         key, value = (node.args[i].meta["val"] for i in (3, 4))
         assert node.args[1] is kv and key.shape == value.shape == (driver.batch, info.num_kv_heads, 8, info.head_dim)
-    _assert_rope_folded(step, driver.model)  # 3 sequences x 8 rows: within fold_rotary.MAX_ROWS rows in all
+    if driver.batch * 8 <= FOLD_ROTARY.max_rows(info.head_dim):  # 3 sequences x 8 rows: within the limit
+        _assert_rope_folded(step, driver.model)
+    else:  # Gemma-3's 256-dim heads fold up to 8 rows in all: apart, counted
+        assert dict(step.pass_results)["fold_rotary"].counters == {"rotary_folded": 0,
+                                                                   "rotary_unfolded": info.num_layers}
     _assert_rope_folded(driver.capture.step(1, 8), driver.model)  # one sequence x 8 rows
     rows_fold = dict(step.pass_results)["fold_norms_rows"].counters  # 24 rows: above fused_linear's 16
     assert rows_fold["norms_folded"] == rows_fold["silu_mul_folded"] == 0
@@ -121,8 +128,10 @@ def test_single_row_step_rotates_in_attention_and_matches_hf(driver):
 
 def test_multi_row_fold_is_exact_when_allowed(driver, monkeypatch):
     """The fold is correct at any R (MAX_ROWS is a measured speed limit, not a correctness one): a 12-node
-    tree for 3 sequences folds and every node still matches HF on its root path; with the limit lowered
-    (SPECGRAPH_FOLD_ROTARY_ROWS) the RoPE stays apart, counted; a limit that is not a number is refused."""
+    tree for 3 sequences folds (the limit raised to 64 rows for every head width) and every node still
+    matches HF on its root path; with the limit lowered (SPECGRAPH_FOLD_ROTARY_ROWS) the RoPE stays apart,
+    counted; a limit that is not a number is refused."""
+    monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "64")
     _assert_rope_folded(driver.capture.step(driver.batch, 12), driver.model)
     check_tree_against_hf(driver, nodes=12, tol=TOL)
     monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "8")
@@ -132,6 +141,22 @@ def test_multi_row_fold_is_exact_when_allowed(driver, monkeypatch):
     monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "many")
     with pytest.raises(ValueError, match="SPECGRAPH_FOLD_ROTARY_ROWS='many'"):
         driver.capture.step(1, 10)
+
+
+def test_wide_heads_fold_fewer_rows(driver, monkeypatch):
+    """The row limit follows the head width: heads wider than NARROW_HEAD_DIM fold steps of up to
+    MAX_ROWS_WIDE_HEADS (8) rows (measured slower at 64 rows on the 8B shape), narrower ones up to MAX_ROWS;
+    the environment's limit overrides both."""
+    fold_rotary = FOLD_ROTARY
+    assert (fold_rotary.max_rows(64), fold_rotary.max_rows(128)) == (fold_rotary.MAX_ROWS, fold_rotary.MAX_ROWS_WIDE_HEADS)
+    monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "16")
+    assert fold_rotary.max_rows(64) == fold_rotary.max_rows(256) == 16
+    monkeypatch.delenv("SPECGRAPH_FOLD_ROTARY_ROWS")
+    monkeypatch.setattr(fold_rotary, "NARROW_HEAD_DIM", driver.capture.step(1, 1).info.head_dim - 1)
+    wide = driver.capture.step(1, 13)  # 13 > 8 rows of (now) wide heads: apart, counted
+    assert dict(wide.pass_results)["fold_rotary"].counters == {"rotary_folded": 0,
+                                                               "rotary_unfolded": wide.info.num_layers}
+    _assert_rope_folded(driver.capture.step(1, 7), driver.model)  # within the wide heads' 8
 
 
 def test_partial_rotary_stays_apart_and_exact():

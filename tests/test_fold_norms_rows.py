@@ -1,4 +1,4 @@
-"""fold_norms_rows: in steps of 2..16 rows (up to 64 with SPECGRAPH_FOLD_NORMS_ROWS), the norms
+"""fold_norms_rows: in steps of 2..16 rows, the norms
 whose input is a residual add of a product move into that product's epilogue and their readers' row scaling,
 SiLU·mul into the packed gate/up product's epilogue. The folded step computes the unfolded one's logits and
 cache (fp32, CPU: the ops' references) on four architectures, every node of a tree still matches HF eager on
@@ -79,19 +79,3 @@ def test_a_product_added_to_itself_is_not_a_producer():
     assert fold_norms_rows(program.graph_module, None).counters == {"norms_folded": 0, "silu_mul_folded": 0,
                                                                     "rows_out_of_range": 0}
     torch.testing.assert_close(program.module()(x), module(x))
-
-
-def test_the_row_limit_moves_with_the_environment(monkeypatch):
-    """SPECGRAPH_FOLD_NORMS_ROWS=64 (fused_linear's 32/64-row tiles, for measuring them): a 32-row step folds
-    and computes the unfolded step's logits and cache; a limit outside 2..64 is refused by name."""
-    model = tiny_model("llama")
-    layers = model.config.num_hidden_layers
-    plain = _step(model, 32, monkeypatch, False)
-    monkeypatch.setenv("SPECGRAPH_FOLD_NORMS_ROWS", "64")
-    step = _step(model, 32, monkeypatch, True)
-    assert dict(step.pass_results)["fold_norms_rows"].counters == {"norms_folded": 2 * layers - 1,
-                                                                   "silu_mul_folded": layers, "rows_out_of_range": 0}
-    assert_same_step(plain, step, torch.randint(3, 101, (1, 32), generator=torch.Generator().manual_seed(7)))
-    monkeypatch.setenv("SPECGRAPH_FOLD_NORMS_ROWS", "65")
-    with pytest.raises(ValueError, match="SPECGRAPH_FOLD_NORMS_ROWS='65'"):
-        _step(model, 20, monkeypatch, True)

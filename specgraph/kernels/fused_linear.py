@@ -38,10 +38,7 @@ same K loop and scales the sums by the rstd after it (a pass over x before the f
 3-10 us at 8B shapes); more rows make that pass first (the in-loop sums ran slower in the tl.dot
 tiles: 8B q/k/v at 8 rows 30.6 against 23.4 us). One row runs on the CUDA cores (BLOCK_M = 1: per-lane
 FMAs over [BLOCK_N, BLOCK_K], one reduction after the K loop), more rows through ``tl.dot`` with the
-rows padded to 16; past 16 rows in 32- or 64-row tiles (a second grid dimension over row tiles, so each
-program streams its weight rows once for up to 64 rows; not yet measured on the GPU, and no pass hands it
-more than 16 rows unless ``SPECGRAPH_FOLD_NORMS_ROWS`` says so). M <= MAX_ROWS only; more rows take the
-reference (the norm, a cuBLAS product, the add).
+rows padded to 16. M <= MAX_ROWS only; more rows take the reference (the norm, a cuBLAS product, the add).
 
 Measured (``benchmarks/fused_linear.py``, H200, docs/benchmarks.md, thirteenth session), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
@@ -61,7 +58,7 @@ import triton.language as tl
 
 from .tree_attention import _dot
 
-MAX_ROWS = 64  # rows of x a call may have: one row, or 16/32/64-row tiles
+MAX_ROWS = 16  # one 16-row tile of x per program
 SQUARE_COLS = 16  # norm_out: one partial sum of squares per row and 16 output columns
 SMALL_WEIGHT_BYTES = 8 << 20  # a small model's weight (SmolLM2's 0.7-3.5 MB; 8B's 34-235 MB): its own tiles
 
@@ -72,7 +69,7 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, SquaresIn, NextGamma, Scale
                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
                          ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, SQUARE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's tile of x's rows
+    rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -171,8 +168,7 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
     thirteenth and fifteenth sessions): one row on the CUDA cores in 8-row slices of the weight; small weights
     the whole of K per step (up to 2048) in 8 warps, 8B-sized ones 1024 columns a step in 4 warps with the
     norm, 512 in 8 without; more rows, 16-row tl.dot tiles (the 8B gate/up with silu_mul: 64 x 128 in 3
-    stages, 57.6 us at 8 rows against 61.4 in the others' 32 x 256 in 4, cuBLAS 55.9). Past 16 rows (not yet
-    swept): one 32- or 64-row tile over all of them, 128 columns of K a step."""
+    stages, 57.6 us at 8 rows against 61.4 in the others' 32 x 256 in 4, cuBLAS 55.9)."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
     small = n * k * itemsize <= SMALL_WEIGHT_BYTES
@@ -180,8 +176,6 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
         return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))), 8, 3
     if m == 1:
         return (1, 8, 1024, 4, 3) if norm else (1, 8, 512, 8, 3)
-    if m > 16:
-        return 32 if m <= 32 else 64, 16 if small else 32, min(128, triton.next_power_of_2(k)), 4, 3
     if silu_mul and not small:
         return 16, 64, min(128, triton.next_power_of_2(k)), 4, 3
     return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
@@ -191,14 +185,14 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
                         residual: torch.Tensor | None = None, gated: bool = False,
                         tiles: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
                         row_squares: torch.Tensor | None = None, next_gamma: torch.Tensor | None = None):
-    """One launch, grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]
+    """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]
     (silu_mul: weight [2N, K]); with next_gamma, (out, next_gamma * out, row_squares of out [..., ceil(N / 16)])."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m, k = rows.shape[0], weight.shape[1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    assert m <= MAX_ROWS and weight.stride(-1) == 1, f"fused_linear_triton: M <= {MAX_ROWS}, weight rows contiguous"
+    assert m <= MAX_ROWS and weight.stride(-1) == 1, "fused_linear_triton: M <= 16 rows, weight rows contiguous"
     res = residual.reshape(m, n) if residual is not None else None
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
@@ -206,7 +200,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None, silu_mul=silu_mul)
     block_m, block_n, block_k, num_warps, num_stages = tiles
-    block_m = 1 if m == 1 and block_m == 1 else max(16, block_m)  # tl.dot tiles: 16 rows at least
+    block_m = 1 if m == 1 and block_m == 1 else 16
     scaled = squares_out = None
     if next_gamma is not None:
         block_n = max(block_n, SQUARE_COLS)  # whole chunks of 16 columns per program
@@ -214,7 +208,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         assert block_n % SQUARE_COLS == 0, f"fused_linear_triton: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}"
         scaled = torch.empty_like(out)
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
-    _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    _fused_linear_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out,
         squares_in if squares_in is not None else out, next_gamma if next_gamma is not None else weight,
         scaled if scaled is not None else out, squares_out if squares_out is not None else out,

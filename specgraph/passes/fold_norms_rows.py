@@ -1,11 +1,11 @@
-"""fold_norms_rows: in steps of 2..MAX_ROWS (16) rows, each RMSNorm whose input is a residual add of a
+"""fold_norms_rows: in steps of 2..16 rows, each RMSNorm whose input is a residual add of a
 product moves into that product's epilogue and its readers' row scaling, and the gated MLP's SiLU·mul into
 the packed gate/up product's epilogue -- so no multi-row product has anything between its load of x and
 ``tl.dot`` (with a prologue there, the 16-row tiles lost to cuBLAS; without, they matched it: fourteenth
 session, docs/benchmarks.md).
 
 Requires: fold_norms has run (it folds one-row steps; it leaves steps of more rows untouched).
-Ensures: in a step of 2..max_rows() rows: (1) a norm ``n`` = HF's LlamaRMSNorm of ``h = add(r, linear(y, W))``
+Ensures: in a step of 2..MAX_ROWS rows: (1) a norm ``n`` = HF's LlamaRMSNorm of ``h = add(r, linear(y, W))``
   (the linear bias-free, read only by the add, maybe through an eval-mode dropout; either order), every user of n a bias-free linear, becomes
   ``(h, scaled, squares) = fused_linear_norm_out(y, W, r, gamma)``: every reader of h reads the first
   output, each linear ``linear(n, V)`` becomes ``fused_linear(scaled, V, None, eps, None, False, False,
@@ -20,8 +20,7 @@ Numerics: the readers scale the product of ``gamma * h`` (rounded to h's dtype) 
   the bf16 tolerance of fused_linear's tests, not bit for bit.
 Measured (H200, fifteenth session, docs/benchmarks.md): the 8B verify step of 8 nodes 4.786 -> 4.388 ms
   (1.136x -> 1.046x its plain step, same run); the layer's products at 8 rows 125.6 -> 120.9 us (8B) and
-  21.4 -> 19.6 us (SmolLM2) against norm + cuBLAS + SiLU·mul + add. Past 16 rows (fused_linear's 32/64-row
-  tiles, up to its 64) not yet measured: ``SPECGRAPH_FOLD_NORMS_ROWS=64`` folds such steps for that A/B.
+  21.4 -> 19.6 us (SmolLM2) against norm + cuBLAS + SiLU·mul + add.
 """
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ import operator
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from ..errors import env_whole_number
-from ..kernels.fused_linear import MAX_ROWS as KERNEL_MAX_ROWS, SQUARE_COLS
+from ..kernels.fused_linear import MAX_ROWS, SQUARE_COLS
 from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears, residual_product
 from .pass_result import GraphContext, PassResult, drop_dead_code
 from .pass_result import is_call as _call, val as _val
@@ -41,18 +39,9 @@ aten = torch.ops.aten
 NORM_OUT = torch.ops.specgraph.fused_linear_norm_out.default
 
 
-MAX_ROWS = 16  # rows of a step (in all) up to which the fold is measured faster (the 16-row tiles)
-
-
-def max_rows() -> int:
-    """MAX_ROWS, or ``SPECGRAPH_FOLD_NORMS_ROWS`` (2 .. fused_linear's 64) for measuring the larger tiles."""
-    return env_whole_number("SPECGRAPH_FOLD_NORMS_ROWS", MAX_ROWS, "the most rows a step may have for "
-                            "fold_norms_rows", 2, KERNEL_MAX_ROWS)
-
-
-def _rows_in_range(node, limit: int) -> bool:
+def _rows_in_range(node) -> bool:
     val = _val(node)
-    return val is not None and 2 <= math.prod(val.shape[:-1]) <= limit
+    return val is not None and 2 <= math.prod(val.shape[:-1]) <= MAX_ROWS
 
 
 def _fake_like(val, shape, dtype):
@@ -64,7 +53,7 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = silu_muls = out_of_range = 0
     producers_before = len(graph.find_nodes(op="call_function", target=NORM_OUT))
-    chains, bypassed, limit = [], [], max_rows()
+    chains, bypassed = [], []
     # (1) a norm of a residual add of a product: the product hands its readers gamma * h and h's squares
     for _, users, (h, gamma, eps, chain) in norms_read_by_linears(graph):
         if h._erased:  # a second norm of an h already handed over: its readers keep that norm
@@ -72,7 +61,7 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         producer = residual_product(h)
         if producer is None:
             continue
-        if not _rows_in_range(h, limit):
+        if not _rows_in_range(h):
             out_of_range += 1
             continue
         linear, between, residual = producer
@@ -108,7 +97,7 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             args = (*gate_up.args[:5], False, True, gate_up.args[7] if len(gate_up.args) > 7 else None)
         else:
             continue
-        if not _rows_in_range(node, limit):
+        if not _rows_in_range(node):
             out_of_range += 1
             continue
         with graph.inserting_before(node):

@@ -5,17 +5,17 @@ Requires: fold_cache_writes has run: per folded layer ``tree_attention_write(q, 
   convention, whole head_dim) of two tensors with the same cos/sin: ``x * cos.unsqueeze(1) +
   cat(-x[..., D/2:], x[..., :D/2]) * sin.unsqueeze(1)``, up to a cast to the dtype it already has
   and a concatenation with an empty pass-through part (partial-rotary code, e.g. Phi-3, at factor 1).
-  Only steps of one row per sequence (plain decoding) or of up to MAX_ROWS rows in all (a verify step
-  of up to 64 nodes at batch 1) fold.
+  Only steps of one row per sequence (plain decoding) or of up to ``max_rows(head_dim)`` rows in all
+  fold: 64 for heads of up to 64 dims (a verify step of up to 64 nodes at batch 1), 8 for wider heads.
 Ensures: such a layer becomes ``tree_attention_write(q0, kv, l, k0, value, cache_len, tree_mask, scale,
   window, cos, sin)`` on the unrotated q0 / k0 (cos, sin [B, R, D]: the step's tables, shared by every
   layer that uses them); the kernel rotates q at load and the keys before it reads and stores them.
-  Any other layer (partial rotary, another convention, no RoPE, B x R > MAX_ROWS with R > 1) keeps its rotated inputs,
+  Any other layer (partial rotary, another convention, no RoPE, more rows) keeps its rotated inputs,
   counted, not refused: this is a speed-up. The same tree_attention_write nodes remain, one per folded layer.
 Why: inductor ran each layer's RoPE as launches of its own (q and k: 3.4 + 2.5 us per layer of the 8B
   step in the seventh session's profile); in the kernel it is a second load of q and of the new keys.
   Folded, the 8B plain decode step measured 0.05-0.07 ms (1.1-1.4%) faster on the H200, the 64-node
-  SmolLM2 verify step 0.18 ms (15%).
+  SmolLM2 verify step 0.18 ms (15%); the 64-node 8B one 0.34 ms slower (so wide heads stop at 8 rows).
 """
 from __future__ import annotations
 
@@ -31,21 +31,25 @@ from .replace_attention import CASTS
 
 aten = torch.ops.aten
 TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
-# Rows of a step (B x R) up to which the fold is measured faster when R > 1 (R = 1 folds at any batch)
-# (H200, 1k context): R = 1, Llama-3.1-8B shape, the plain decode step 4.856 -> 4.789-4.804 ms
-# (2026-12-01); R = 64 at batch 1, SmolLM2 shape, the 64-node verify step 1.156 -> 0.977 ms of device
-# time (seventeenth session: the attention kernel with the rotation 12.74 us against 11.81 without, the
-# two RoPE launches it replaces 6.6 us a layer); at the 8B shape and 64 rows the kernel measured 20.54
-# against 17.25 us while the two launches took 7.0 us a layer in the fourteenth session's verify
-# profile (the 8B step itself not re-timed with it). Not measured at batch > 1 with R > 1 (those fold
-# up to the same rows in all).
-MAX_ROWS = 64
+# Rows of a step (B x R) up to which the fold is measured faster when R > 1 (R = 1 folds at any batch),
+# by head width (H200, 1k context). R = 1, Llama-3.1-8B shape: the plain decode step 4.856 -> 4.789-4.804
+# ms (2026-12-01). Heads of up to 64 dims (SmolLM2): the 64-node verify step 1.156 -> 0.977 ms of device
+# time (seventeenth session; in its profile the attention kernel took 0.9 us more a layer, the two RoPE
+# launches it replaces 6.6 us). Wider heads (8B's 128): the 64-node verify step 5.46-5.49 -> 5.83 ms, 1.27x
+# -> 1.36x its plain step (eighteenth session; in the profile the attention kernel took 25.7 us a layer
+# with the rotation against 9.8 without, the RoPE launches 6.1 us), the 8-node one folded 4.46 ms either
+# way; the kernel benchmark at the same shape saw only +3.3 us (benchmarks/kernels.py --decode), which is
+# not yet explained. Not measured at batch > 1 with R > 1 (those fold up to the same rows in all).
+MAX_ROWS = 64  # heads of up to NARROW_HEAD_DIM dims
+MAX_ROWS_WIDE_HEADS = 8
+NARROW_HEAD_DIM = 64
 
 
-def max_rows() -> int:
-    """MAX_ROWS, or ``SPECGRAPH_FOLD_ROTARY_ROWS`` (a whole number) for A/B runs (8: the limit before the
-    seventeenth session)."""
-    return env_whole_number("SPECGRAPH_FOLD_ROTARY_ROWS", MAX_ROWS, "the largest step (rows in all) whose RoPE folds")
+def max_rows(head_dim: int) -> int:
+    """The most rows a step of ``head_dim``-wide heads may have for its RoPE to fold (MAX_ROWS or
+    MAX_ROWS_WIDE_HEADS), or ``SPECGRAPH_FOLD_ROTARY_ROWS`` (a whole number, any head width) for A/B runs."""
+    default = MAX_ROWS if head_dim <= NARROW_HEAD_DIM else MAX_ROWS_WIDE_HEADS
+    return env_whole_number("SPECGRAPH_FOLD_ROTARY_ROWS", default, "the largest step (rows in all) whose RoPE folds")
 
 
 def _no_op_cast(node) -> bool:
@@ -114,16 +118,20 @@ def _rope_parts(node):
 def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     writes = list(graph.find_nodes(op="call_function", target=TREE_ATTENTION_WRITE))
-    folded, unfolded, bypassed, limit = 0, [], [], max_rows()
+    folded, unfolded, bypassed = 0, [], []
     for node in writes:
         q, kv, layer, key = node.args[:4]
         if len(node.args) > 9 or node.kwargs:
             unfolded.append(f"layer {layer}: already given cos/sin")
             continue
-        batch, rows = (_val(q).shape[0], _val(q).shape[2]) if _val(q) is not None else (None, None)
-        if rows is None or (rows > 1 and batch * rows > limit):
+        if _val(q) is None:
+            unfolded.append(f"layer {layer}: q's shape is unknown")
+            continue
+        batch, _, rows, head_dim = _val(q).shape
+        if rows > 1 and batch * rows > max_rows(head_dim):
             unfolded.append(f"layer {layer}: {batch} x {rows} rows; the fold is measured faster at one row per "
-                            f"sequence, or up to {limit} rows in all (MAX_ROWS, SPECGRAPH_FOLD_ROTARY_ROWS)")
+                            f"sequence, or up to {max_rows(head_dim)} rows in all at head_dim {head_dim} "
+                            f"(MAX_ROWS, MAX_ROWS_WIDE_HEADS, SPECGRAPH_FOLD_ROTARY_ROWS)")
             continue
         q_parts, k_parts = _rope_parts(q), _rope_parts(key)
         if q_parts is None or k_parts is None:

@@ -143,7 +143,7 @@ def test_silu_mul_epilogue_is_hf_gated_mlp_input(m, dtype, norm):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 8, 40])  # 40: one 64-row tile, or three 16-row tiles (the last partial)
+@pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("n", [40, 80, 1100], ids=["part_chunk", "whole_chunks", "partials_over_64"])
 def test_norm_out_feeds_the_next_norms_readers(m, n, dtype):
     """A residual-add product hands the next RMSNorm's readers gamma * h and h's row sums of squares; a reader
@@ -158,10 +158,9 @@ def test_norm_out_feeds_the_next_norms_readers(m, n, dtype):
     assert squares.shape == (1, m, -(-n // 16)) and squares.dtype == torch.float32
     assert tuple(t.shape for t in torch.ops.specgraph.fused_linear_norm_out(x, w_o, residual, gamma)) == (
         h.shape, scaled.shape, squares.shape)
-    for tiles in (None, (16, 16, 32, 4, 2)):
-        got = fused_linear_triton(x, w_o, None, 0.0, residual, tiles=tiles, next_gamma=gamma)
-        for a, b in zip(got, (h, scaled, squares)):
-            torch.testing.assert_close(a.float(), b.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    got = fused_linear_triton(x, w_o, None, 0.0, residual, next_gamma=gamma)
+    for a, b in zip(got, (h, scaled, squares)):
+        torch.testing.assert_close(a.float(), b.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     hf = fused_linear_reference(h, w_next, gamma, 1e-5)  # rms_norm(h) then the product, op for op
     want = fused_linear_reference(scaled, w_next, None, 1e-5, row_squares=squares)
     torch.testing.assert_close(want.float(), hf.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -132,7 +132,7 @@ def test_compiled_module_calls_the_kernel():
 
 @pytest.mark.parametrize("k, n", [(576, 960), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096)],
                          ids=["smollm2_qkv", "smollm2_gate_up", "smollm2_down", "8b_qkv", "8b_down"])
-@pytest.mark.parametrize("m", [1, 16, 64])  # 64: one 64-row tile (SPECGRAPH_FOLD_NORMS_ROWS=64's steps)
+@pytest.mark.parametrize("m", [1, 16])
 def test_fused_linear_at_real_shapes_replayed_in_a_cuda_graph(k, n, m):
     """fused_linear (norm or SiLU·mul prologue; residual epilogue) in bf16 against its reference, eager and
     replayed in a CUDA graph."""
@@ -160,7 +160,7 @@ def test_fused_linear_at_real_shapes_replayed_in_a_cuda_graph(k, n, m):
 
 
 @pytest.mark.parametrize("hidden, inter", [(576, 1536), (4096, 14336)], ids=["smollm2", "8b"])
-@pytest.mark.parametrize("m", [1, 8, 16, 64])
+@pytest.mark.parametrize("m", [1, 8, 16])
 def test_fused_linear_epilogues_at_real_shapes_replayed_in_a_cuda_graph(hidden, inter, m):
     """fold_norms_rows' ops in bf16, replayed in a CUDA graph: o + residual against its reference, the handed
     over gamma * h and squares against the reference's of the kernel's own h, gate/up scaled by the rstd with
