@@ -228,16 +228,21 @@ DECODE_CASES = ("16:1", "1024:1", "4096:1", "1024:8")  # context:rows R, at batc
 DECODE_SPLITS = (None, 1, 2, 3, 5, 9, 17, 33)  # None: launch_config's choice; else prefix splits + 1
 
 
-def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=DECODE_SPLITS, ropes=(True, False)) -> list[dict]:
+def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=DECODE_SPLITS, ropes=(True, False),
+                 flush_l2: bool = False) -> list[dict]:
     """The folded op (``tree_attention_write`` with RoPE, as the decode step runs it) at batch-1
     shapes: launch_config's choice with and without RoPE, then RoPE x tiles x warps x splits.
-    Prints the default and the best five per case and RoPE setting; every row goes to ``out`` (after each case)."""
+    Prints the default and the best five per case and RoPE setting; every row goes to ``out`` (after each case).
+    ``flush_l2``: each replay first overwrites 256 MB (the L2 holds nothing of the op's inputs, as in the
+    step, where the layer's products stream past it), and that write's own replay time is subtracted."""
     import itertools
 
     from specgraph.drafts.autoregressive import chain_mask
     from specgraph.kernels.tree_attention import launch_config, tree_attention_triton
 
     rows = []
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    flush_ms = graphed_ms(lambda: scratch.fill_(1)) if flush_l2 else 0.0
     for shape, case_text in itertools.product(shapes, cases):
         context, r = map(int, case_text.split(":"))
         h, h_kv, d = SHAPES[shape]
@@ -257,18 +262,23 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
         chain = chain_mask(r, "cuda")[None]  # row i sees rows 0..i
         floor_ms = (2 * h_kv * (context + r) * d * 2 + 2 * h * r * d * 2) / bandwidth * 1e3
         default = launch_config(q, h_kv, s_max)
-        case = dict(shape=shape, context=context, R=r, floor_ms=floor_ms)
+        case = dict(shape=shape, context=context, R=r, floor_ms=floor_ms, flush_l2=flush_l2)
 
-        def run(rope: bool, splits=None, **override):
-            fn = lambda: tree_attention_triton(q, k, v, cache_len, chain, d**-0.5, 0, num_splits=splits,  # noqa: E731
-                                               new_kv=(new_k, new_v), rope=(cos, sin) if rope else None,
-                                               **override)
+        def run(rope, splits=None, **override):  # rope: False, True (x and its turned copy) or "halves"
+            def fn():
+                if flush_l2:
+                    scratch.fill_(1)
+                return tree_attention_triton(q, k, v, cache_len, chain, d**-0.5, 0, num_splits=splits,
+                                             new_kv=(new_k, new_v), rope=(cos, sin) if rope else None,
+                                             rope_halves=rope == "halves", **override)
             try:
-                return graphed_ms(fn)
+                return graphed_ms(fn) - flush_ms
             except Exception:  # noqa: BLE001 - out of registers / shared memory: not a candidate
                 return float("inf")
 
         results = [dict(case, config="default", rope=True, ms=run(True), splits=default["num_splits"],
+                        block_m=default["block_m"], num_warps=default["num_warps"]),
+                   dict(case, config="default", rope="halves", ms=run("halves"), splits=default["num_splits"],
                         block_m=default["block_m"], num_warps=default["num_warps"]),
                    dict(case, config="default", rope=False, ms=run(False), splits=default["num_splits"],
                         block_m=default["block_m"], num_warps=default["num_warps"])]
@@ -285,7 +295,7 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
         print(f"# decode {shape} context={context} R={r}: floor {floor_ms * 1e3:.2f} us")
         best = [x for rope in ropes for x in sorted(
             (x for x in results if x["config"] == "sweep" and x["rope"] == rope), key=lambda x: x["ms"])[:5]]
-        for x in results[:3] + best:
+        for x in results[:4] + best:
             print(f"#   {x['ms'] * 1e3:7.2f} us  {x['config']:<18} rope={x['rope']!s:<5} block_m={x.get('block_m')} "
                   f"num_warps={x.get('num_warps')} splits={x.get('splits')}", flush=True)
         out.write_text(json.dumps(dict(bandwidth=bandwidth, decode=rows), indent=1))
@@ -306,7 +316,10 @@ def main() -> None:
                         "and 128 where a KV head has 128 rows or more); each config compiles, ~2 s apiece")
     parser.add_argument("--decode-splits", type=int, nargs="+", default=list(DECODE_SPLITS[1:]),
                         help="split counts to sweep besides launch_config's own (prefix splits + 1)")
-    parser.add_argument("--decode-rope", choices=("both", "on", "off"), default="both")
+    parser.add_argument("--decode-rope", choices=("both", "on", "off", "halves", "all"), default="both",
+                        help="RoPE forms to sweep: both = turned and none; halves = SPECGRAPH_ROPE_HALVES's; all three")
+    parser.add_argument("--decode-flush-l2", action="store_true",
+                        help="overwrite 256 MB before each replay (the L2 cold, as in the step) and subtract that")
     parser.add_argument("--topk", type=int, nargs="?", const=8, metavar="K",
                         help="only the draft top-k comparison (torch.topk, trees.top_k, specgraph::topk), k = K (8)")
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -318,9 +331,10 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.decode:
         args.out.mkdir(parents=True, exist_ok=True)
-        ropes = {"both": (True, False), "on": (True,), "off": (False,)}[args.decode_rope]
+        ropes = {"both": (True, False), "on": (True,), "off": (False,), "halves": ("halves",),
+                 "all": (True, "halves", False)}[args.decode_rope]
         decode_sweep(bandwidth, args.decode_shapes, args.decode_cases, args.out / "kernels-decode.json",
-                     args.decode_tiles, (None, *args.decode_splits), ropes)
+                     args.decode_tiles, (None, *args.decode_splits), ropes, args.decode_flush_l2)
         return
     if args.topk:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -148,7 +148,8 @@ def test_wide_heads_fold_fewer_rows(driver, monkeypatch):
     MAX_ROWS_WIDE_HEADS (8) rows (measured slower at 64 rows on the 8B shape), narrower ones up to MAX_ROWS;
     the environment's limit overrides both."""
     fold_rotary = FOLD_ROTARY
-    assert (fold_rotary.max_rows(64), fold_rotary.max_rows(128)) == (fold_rotary.MAX_ROWS, fold_rotary.MAX_ROWS_WIDE_HEADS)
+    assert fold_rotary.max_rows(64) == fold_rotary.MAX_ROWS == 64
+    assert fold_rotary.max_rows(128) == fold_rotary.MAX_ROWS_WIDE_HEADS == 8
     monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "16")
     assert fold_rotary.max_rows(64) == fold_rotary.max_rows(256) == 16
     monkeypatch.delenv("SPECGRAPH_FOLD_ROTARY_ROWS")

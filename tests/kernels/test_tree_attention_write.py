@@ -142,12 +142,14 @@ def test_reference_rotates_like_hf(seed):
 
 
 @needs_triton
+@pytest.mark.parametrize("halves", [False, True], ids=["turned", "halves"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seed", range(3))
-def test_triton_rotates_like_the_reference(seed, dtype):
+def test_triton_rotates_like_the_reference(seed, dtype, halves):
     """RoPE in the kernel: q rotated at load, the new keys rotated before the window reads and the cache
-    stores them. The cache within one rounding of the reference's (fp32 math, rounded once, as inductor
-    fuses it, against HF's op-by-op rounding), the output within the dtype's tolerance."""
+    stores them (x and its turned copy loaded, or x half by half: SPECGRAPH_ROPE_HALVES). The cache within
+    one rounding of the reference's (fp32 math, rounded once, as inductor fuses it, against HF's op-by-op
+    rounding), the output within the dtype's tolerance."""
     case, kv, layer, key, value = write_case(400 + seed, dtype=dtype, window=0 if seed % 2 else None)
     cos, sin = rope_tables(case, dtype)
     case, kv, key, value = case.to(device=DEVICE), kv.to(DEVICE), key.to(DEVICE), value.to(DEVICE)
@@ -160,7 +162,7 @@ def test_triton_rotates_like_the_reference(seed, dtype):
         got_kv = kv.clone()
         got = tree_attention_triton(case.q, got_kv[2 * layer], got_kv[2 * layer + 1], case.cache_len, case.mask,
                                     case.scale, case.window, num_splits=num_splits, new_kv=(key, value),
-                                    rope=(cos, sin))
+                                    rope=(cos, sin), rope_halves=halves)
         assert not got.isnan().any()
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
         torch.testing.assert_close(got_kv.float(), want_kv.float(), equal_nan=True, atol=cache_tol, rtol=cache_tol)
