@@ -81,11 +81,16 @@ def _rotate(x, x_turned, cos, sin, sign):
 
 
 @triton.jit
-def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2):
-    """The same RoPE on x's two halves, loaded apart (``ROPE_HALVES``: no turned copy of x loaded, three
-    tiles of x's size live instead of four): (x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2) in float32,
-    each rounded once to x's dtype."""
+def _load_rotated_halves(x, cos, sin, lo, hi, stride_x, stride_c, ok):
+    """The same RoPE on a tile loaded half by half (``ROPE_HALVES``: no turned copy of x loaded, three tiles
+    of x's size live instead of four): x, cos, sin point at the tile with its head dimension at offset 0,
+    lo / hi the halves' offsets along it; (x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2) in float32, each
+    rounded once to x's dtype."""
+    x1 = tl.load(x + lo * stride_x, mask=ok, other=0.0)
+    x2 = tl.load(x + hi * stride_x, mask=ok, other=0.0)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    cos1, cos2 = tl.load(cos + lo * stride_c, mask=ok, other=0.0), tl.load(cos + hi * stride_c, mask=ok, other=0.0)
+    sin1, sin2 = tl.load(sin + lo * stride_c, mask=ok, other=0.0), tl.load(sin + hi * stride_c, mask=ok, other=0.0)
     return ((f1 * cos1.to(tl.float32) - f2 * sin1.to(tl.float32)).to(x1.dtype),
             (f2 * cos2.to(tl.float32) + f1 * sin2.to(tl.float32)).to(x1.dtype))
 
@@ -137,14 +142,7 @@ def _tree_attention_kernel(
         hi_q = lo_q + HEAD_DIM // 2
         cos_q = Cos + b.to(tl.int64) * stride_cb + r[:, None] * stride_cr
         sin_q = Sin + b.to(tl.int64) * stride_cb + r[:, None] * stride_cr
-        ok_q = row_ok[:, None]
-        q1, q2 = _rotate_halves(  # [M, D/2] each
-            tl.load(q_row + lo_q * stride_qd, mask=ok_q, other=0.0),
-            tl.load(q_row + hi_q * stride_qd, mask=ok_q, other=0.0),
-            tl.load(cos_q + lo_q * stride_cd, mask=ok_q, other=0.0),
-            tl.load(cos_q + hi_q * stride_cd, mask=ok_q, other=0.0),
-            tl.load(sin_q + lo_q * stride_cd, mask=ok_q, other=0.0),
-            tl.load(sin_q + hi_q * stride_cd, mask=ok_q, other=0.0))
+        q1, q2 = _load_rotated_halves(q_row, cos_q, sin_q, lo_q, hi_q, stride_qd, stride_cd, row_ok[:, None])
         q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))  # cat on the last dim
     else:
         q = tl.load(q_row + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)  # [M, D]
@@ -195,14 +193,7 @@ def _tree_attention_kernel(
                 new_k = nk_base + offs[None, :] * stride_nkn
                 cos_k = Cos + b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr
                 sin_k = Sin + b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr
-                ok_k = fresh[None, :]
-                k1, k2 = _rotate_halves(  # [D/2, 64] each
-                    tl.load(new_k + lo_k * stride_nkd, mask=ok_k, other=0.0),
-                    tl.load(new_k + hi_k * stride_nkd, mask=ok_k, other=0.0),
-                    tl.load(cos_k + lo_k * stride_cd, mask=ok_k, other=0.0),
-                    tl.load(cos_k + hi_k * stride_cd, mask=ok_k, other=0.0),
-                    tl.load(sin_k + lo_k * stride_cd, mask=ok_k, other=0.0),
-                    tl.load(sin_k + hi_k * stride_cd, mask=ok_k, other=0.0))
+                k1, k2 = _load_rotated_halves(new_k, cos_k, sin_k, lo_k, hi_k, stride_nkd, stride_cd, fresh[None, :])
                 k = tl.reshape(tl.permute(tl.join(k1, k2), (2, 0, 1)), (HEAD_DIM, WINDOW_SLOTS))  # cat on dim 0
                 v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
             else:
@@ -305,7 +296,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def rope_halves() -> bool:
-    """``SPECGRAPH_ROPE_HALVES=1``: the in-kernel RoPE loads x half by half (``_rotate_halves``), not x and its
+    """``SPECGRAPH_ROPE_HALVES=1``: the in-kernel RoPE loads x half by half (``_load_rotated_halves``), not x and its
     turned copy: fewer register spills at 128-dim heads (ptxas; docs/benchmarks.md, eighteenth session).
     Off until timed on the GPU."""
     return bool(env_whole_number("SPECGRAPH_ROPE_HALVES", 0, "1 to rotate half by half in tree_attention, 0 not to",
