@@ -1,11 +1,11 @@
 """Register use and spills of the tree_attention kernel, compiled for the H200 (sm_90a) without a GPU.
 
-    python3 benchmarks/kernel_spills.py [--head-dims 128 64] [--warps 4 8] [--block-m 64] [--out DIR]
+    python3 benchmarks/kernel_spills.py [--head-dims 128 64] [--warps 4 8] [--block-m 64] [--rope ...] [--out DIR]
 
 Triton compiles ``_tree_attention_kernel`` to PTX for each (head_dim, RoPE form, warps, BLOCK_M) and the
 ptxas that ships with Triton assembles it with ``-v``: registers a thread and bytes of spill stores /
 loads a thread. RoPE forms: none (q and keys arrive rotated), turned (x and its turned copy loaded), halves
-(x loaded half by half, ``SPECGRAPH_ROPE_HALVES``). The step's case: WRITE_NEW (the step's keys read from
+(x loaded half by half, ``SPECGRAPH_ROPE_HALVES``). Not under TRITON_INTERPRET=1. The step's case: WRITE_NEW (the step's keys read from
 the new K/V), 5 splits, no sliding window, bf16, strides of the head dimension 1 (as launches specialise
 them). A spill is local memory traffic a thread pays at every access; whether it costs time depends on
 what the L1/L2 hold, so this says where to look, not what a step takes: time it with ``kernels.py
@@ -75,11 +75,12 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--block-m", type=int, nargs="+", default=[64])
+    parser.add_argument("--rope", nargs="+", default=list(ROPE_FORMS), choices=list(ROPE_FORMS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []
     print(f"# triton {triton.__version__}, sm_90a | registers a thread, spill stores / loads (bytes a thread)")
-    for head_dim, block_m, warps, rope in itertools.product(args.head_dims, args.block_m, args.warps, ROPE_FORMS):
+    for head_dim, block_m, warps, rope in itertools.product(args.head_dims, args.block_m, args.warps, args.rope):
         usage = ptxas_usage(compile_ptx(head_dim, rope, warps, block_m))
         rows.append(dict(head_dim=head_dim, block_m=block_m, warps=warps, rope=rope, **usage))
         print(f"D={head_dim:<4d} BLOCK_M={block_m:<3d} warps={warps} rope={rope:<7s} registers {usage['registers']:3d}  "

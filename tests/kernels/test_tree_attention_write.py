@@ -197,3 +197,26 @@ def test_op_under_compile_writes_the_buffer_in_place():
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(compiled.kv, eager.kv, equal_nan=True, atol=0, rtol=0)
     assert not torch.equal(eager.kv.nan_to_num(), kv.nan_to_num())  # the write happened
+
+
+def test_rotating_half_by_half_spills_fewer_registers(tmp_path):
+    """benchmarks/kernel_spills.py (ptxas on the CPU, sm_90a): at the 8B 64-row tile (D = 128, 4 warps)
+    the half-by-half rotation (SPECGRAPH_ROPE_HALVES) spills less than half of what the turned-copy form
+    does -- the reason it exists (docs/benchmarks.md, eighteenth session)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton.backends.nvidia as nvidia_backend
+
+    if not (Path(nvidia_backend.__file__).parent / "bin" / "ptxas").exists():
+        pytest.skip("this triton ships no ptxas")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiles for the GPU target
+    subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_spills.py"), "--head-dims", "128", "--warps",
+                    "4", "--rope", "turned", "halves", "--out", str(tmp_path)], env=env, check=True,
+                   capture_output=True, timeout=600)
+    rows = {row["rope"]: row for row in json.loads((tmp_path / "kernel-spills.json").read_text())["rows"]}
+    assert rows["turned"]["spill_stores"] > 0
+    assert 2 * rows["halves"]["spill_stores"] < rows["turned"]["spill_stores"]
