@@ -147,13 +147,12 @@ def test_wide_heads_fold_fewer_rows(driver, monkeypatch):
     """The row limit follows the head width: heads wider than NARROW_HEAD_DIM fold steps of up to
     MAX_ROWS_WIDE_HEADS (8) rows (measured slower at 64 rows on the 8B shape), narrower ones up to MAX_ROWS;
     the environment's limit overrides both."""
-    fold_rotary = FOLD_ROTARY
-    assert fold_rotary.max_rows(64) == fold_rotary.MAX_ROWS == 64
-    assert fold_rotary.max_rows(128) == fold_rotary.MAX_ROWS_WIDE_HEADS == 8
+    assert FOLD_ROTARY.max_rows(64) == FOLD_ROTARY.MAX_ROWS == 64
+    assert FOLD_ROTARY.max_rows(128) == FOLD_ROTARY.MAX_ROWS_WIDE_HEADS == 8
     monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "16")
-    assert fold_rotary.max_rows(64) == fold_rotary.max_rows(256) == 16
+    assert FOLD_ROTARY.max_rows(64) == FOLD_ROTARY.max_rows(256) == 16
     monkeypatch.delenv("SPECGRAPH_FOLD_ROTARY_ROWS")
-    monkeypatch.setattr(fold_rotary, "NARROW_HEAD_DIM", driver.capture.step(1, 1).info.head_dim - 1)
+    monkeypatch.setattr(FOLD_ROTARY, "NARROW_HEAD_DIM", driver.capture.step(1, 1).info.head_dim - 1)
     wide = driver.capture.step(1, 13)  # 13 > 8 rows of (now) wide heads: apart, counted
     assert dict(wide.pass_results)["fold_rotary"].counters == {"rotary_folded": 0,
                                                                "rotary_unfolded": wide.info.num_layers}

@@ -140,9 +140,8 @@ def _tree_attention_kernel(
     if ROPE and ROPE_HALVES:  # q arrives unrotated: rotate row r by its position's cos/sin, half by half
         lo_q = tl.arange(0, HEAD_DIM // 2)[None, :]  # [1, D/2]: the first half's dims; + D/2 the second's
         hi_q = lo_q + HEAD_DIM // 2
-        cos_q = Cos + b.to(tl.int64) * stride_cb + r[:, None] * stride_cr
-        sin_q = Sin + b.to(tl.int64) * stride_cb + r[:, None] * stride_cr
-        q1, q2 = _load_rotated_halves(q_row, cos_q, sin_q, lo_q, hi_q, stride_qd, stride_cd, row_ok[:, None])
+        at_q = b.to(tl.int64) * stride_cb + r[:, None] * stride_cr  # row r's cos/sin
+        q1, q2 = _load_rotated_halves(q_row, Cos + at_q, Sin + at_q, lo_q, hi_q, stride_qd, stride_cd, row_ok[:, None])
         q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))  # cat on the last dim
     else:
         q = tl.load(q_row + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)  # [M, D]
@@ -191,9 +190,9 @@ def _tree_attention_kernel(
                 lo_k = tl.arange(0, HEAD_DIM // 2)[:, None]  # [D/2, 1]: keys are [D, 64] tiles here
                 hi_k = lo_k + HEAD_DIM // 2
                 new_k = nk_base + offs[None, :] * stride_nkn
-                cos_k = Cos + b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr
-                sin_k = Sin + b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr
-                k1, k2 = _load_rotated_halves(new_k, cos_k, sin_k, lo_k, hi_k, stride_nkd, stride_cd, fresh[None, :])
+                at_k = b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr  # row j's cos/sin
+                k1, k2 = _load_rotated_halves(new_k, Cos + at_k, Sin + at_k, lo_k, hi_k, stride_nkd, stride_cd,
+                                              fresh[None, :])
                 k = tl.reshape(tl.permute(tl.join(k1, k2), (2, 0, 1)), (HEAD_DIM, WINDOW_SLOTS))  # cat on dim 0
                 v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
             else:

@@ -130,9 +130,10 @@ def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             unfolded.append(f"layer {layer}: q's shape is unknown")
             continue
         batch, _, rows, head_dim = _val(q).shape
-        if rows > 1 and batch * rows > max_rows(head_dim):
+        limit = max_rows(head_dim)
+        if rows > 1 and batch * rows > limit:
             unfolded.append(f"layer {layer}: {batch} x {rows} rows; the fold is measured faster at one row per "
-                            f"sequence, or up to {max_rows(head_dim)} rows in all at head_dim {head_dim} "
+                            f"sequence, or up to {limit} rows in all at head_dim {head_dim} "
                             f"(MAX_ROWS, MAX_ROWS_WIDE_HEADS, SPECGRAPH_FOLD_ROTARY_ROWS)")
             continue
         q_parts, k_parts = _rope_parts(q), _rope_parts(key)
