@@ -4,8 +4,8 @@
 
 Triton compiles ``_tree_attention_kernel`` to PTX for each (head_dim, RoPE form, warps, BLOCK_M) and the
 ptxas that ships with Triton assembles it with ``-v``: registers a thread and bytes of spill stores /
-loads a thread. RoPE forms: none (q and keys arrive rotated), turned (x and its turned copy loaded), halves
-(x loaded half by half, ``SPECGRAPH_ROPE_HALVES``). Not under TRITON_INTERPRET=1. The step's case: WRITE_NEW (the step's keys read from
+loads a thread. RoPE forms: none (q and keys arrive rotated), turned (x and its turned copy loaded, as
+``fold_rotary`` launches it). Not under TRITON_INTERPRET=1. The step's case: WRITE_NEW (the step's keys read from
 the new K/V), 5 splits, no sliding window, bf16, strides of the head dimension 1 (as launches specialise
 them). A spill is local memory traffic a thread pays at every access; whether it costs time depends on
 what the L1/L2 hold, so this says where to look, not what a step takes: time it with ``kernels.py
@@ -35,8 +35,7 @@ from specgraph.kernels.tree_attention import WINDOW_SLOTS, _tree_attention_kerne
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "CacheLen": "*i32", "Mask": "*i64", "Out": "*bf16",
             "PartO": "*fp32", "PartLse": "*fp32", "NewK": "*bf16", "NewV": "*bf16", "Arrived": "*i32",
             "Cos": "*bf16", "Sin": "*bf16"}
-ROPE_FORMS = {"none": dict(ROPE=False, ROPE_HALVES=False), "turned": dict(ROPE=True, ROPE_HALVES=False),
-              "halves": dict(ROPE=True, ROPE_HALVES=True)}
+ROPE_FORMS = {"none": dict(ROPE=False), "turned": dict(ROPE=True)}
 PTXAS = Path(nvidia_backend.__file__).parent / "bin" / "ptxas"
 
 

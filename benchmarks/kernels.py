@@ -264,21 +264,18 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
         default = launch_config(q, h_kv, s_max)
         case = dict(shape=shape, context=context, R=r, floor_ms=floor_ms, flush_l2=flush_l2)
 
-        def run(rope, splits=None, **override):  # rope: False, True (x and its turned copy) or "halves"
+        def run(rope, splits=None, **override):  # rope: in the kernel (True) or the inputs arrive rotated
             def fn():
                 if flush_l2:
                     scratch.fill_(1)
                 return tree_attention_triton(q, k, v, cache_len, chain, d**-0.5, 0, num_splits=splits,
-                                             new_kv=(new_k, new_v), rope=(cos, sin) if rope else None,
-                                             rope_halves=rope == "halves", **override)
+                                             new_kv=(new_k, new_v), rope=(cos, sin) if rope else None, **override)
             try:
                 return graphed_ms(fn) - flush_ms
             except Exception:  # noqa: BLE001 - out of registers / shared memory: not a candidate
                 return float("inf")
 
         results = [dict(case, config="default", rope=True, ms=run(True), splits=default["num_splits"],
-                        block_m=default["block_m"], num_warps=default["num_warps"]),
-                   dict(case, config="default", rope="halves", ms=run("halves"), splits=default["num_splits"],
                         block_m=default["block_m"], num_warps=default["num_warps"]),
                    dict(case, config="default", rope=False, ms=run(False), splits=default["num_splits"],
                         block_m=default["block_m"], num_warps=default["num_warps"])]
@@ -295,7 +292,7 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
         print(f"# decode {shape} context={context} R={r}: floor {floor_ms * 1e3:.2f} us")
         best = [x for rope in ropes for x in sorted(
             (x for x in results if x["config"] == "sweep" and x["rope"] == rope), key=lambda x: x["ms"])[:5]]
-        for x in results[:4] + best:
+        for x in [x for x in results if x["config"] != "sweep"] + best:
             print(f"#   {x['ms'] * 1e3:7.2f} us  {x['config']:<18} rope={x['rope']!s:<5} block_m={x.get('block_m')} "
                   f"num_warps={x.get('num_warps')} splits={x.get('splits')}", flush=True)
         out.write_text(json.dumps(dict(bandwidth=bandwidth, decode=rows), indent=1))
@@ -316,8 +313,8 @@ def main() -> None:
                         "and 128 where a KV head has 128 rows or more); each config compiles, ~2 s apiece")
     parser.add_argument("--decode-splits", type=int, nargs="+", default=list(DECODE_SPLITS[1:]),
                         help="split counts to sweep besides launch_config's own (prefix splits + 1)")
-    parser.add_argument("--decode-rope", choices=("both", "on", "off", "halves", "all"), default="both",
-                        help="RoPE forms to sweep: both = turned and none; halves = SPECGRAPH_ROPE_HALVES's; all three")
+    parser.add_argument("--decode-rope", choices=("both", "on", "off"), default="both",
+                        help="RoPE in the kernel (on), not (off), or both")
     parser.add_argument("--decode-flush-l2", action="store_true",
                         help="overwrite 256 MB before each replay (the L2 cold, as in the step) and subtract that")
     parser.add_argument("--topk", type=int, nargs="?", const=8, metavar="K",
@@ -331,8 +328,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.decode:
         args.out.mkdir(parents=True, exist_ok=True)
-        ropes = {"both": (True, False), "on": (True,), "off": (False,), "halves": ("halves",),
-                 "all": (True, "halves", False)}[args.decode_rope]
+        ropes = {"both": (True, False), "on": (True,), "off": (False,)}[args.decode_rope]
         decode_sweep(bandwidth, args.decode_shapes, args.decode_cases, args.out / "kernels-decode.json",
                      args.decode_tiles, (None, *args.decode_splits), ropes, args.decode_flush_l2)
         return

@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import env_whole_number
 from .bitmask import bit_or, mask_to_matrix, node_bits, popcount64
 
 WINDOW_SLOTS = 64
@@ -81,21 +80,6 @@ def _rotate(x, x_turned, cos, sin, sign):
 
 
 @triton.jit
-def _load_rotated_halves(x, cos, sin, lo, hi, stride_x, stride_c, ok):
-    """The same RoPE on a tile loaded half by half (``ROPE_HALVES``: no turned copy of x loaded, three tiles
-    of x's size live instead of four): x, cos, sin point at the tile with its head dimension at offset 0,
-    lo / hi the halves' offsets along it; (x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2) in float32, each
-    rounded once to x's dtype."""
-    x1 = tl.load(x + lo * stride_x, mask=ok, other=0.0)
-    x2 = tl.load(x + hi * stride_x, mask=ok, other=0.0)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    cos1, cos2 = tl.load(cos + lo * stride_c, mask=ok, other=0.0), tl.load(cos + hi * stride_c, mask=ok, other=0.0)
-    sin1, sin2 = tl.load(sin + lo * stride_c, mask=ok, other=0.0), tl.load(sin + hi * stride_c, mask=ok, other=0.0)
-    return ((f1 * cos1.to(tl.float32) - f2 * sin1.to(tl.float32)).to(x1.dtype),
-            (f2 * cos2.to(tl.float32) + f1 * sin2.to(tl.float32)).to(x1.dtype))
-
-
-@triton.jit
 def _online_softmax_step(acc, m_i, l_i, s, v, UPCAST: tl.constexpr):
     """Fold one tile of base-2 logits s [M, N] and values v [N, D] into the running state."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -122,7 +106,7 @@ def _tree_attention_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr,
     WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, MERGE_HERE: tl.constexpr, SPLITS_POW2: tl.constexpr,
-    UPCAST: tl.constexpr, ROPE_HALVES: tl.constexpr = False,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # tile of the G*R (group head, query row) pairs: fastest, so tiles share K/V in L2
     pid_bh = tl.program_id(1)  # b * H_KV + kv head
@@ -137,19 +121,12 @@ def _tree_attention_kernel(
     dims = tl.arange(0, HEAD_DIM)
 
     q_row = Q + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + r[:, None] * stride_qr
-    if ROPE and ROPE_HALVES:  # q arrives unrotated: rotate row r by its position's cos/sin, half by half
-        lo_q = tl.arange(0, HEAD_DIM // 2)[None, :]  # [1, D/2]: the first half's dims; + D/2 the second's
-        hi_q = lo_q + HEAD_DIM // 2
-        at_q = b.to(tl.int64) * stride_cb + r[:, None] * stride_cr  # row r's cos/sin
-        q1, q2 = _load_rotated_halves(q_row, Cos + at_q, Sin + at_q, lo_q, hi_q, stride_qd, stride_cd, row_ok[:, None])
-        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))  # cat on the last dim
-    else:
-        q = tl.load(q_row + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)  # [M, D]
-        if ROPE:  # q arrives unrotated: rotate row r by its position's cos/sin (rotate_half convention)
-            cos_row = b.to(tl.int64) * stride_cb + r[:, None] * stride_cr + dims[None, :] * stride_cd
-            q_turned = tl.load(q_row + _half_turn(dims, HEAD_DIM)[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-            q = _rotate(q, q_turned, tl.load(Cos + cos_row, mask=row_ok[:, None], other=0.0),
-                        tl.load(Sin + cos_row, mask=row_ok[:, None], other=0.0), _half_sign(dims, HEAD_DIM)[None, :])
+    q = tl.load(q_row + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)  # [M, D]
+    if ROPE:  # q arrives unrotated: rotate row r by its position's cos/sin (rotate_half convention)
+        cos_row = b.to(tl.int64) * stride_cb + r[:, None] * stride_cr + dims[None, :] * stride_cd
+        q_turned = tl.load(q_row + _half_turn(dims, HEAD_DIM)[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        q = _rotate(q, q_turned, tl.load(Cos + cos_row, mask=row_ok[:, None], other=0.0),
+                    tl.load(Sin + cos_row, mask=row_ok[:, None], other=0.0), _half_sign(dims, HEAD_DIM)[None, :])
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     cache_len = tl.load(CacheLen + b).to(tl.int32)
@@ -186,24 +163,14 @@ def _tree_attention_kernel(
             used = used & fresh
             nk_base = NewK + b.to(tl.int64) * stride_nkb + kvh.to(tl.int64) * stride_nkh
             nv_base = NewV + b.to(tl.int64) * stride_nvb + kvh.to(tl.int64) * stride_nvh
-            if ROPE and ROPE_HALVES:  # row j's key, rotated by row j's cos/sin, is what the cache stores
-                lo_k = tl.arange(0, HEAD_DIM // 2)[:, None]  # [D/2, 1]: keys are [D, 64] tiles here
-                hi_k = lo_k + HEAD_DIM // 2
-                new_k = nk_base + offs[None, :] * stride_nkn
-                at_k = b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr  # row j's cos/sin
-                k1, k2 = _load_rotated_halves(new_k, Cos + at_k, Sin + at_k, lo_k, hi_k, stride_nkd, stride_cd,
-                                              fresh[None, :])
-                k = tl.reshape(tl.permute(tl.join(k1, k2), (2, 0, 1)), (HEAD_DIM, WINDOW_SLOTS))  # cat on dim 0
-                v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
-            else:
-                k = tl.load(nk_base + offs[None, :] * stride_nkn + dims[:, None] * stride_nkd, mask=fresh[None, :], other=0.0)
-                v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
-                if ROPE:  # row j's key, rotated by row j's cos/sin, is what the cache stores: [D, 64] tiles
-                    cos_col = b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr + dims[:, None] * stride_cd
-                    turned = _half_turn(dims, HEAD_DIM)[:, None] * stride_nkd
-                    k_turned = tl.load(nk_base + offs[None, :] * stride_nkn + turned, mask=fresh[None, :], other=0.0)
-                    k = _rotate(k, k_turned, tl.load(Cos + cos_col, mask=fresh[None, :], other=0.0),
-                                tl.load(Sin + cos_col, mask=fresh[None, :], other=0.0), _half_sign(dims, HEAD_DIM)[:, None])
+            k = tl.load(nk_base + offs[None, :] * stride_nkn + dims[:, None] * stride_nkd, mask=fresh[None, :], other=0.0)
+            v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
+            if ROPE:  # row j's key, rotated by row j's cos/sin, is what the cache stores: [D, 64] tiles
+                cos_col = b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr + dims[:, None] * stride_cd
+                turned = _half_turn(dims, HEAD_DIM)[:, None] * stride_nkd
+                k_turned = tl.load(nk_base + offs[None, :] * stride_nkn + turned, mask=fresh[None, :], other=0.0)
+                k = _rotate(k, k_turned, tl.load(Cos + cos_col, mask=fresh[None, :], other=0.0),
+                            tl.load(Sin + cos_col, mask=fresh[None, :], other=0.0), _half_sign(dims, HEAD_DIM)[:, None])
             if pid_m == 0:  # prefix programs read only slots < cache_len: no race with these writes
                 tl.store(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, k, mask=fresh[None, :])
                 tl.store(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd, v, mask=fresh[:, None])
@@ -294,14 +261,6 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def rope_halves() -> bool:
-    """``SPECGRAPH_ROPE_HALVES=1``: the in-kernel RoPE loads x half by half (``_load_rotated_halves``), not x and its
-    turned copy: fewer register spills at 128-dim heads (ptxas; docs/benchmarks.md, eighteenth session).
-    Off until timed on the GPU."""
-    return bool(env_whole_number("SPECGRAPH_ROPE_HALVES", 0, "1 to rotate half by half in tree_attention, 0 not to",
-                                 0, 1))
-
-
 def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None = None, **override) -> dict:
     """Tile sizes, split count and warps for one call (static shapes only: no host sync).
 
@@ -332,7 +291,6 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
         prefix_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(s_max, blocks_per_split * config["block_n"]), 63)
         num_splits = 1 if programs >= sms or prefix_splits <= 1 else prefix_splits + 1  # + the window's program
     config.setdefault("merge_here", config["block_m"] <= 32)  # small tiles merge in the kernel
-    config.setdefault("rope_halves", rope_halves())
     config.update(m_tiles=m_tiles, num_splits=num_splits)
     return config
 
@@ -375,8 +333,7 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
         h_kv, r, new_k.shape[2], s_max, scale * LOG2E, window,
         G=h // h_kv, HEAD_DIM=d, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], NUM_SPLITS=splits,
         PREFIX_SPLITS=max(splits - 1, 1), HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS,
-        WRITE_NEW=new_kv is not None, ROPE=rope is not None,
-        ROPE_HALVES=rope is not None and config["rope_halves"], MERGE_HERE=arrived is not None,
+        WRITE_NEW=new_kv is not None, ROPE=rope is not None, MERGE_HERE=arrived is not None,
         SPLITS_POW2=triton.next_power_of_2(splits),
         UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
         num_warps=config["num_warps"], num_stages=config["num_stages"],

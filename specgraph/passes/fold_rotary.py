@@ -38,10 +38,11 @@ TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
 # launches it replaces 6.6 us). Wider heads (8B's 128): the 64-node verify step 5.46-5.49 -> 5.83 ms, 1.27x
 # -> 1.36x its plain step (eighteenth session; in the profile the attention kernel took 25.7 us a layer
 # with the rotation against 9.8 without, the RoPE launches 6.1 us), the 8-node one folded 4.46 ms either
-# way; a one-launch kernel benchmark at the same shape saw only +3.3 us. Likely cause: the rotating
-# kernel's register spills at that tile (ptxas: 2292 bytes a thread against 316 without RoPE), which
-# SPECGRAPH_ROPE_HALVES=1 cuts (tree_attention.rope_halves; not yet timed). Not measured at batch > 1
-# with R > 1 (those fold up to the same rows in all).
+# way; a one-launch kernel benchmark at the same shape saw only +3.3 us. The rotating kernel spills
+# registers at that tile (ptxas: 2292 bytes a thread against 316 without RoPE); a half-by-half rotation
+# that spilled 440 brought the folded step to 5.455 ms, still no faster than unfolded (5.430 in the same
+# run; nineteenth session), so it went. Not measured at batch > 1 with R > 1 (those fold up to the same
+# rows in all).
 MAX_ROWS = 64  # heads of up to NARROW_HEAD_DIM dims
 MAX_ROWS_WIDE_HEADS = 8
 NARROW_HEAD_DIM = 64

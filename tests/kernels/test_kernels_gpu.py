@@ -45,13 +45,11 @@ def test_long_context_128k():
 
 @pytest.mark.parametrize("h_kv, g, d", [(8, 4, 128), (3, 3, 64), (1, 4, 256)])
 @pytest.mark.parametrize("r", [1, 8, 64])
-@pytest.mark.parametrize("rope", [False, True, "halves"], ids=["rotated", "rope_in_kernel", "rope_halves"])
-def test_write_and_attend_at_real_shapes_replayed_in_a_cuda_graph(h_kv, g, d, r, rope, monkeypatch):
+@pytest.mark.parametrize("rope", [False, True], ids=["rotated", "rope_in_kernel"])
+def test_write_and_attend_at_real_shapes_replayed_in_a_cuda_graph(h_kv, g, d, r, rope):
     """tree_attention_write: eager and replayed (split programs merge through arrival counters that
     must be back at zero for every replay) against the reference, cache bit for bit; with RoPE in the
-    kernel (cos/sin at each replay's positions; x and its turned copy, or half by half), the cache within
-    one bf16 rounding."""
-    monkeypatch.setenv("SPECGRAPH_ROPE_HALVES", "1" if rope == "halves" else "0")
+    kernel (cos/sin at each replay's positions), the cache within one bf16 rounding."""
     b, s_max, layer = 4, 4096 + 64, 1
     case = make_case(13, b=b, h_kv=h_kv, g=g, d=d, r=r, s_max=s_max, lanes=False, window=0, dtype=torch.bfloat16,
                      poison=False).to(device="cuda")
