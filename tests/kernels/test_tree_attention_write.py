@@ -146,9 +146,8 @@ def test_reference_rotates_like_hf(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_triton_rotates_like_the_reference(seed, dtype):
     """RoPE in the kernel: q rotated at load, the new keys rotated before the window reads and the cache
-    stores them. The cache within
-    one rounding of the reference's (fp32 math, rounded once, as inductor fuses it, against HF's op-by-op
-    rounding), the output within the dtype's tolerance."""
+    stores them. The cache within one rounding of the reference's (fp32 math, rounded once, as inductor
+    fuses it, against HF's op-by-op rounding), the output within the dtype's tolerance."""
     case, kv, layer, key, value = write_case(400 + seed, dtype=dtype, window=0 if seed % 2 else None)
     cos, sin = rope_tables(case, dtype)
     case, kv, key, value = case.to(device=DEVICE), kv.to(DEVICE), key.to(DEVICE), value.to(DEVICE)
