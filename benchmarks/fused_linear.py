@@ -19,7 +19,7 @@ Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served fro
   At M > 1 the product part also times those epilogue forms (qkv_scaled, o_norm_out,
   gate_up_silu, down_norm_out).
 
-    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--tiles all|wide-rows] [--out DIR]
+    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--rows 1 8] [--tiles all|wide-rows] [--out DIR]
 """
 from __future__ import annotations
 
