@@ -121,23 +121,31 @@ def _train(args: argparse.Namespace) -> int:
     for p in model.parameters():
         p.requires_grad_(False)
     deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
-    try:
-        examples = build(tokenizer, args.cache, model if args.regenerate else None, limit=args.limit,
-                         max_length=args.max_length, max_new_tokens=args.max_new_tokens,
-                         batch_size=args.regen_batch_size, source=args.data, max_turns=args.max_turns,
-                         deadline=deadline, engine=args.regen_engine)
-    except OutOfTime as err:
-        print(f"out of time: {err}")
-        return 3
-    held_out = max(1, len(examples) // 50)
+    if args.shards:  # made by `python -m specgraph.train.distill`
+        from .train.distill import load_shards, split_held_out
+
+        examples, held = split_held_out(load_shards(args.shards, args.variants), args.held_out)
+        examples = held + examples  # held-out first, as below
+        held_out = len(held)
+    else:
+        try:
+            examples = build(tokenizer, args.cache, model if args.regenerate else None, limit=args.limit,
+                             max_length=args.max_length, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.regen_batch_size, source=args.data, max_turns=args.max_turns,
+                             deadline=deadline, engine=args.regen_engine)
+        except OutOfTime as err:
+            print(f"out of time: {err}")
+            return 3
+        held_out = max(1, len(examples) // 50)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
-                         max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20))
+                         max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20),
+                         select=args.select, patience=args.patience)
     if args.draft == "medusa":
         draft = new_medusa_for(model, num_heads=args.heads, own_lm_head=not args.shared_lm_head)
         loss_fn = medusa_loss(model, draft)
     else:
-        draft = new_eagle3_for(model, examples, draft_vocab_size=args.draft_vocab)
+        draft = new_eagle3_for(model, examples[held_out:], draft_vocab_size=args.draft_vocab)
         loss_fn = eagle3_loss(model, draft, steps=args.ttt_steps)
     history = train(draft, loss_fn, examples[held_out:], config, args.out,
                     eval_examples=examples[:held_out], stop_at=args.stop_at, deadline=deadline)
@@ -339,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--heads", type=int, default=4, help="Medusa heads")
     train.add_argument("--shared-lm-head", action="store_true",
                        help="Medusa heads share the target's LM head (legacy layout; small checkpoint)")
-    train.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent tokens)")
+    train.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent "
+                       "tokens); 0: the full vocabulary through the target's own LM head (no vocabulary matrix)")
     train.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unroll")
     train.add_argument("--limit", type=int, default=2000, help="ShareGPT conversations to use")
     train.add_argument("--max-length", type=int, default=1024)
@@ -358,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                        help="dtype of the saved head (the trainer state keeps fp32)")
     train.add_argument("--max-shard-mb", type=float, default=None, help="shard the saved safetensors above this size")
+    train.add_argument("--shards", default=None, help="train on the token shards that `python -m "
+                       "specgraph.train.distill` wrote in this folder (instead of --data/--limit/regeneration)")
+    train.add_argument("--variants", nargs="+", default=None, help="with --shards: only these variants (greedy, t0.8, ...)")
+    train.add_argument("--held-out", type=int, default=200, help="with --shards: conversations held out (evaluated on "
+                       "their greedy variant)")
+    train.add_argument("--select", default=None, help="keep DIR/best at the best of this held-out metric (e.g. eval_tau)")
+    train.add_argument("--patience", type=int, default=None, help="stop after this many evaluations without a new best")
     train.add_argument("--cpu", action="store_true")
     train.set_defaults(func=_train)
     export = sub.add_parser("export", help="write the verify step (explicit KV caches) as ONNX, or a TensorRT engine")

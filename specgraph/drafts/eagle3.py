@@ -18,6 +18,9 @@ Keys: ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (q/k/v take 2H),
 ``fc.weight`` [H, 3·H_target], ``norm.weight``, ``lm_head.weight`` [V_draft, H],
 ``d2t`` [V_draft] int64, ``t2d`` [V] bool (both absent when the vocabularies
 are equal), ``embed_tokens.weight`` (usually absent: the target's is used).
+Without ``lm_head.weight`` and ``draft_vocab_size`` the head drafts over the
+full vocabulary through the target's own LM head (SGLang's
+``load_lm_head_from_target``; no vocabulary matrix to ship).
 ModelOpt / vLLM names (``layers.0.`` for ``midlayer.``, a ``model.`` prefix)
 are accepted. Variants, with vLLM's semantics (config top level or
 ``eagle_config``): ``norm_before_residual`` (residual = hidden_norm(g));
@@ -59,7 +62,8 @@ class Eagle3(FeatureDraft):
 
     def __init__(self, config: LlamaConfig, aux_layer_ids: tuple[int, ...] | None = None,
                  aux_convention: str = "layer_input", norm_before_residual: bool = False,
-                 norm_before_fc: bool = False, fc_norm: bool = False, norm_output: bool = False):
+                 norm_before_fc: bool = False, fc_norm: bool = False, norm_output: bool = False,
+                 lm_head_from_target: bool = False):
         super().__init__(config)
         h = config.hidden_size
         target_h = getattr(config, "target_hidden_size", None) or h
@@ -74,7 +78,11 @@ class Eagle3(FeatureDraft):
         self.midlayer.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.midlayer.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        if lm_head_from_target and self.draft_vocab_size != config.vocab_size:
+            raise ValueError(f"lm_head_from_target with a draft vocabulary of {self.draft_vocab_size} != the "
+                             f"target's {config.vocab_size}: the target's LM head covers the full vocabulary")
+        # lm_head_from_target: the target's LM head (borrowed at bind, like the embedding), not a weight of ours
+        self.lm_head = None if lm_head_from_target else nn.Linear(h, self.draft_vocab_size, bias=False)
         if self.draft_vocab_size != config.vocab_size:
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
@@ -83,12 +91,15 @@ class Eagle3(FeatureDraft):
 
     @classmethod
     def for_target(cls, model, draft_vocab: torch.Tensor | None = None, **kwargs) -> "Eagle3":
-        """A new (untrained) head for ``model``; ``draft_vocab`` (sorted target ids) makes a reduced vocabulary."""
+        """A new (untrained) head for ``model``; ``draft_vocab`` (sorted target ids) makes a reduced
+        vocabulary; ``lm_head_from_target=True`` drafts through the target's LM head instead."""
         config = draft_config_for(model, draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
         draft = cls(config, **kwargs)
         if draft_vocab is not None:
             draft.set_vocab(draft_vocab)
         draft.embed_from_target = True
+        if draft.lm_head is None:
+            draft._head.module = model.get_output_embeddings()
         return draft
 
     def set_vocab(self, used: torch.Tensor) -> None:
@@ -122,8 +133,13 @@ class Eagle3(FeatureDraft):
                           cache_len, slots, tree_mask)
         return self.norm(h) if self.norm_output else h
 
+    @property
+    def lm_head_from_target(self) -> bool:
+        return self.lm_head is None
+
     def draft_logits(self, hidden):
-        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
+        head = self._head.module if self.lm_head is None else self.lm_head
+        return head(hidden if self.norm_output else self.norm(hidden))
 
     def to_target(self, draft_ids):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
@@ -171,17 +187,20 @@ class Eagle3(FeatureDraft):
         llama.draft_vocab_size = config.get("draft_vocab_size")
         llama.target_hidden_size = config.get("target_hidden_size")
         llama.bias = bool(config.get("bias", False))
+        # SGLang's rule: no draft vocabulary named and no LM head stored -> the target's LM head
+        borrow = "lm_head.weight" not in state and not config.get("draft_vocab_size")
         draft = cls(llama, tuple(ids) if ids else None, convention,
                     norm_before_residual=bool(flags.get("norm_before_residual")),
                     norm_before_fc=bool(flags.get("norm_before_fc")), fc_norm=bool(flags.get("fc_norm")),
-                    norm_output=bool(flags.get("norm_output")))
+                    norm_output=bool(flags.get("norm_output")), lm_head_from_target=borrow)
         return draft._load(state, "EAGLE-3", path)
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None,
                         max_shard_bytes: int | None = None) -> None:
         """The SpecForge/SGLang layout; ``dtype`` (e.g. bf16) and ``max_shard_bytes`` as in write_checkpoint."""
         config = self.config.to_dict()
-        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=self.draft_vocab_size,
+        config.update(architectures=["LlamaForCausalLMEagle3"],
+                      draft_vocab_size=None if self.lm_head_from_target else self.draft_vocab_size,
                       target_hidden_size=self.fc.in_features // 3, norm_before_residual=self.norm_before_residual,
                       norm_before_fc=self.input_norm is not None, fc_norm=self.fc_norm is not None,
                       norm_output=self.norm_output, specgraph_aux_convention=self.aux_convention)

@@ -16,10 +16,7 @@ mask of x_{t+j}); the loss is the mean over such rows.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafts.eagle3 import Eagle3
@@ -28,15 +25,12 @@ STEP_DECAY = 0.8
 
 
 def select_vocab(examples: list[dict], size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` most frequent assistant tokens, sorted (padded with the lowest unused ids)."""
-    counts = Counter()
+    """The ``size`` most frequent assistant tokens, sorted (ties and padding: the lowest ids)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
     for e in examples:
-        counts.update(e["input_ids"][e["loss_mask"]].tolist())
-    used = [t for t, _ in counts.most_common(size)]
-    if len(used) < size:
-        seen = set(used)
-        used += [t for t in range(vocab_size) if t not in seen][: size - len(used)]
-    return torch.tensor(sorted(used))
+        counts += torch.bincount(e["input_ids"][e["loss_mask"]], minlength=vocab_size)
+    order = torch.sort(-counts, stable=True).indices  # most frequent first, lower id first among equals
+    return order[:size].sort().values
 
 
 def tap_states(hidden_states: tuple, ids: tuple[int, ...], convention: str) -> torch.Tensor:
@@ -52,8 +46,8 @@ def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], 1)
 
 
-def ttt_forward(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Draft logits of every TTT step: ``steps`` tensors [B, T, V_draft]; step j row t predicts x_{t+2+j}."""
+def ttt_hidden(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The draft's output of every TTT step: ``steps`` tensors [B, T, H]; step j row t predicts x_{t+2+j}."""
     b, t = ids.shape
     attn, layer = draft.midlayer.self_attn, draft.midlayer
     heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -67,7 +61,7 @@ def ttt_forward(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps:
     rows = torch.arange(t, device=ids.device)
     causal = rows.view(1, t) <= rows.view(t, 1)  # [T, T]: key s <= query t
     keys0 = values0 = None
-    diag_k, diag_v, logits = [], [], []
+    diag_k, diag_v, outputs = [], [], []
     for j in range(steps):
         tokens = _shift(ids, 1 + j)  # x_{t+1+j}
         normed = layer.hidden_norm(hidden)
@@ -93,34 +87,52 @@ def ttt_forward(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps:
         h = (normed if draft.norm_before_residual else hidden) + out
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         hidden = draft.norm(h) if draft.norm_output else h
-        logits.append(draft.draft_logits(hidden))
-    return logits
+        outputs.append(hidden)
+    return outputs
+
+
+def ttt_forward(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Draft logits of every TTT step: ``steps`` tensors [B, T, V_draft]; step j row t predicts x_{t+2+j}."""
+    return [draft.draft_logits(h) for h in ttt_hidden(draft, ids, features, steps)]
 
 
 def eagle3_loss(model, draft: Eagle3, steps: int = 7):
-    """``loss_fn(batch) -> (loss, metrics)`` for ``specgraph.train.loop.train``; the target is frozen."""
+    """``loss_fn(batch) -> (loss, metrics)`` for ``specgraph.train.loop.train``; the target is frozen.
+
+    Logits are computed only for the rows that carry loss (an [M, V] product per step, not [B, T, V]:
+    what makes the full vocabulary affordable). Metrics: ``acc_step{j}`` (draft argmax = target
+    argmax among step j's loss rows) and ``tau``: 1 + the mean run of consecutive hits from step 0,
+    over the rows whose step-0 token is an assistant token — the accepted length of a ``steps``-deep
+    greedy chain when the data is the target's own greedy output (then the fed tokens are the ones
+    the target would have verified)."""
 
     def loss_fn(batch):
         ids, mask = batch["input_ids"], batch["loss_mask"]
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
             features = tap_states(out.hidden_states, draft.aux_layer_ids, draft.aux_convention)
-            target_logits = out.logits.float()  # z_t predicts x_{t+1}
-            in_vocab = draft.t2d if draft.t2d is not None else None
-        total, metrics = 0.0, {}
-        for j, logits in enumerate(ttt_forward(draft, ids, features, steps)):
+            target_logits = out.logits  # z_t predicts x_{t+1}
+        total, metrics, chain = 0.0, {}, 0
+        run = first = None
+        for j, hidden in enumerate(ttt_hidden(draft, ids, features, steps)):
             z = _shift(target_logits, 1 + j)  # the target's distribution of x_{t+2+j}
             keep = _shift(mask, 2 + j, False)
-            if in_vocab is not None:
-                keep = keep & in_vocab[z.argmax(-1)]
-                z = z[..., in_vocab]
-            p = torch.softmax(z, -1)
-            logp = torch.log_softmax(logits.float(), -1)
-            per_row = -(p * logp).sum(-1)  # [B, T]
+            if draft.t2d is not None:
+                keep = keep & draft.t2d[z.argmax(-1)]
+            z = z[keep].float()  # [M, V]
+            if draft.t2d is not None:
+                z = z[:, draft.t2d]
+            logits = draft.draft_logits(hidden[keep]).float()  # [M, V_draft]
+            per_row = -(torch.softmax(z, -1) * torch.log_softmax(logits, -1)).sum(-1)  # [M]
             count = keep.sum().clamp(min=1)
-            total = total + STEP_DECAY ** j * (per_row * keep).sum() / count
+            total = total + STEP_DECAY ** j * per_row.sum() / count
             with torch.no_grad():
-                metrics[f"acc_step{j}"] = ((logits.argmax(-1) == z.argmax(-1)) & keep).sum() / count
+                hit = torch.zeros_like(keep)
+                hit[keep] = logits.argmax(-1) == z.argmax(-1)
+                metrics[f"acc_step{j}"] = hit.sum() / count
+                run, first = (hit, keep) if j == 0 else (run & hit, first)  # rows still on the chain
+                chain = chain + run.sum()
+        metrics["tau"] = 1 + chain / first.sum().clamp(min=1)
         return total, metrics
 
     return loss_fn
@@ -129,14 +141,17 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
 def new_eagle3_for(model, examples: list[dict] | None = None, draft_vocab_size: int | None = None,
                    aux_layer_ids=None, aux_convention: str = "layer_input") -> Eagle3:
     """A head for ``model`` with the target's embedding (frozen) and, with ``draft_vocab_size``,
-    the vocabulary of the most frequent assistant tokens in ``examples``."""
+    the vocabulary of the most frequent assistant tokens in ``examples``; ``draft_vocab_size=0``:
+    the full vocabulary through the target's own LM head (frozen, not saved); None: the full
+    vocabulary with an LM head of its own."""
     vocab = None
     if draft_vocab_size:
         vocab = select_vocab(examples, draft_vocab_size, model.config.get_text_config().vocab_size)
     if aux_layer_ids is None:  # EAGLE's default: the inputs of layers (2, L//2, L-3)
         layers = model.config.get_text_config().num_hidden_layers
         aux_layer_ids, aux_convention = (2, layers // 2, layers - 3), "layer_input"
-    draft = Eagle3.for_target(model, draft_vocab=vocab, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention)
+    draft = Eagle3.for_target(model, draft_vocab=vocab, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention,
+                              lm_head_from_target=draft_vocab_size == 0)
     with torch.no_grad():  # an own frozen copy for training; checkpoints leave it out (embed_from_target)
         draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
     draft.embed_tokens.weight.requires_grad_(False)

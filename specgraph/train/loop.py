@@ -1,17 +1,24 @@
 """The training loop every draft trainer shares: frozen target, AdamW with warm-up and cosine
-decay, gradient clipping, bf16 autocast on CUDA, tqdm, periodic eval and checkpoints, resume.
+decay, gradient clipping, bf16 autocast on CUDA, tqdm, periodic held-out eval, checkpoints, resume,
+early stopping.
 
 A trainer supplies ``loss_fn(batch) -> (loss, metrics)`` over batches of
 examples (``{"input_ids": [T], "loss_mask": [T]}``) and the draft module to
 optimise. A checkpoint directory holds the draft in its public format
-(``save_pretrained``) plus ``trainer.pt`` (optimizer, scheduler, step, RNG
-states), so an interrupted run resumes to the same state.
+(``save_pretrained``) plus ``trainer.pt`` (optimizer, scheduler, step, data
+position, RNG states), so an interrupted run resumes to the same state, and
+``history.json`` / ``history.png`` (the curves). With ``select`` (a held-out
+metric, e.g. "eval_tau"), ``best/`` holds the checkpoint that scored highest,
+and ``patience`` evaluations without a new best end the run.
+
+Data order: each epoch shuffles the examples with (seed, epoch), groups
+``GROUP`` batches' worth by length (less padding) and shuffles the batches;
+the position is (epoch, batch index), so no order has to be stored.
 """
 from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +39,8 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 500
     seed: int = 0
+    select: str | None = None  # a held-out metric to keep the best checkpoint by (higher is better)
+    patience: int | None = None  # evaluations without a new best before stopping (needs select)
     save_dtype: str | None = None  # e.g. "bfloat16": the checkpoint's weights (trainer.pt keeps full precision)
     max_shard_bytes: int | None = None  # split the checkpoint's safetensors (HF index) above this size
 
@@ -45,6 +54,20 @@ def collate(examples: list[dict], pad_id: int = 0) -> dict:
         ids[i, : len(e["input_ids"])] = e["input_ids"]
         mask[i, : len(e["loss_mask"])] = e["loss_mask"]
     return {"input_ids": ids, "loss_mask": mask}
+
+
+GROUP = 32  # batches whose examples are sorted by length together
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches (example indices): shuffled, length-grouped, then the batches shuffled."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    batches = []
+    for start in range(0, len(order), batch_size * GROUP):
+        group = sorted(order[start:start + batch_size * GROUP], key=lambda i: lengths[i])
+        batches += [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
 def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
@@ -68,25 +91,34 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    rng = random.Random(config.seed)
-    step, history = 0, []
+    if config.patience is not None and config.select is None:
+        raise ValueError("TrainConfig.patience needs select (the held-out metric to watch)")
+    lengths = [len(e["input_ids"]) for e in examples]
+    state = {"step": 0, "history": [], "epoch": 0, "batch": 0, "best": None, "since_best": 0}
     state_file = out / "trainer.pt"
-    if state_file.is_file():  # resume: draft weights, optimizer, schedule, data order, history
-        state = torch.load(state_file, weights_only=False)
-        draft.load_state_dict(state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        rng.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
-        step, history = state["step"], state["history"]
+    if state_file.is_file():  # resume: draft weights, optimizer, schedule, data position, history
+        saved = torch.load(state_file, weights_only=False)
+        draft.load_state_dict(saved["draft"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["torch_rng"])
+        state.update({k: saved[k] for k in state if k in saved})
+    history = state["history"]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nothing()
-    bar = tqdm(total=config.steps, initial=step, desc="train")
+    bar = tqdm(total=config.steps, initial=state["step"], desc="train")
     last = min(config.steps, stop_at if stop_at is not None else config.steps)
-    while step < last:
+    batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
+    unsaved = False
+    while state["step"] < last:
         if deadline is not None and time.time() > deadline:
-            save(draft, optimizer, scheduler, rng, step, history, config, out)
+            unsaved = True  # a checkpoint to resume from, even with no step taken
             break
-        batch = {k: v.to(device) for k, v in collate(rng.sample(examples, min(config.batch_size, len(examples)))).items()}
+        if state["batch"] >= len(batches):
+            state["epoch"], state["batch"] = state["epoch"] + 1, 0
+            batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
+        chosen = [examples[i] for i in batches[state["batch"]]]
+        state["batch"] += 1
+        batch = {k: v.to(device) for k, v in collate(chosen).items()}
         draft.train()
         with autocast:
             loss, metrics = loss_fn(batch)
@@ -95,36 +127,98 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         optimizer.step()
         scheduler.step()
-        step += 1
-        entry = {"step": step, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                 **{k: float(v) for k, v in metrics.items()}}
+        state["step"] += 1
+        step = state["step"]
+        entry = {"step": step, "epoch": state["epoch"], "loss": loss.item(), "grad_norm": float(grad_norm),
+                 "lr": scheduler.get_last_lr()[0], **{k: float(v) for k, v in metrics.items()}}
+        stop = False
         if eval_examples and (step % config.eval_every == 0 or step == config.steps):
-            entry["eval_loss"] = evaluate(draft, loss_fn, eval_examples, config.batch_size, device)
+            with autocast:
+                entry.update({f"eval_{k}": v for k, v in evaluate(draft, loss_fn, eval_examples, config.batch_size,
+                                                                   device).items()})
+            stop = _track_best(draft, entry, state, config, out)
         history.append(entry)
         bar.update(1)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}")
-        if step % config.save_every == 0 or step == last:
-            save(draft, optimizer, scheduler, rng, step, history, config, out)
+        bar.set_postfix(loss=f"{entry['loss']:.3f}", **({"eval_tau": f"{entry['eval_tau']:.2f}"}
+                                                        if "eval_tau" in entry else {}))
+        unsaved = not (step % config.save_every == 0 or step == last or stop)
+        if not unsaved:
+            save(draft, optimizer, scheduler, state, config, out)
+        if stop:
+            break
+    if unsaved:  # stopped by the deadline
+        save(draft, optimizer, scheduler, state, config, out)
     bar.close()
     return history
 
 
+def _track_best(draft, entry: dict, state: dict, config: TrainConfig, out: Path) -> bool:
+    """Keep ``out/best`` at the best ``config.select`` seen; returns: patience ran out."""
+    if config.select is None:
+        return False
+    if config.select not in entry:
+        raise KeyError(f"TrainConfig.select={config.select!r}: the evaluation gives {sorted(entry)}")
+    value = entry[config.select]
+    if state["best"] is None or value > state["best"]["value"]:
+        state["best"], state["since_best"] = {"step": entry["step"], "value": value}, 0
+        draft.save_pretrained(out / "best", dtype=getattr(torch, config.save_dtype) if config.save_dtype else None,
+                              max_shard_bytes=config.max_shard_bytes)
+        return False
+    state["since_best"] += 1
+    return config.patience is not None and state["since_best"] >= config.patience
+
+
 @torch.no_grad()
-def evaluate(draft, loss_fn, examples: list[dict], batch_size: int, device) -> float:
+def evaluate(draft, loss_fn, examples: list[dict], batch_size: int, device) -> dict[str, float]:
+    """The loss and every metric of ``loss_fn``, averaged over batches of ``examples`` (in order)."""
     draft.eval()
-    losses = [float(loss_fn({k: v.to(device) for k, v in collate(examples[i:i + batch_size]).items()})[0])
-              for i in range(0, len(examples), batch_size)]
-    return sum(losses) / len(losses)
+    sums: dict[str, float] = {}
+    batches = range(0, len(examples), batch_size)
+    for i in batches:
+        loss, metrics = loss_fn({k: v.to(device) for k, v in collate(examples[i:i + batch_size]).items()})
+        for k, v in {"loss": loss, **metrics}.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    return {k: v / len(batches) for k, v in sums.items()}
 
 
-def save(draft, optimizer, scheduler, rng, step, history, config, out: Path) -> None:
+def save(draft, optimizer, scheduler, state: dict, config, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(out, dtype=getattr(torch, config.save_dtype) if config.save_dtype else None,
                           max_shard_bytes=config.max_shard_bytes)
     torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "history": history,
-                "config": asdict(config)}, out / "trainer.pt")
-    (out / "history.json").write_text(json.dumps(history))  # the training log, readable without torch
+                "torch_rng": torch.get_rng_state(), **state, "config": asdict(config)}, out / "trainer.pt")
+    (out / "history.json").write_text(json.dumps(state["history"]))  # the training log, readable without torch
+    plot_history(state["history"], out / "history.png")
+
+
+def plot_history(history: list[dict], path: str | Path) -> None:
+    """Training and held-out loss per step, and every held-out ``tau`` / ``acc`` metric, one PNG."""
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [h["step"] for h in history]
+    window = max(1, len(history) // 100)  # a running mean: single batches are noisy
+    losses = [h["loss"] for h in history]
+    smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
+              for i in range(len(losses))]
+    left.plot(steps, smooth, label=f"train (mean of {window})")
+    evals = [h for h in history if "eval_loss" in h]
+    if evals:
+        left.plot([h["step"] for h in evals], [h["eval_loss"] for h in evals], "o-", label="held-out")
+        for key in ("eval_tau",):
+            if key in evals[0]:
+                right.plot([h["step"] for h in evals], [h[key] for h in evals], "o-", color="#c44e52")
+                right.set(xlabel="step", ylabel="held-out τ (greedy chain)", title="held-out acceptance")
+    left.set(xlabel="step", ylabel="loss", title="loss")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 class _nothing:

