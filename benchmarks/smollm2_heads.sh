@@ -23,7 +23,7 @@ WORK=${WORK:-$HOME/specgraph-heads}
 VOCAB=${VOCAB:-0}
 OUT_HEAD=${OUT_HEAD:-$WORK/eagle3-vocab$VOCAB}
 data=(${DATA:+--data "$DATA"})
-train=(--shards "$WORK/data" --held-out 200 --max-minutes "$minutes" --batch-size 16 --lr 1e-3 --warmup-steps 200
+train=(--shards "$WORK/data" --held-out 200 --max-minutes "$minutes" --batch-size "${BATCH:-16}" --lr 1e-3 --warmup-steps 200
        --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15)
 case $phase in
   distill) python3 -m specgraph.train.distill --out "$WORK/data" "${data[@]}" --temperatures 0 0.8 --batch-size 256 \

@@ -17,6 +17,7 @@ mask of x_{t+j}); the loss is the mean over such rows.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafts.eagle3 import Eagle3
@@ -59,9 +60,9 @@ def ttt_hidden(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps: 
         g = torch.cat([norm(part) for norm, part in zip(draft.fc_norm, g.chunk(3, -1))], -1)
     hidden = draft.fc(g)  # [B, T, H]
     rows = torch.arange(t, device=ids.device)
-    causal = rows.view(1, t) <= rows.view(t, 1)  # [T, T]: key s <= query t
-    keys0 = values0 = None
-    diag_k, diag_v, outputs = [], [], []
+    causal = rows.view(t, 1) >= rows.view(1, t)  # [T, T]: query t sees the step-0 keys of rows <= t
+    own_row = torch.eye(t, dtype=torch.bool, device=ids.device)  # a later step's key: its own row only
+    keys, values, outputs = [], [], []
     for j in range(steps):
         tokens = _shift(ids, 1 + j)  # x_{t+1+j}
         normed = layer.hidden_norm(hidden)
@@ -71,18 +72,12 @@ def ttt_hidden(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps: 
         v = attn.v_proj(a).view(b, t, kv_heads, d).transpose(1, 2).repeat_interleave(group, 1)
         cos, sin = draft.rotary_emb(a, (rows + j).expand(b, t))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if j == 0:
-            keys0, values0 = k, v
-        else:
-            diag_k.append(k)
-            diag_v.append(v)
-        scores = (q @ keys0.transpose(-1, -2)).float() * d ** -0.5  # [B, H, T, T]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        diag = [((q * dk).sum(-1, keepdim=True)).float() * d ** -0.5 for dk in diag_k]  # [B, H, T, 1] each
-        probs = torch.softmax(torch.cat([scores, *diag], -1), -1)
-        out = probs[..., :t].to(values0.dtype) @ values0
-        for i, dv in enumerate(diag_v):
-            out = out + probs[..., t + i: t + i + 1].to(dv.dtype) * dv
+        keys.append(k)
+        values.append(v)
+        # one fused attention over the keys of steps 0..j ([B, H, (j+1)T, D]) under the TTT mask
+        # [T, (j+1)T]: causal over step 0, the diagonal over each later step
+        mask = torch.cat([causal] + [own_row] * j, 1)
+        out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
         out = attn.o_proj(out.transpose(1, 2).reshape(b, t, heads * d))
         h = (normed if draft.norm_before_residual else hidden) + out
         h = h + layer.mlp(layer.post_attention_layernorm(h))

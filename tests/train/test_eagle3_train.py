@@ -1,6 +1,9 @@
 """EAGLE-3 training-time test on a tiny target. Oracle for the unrolled forward: step j at row t
 equals the inference draft (tree_attention over its cache) run on the pairs 0..t and then j
 tokens of its own chain — the training math is the math the trained head is used with."""
+import json
+
+import pytest
 import torch
 
 import specgraph
@@ -71,3 +74,65 @@ def test_eagle3_training_learns_and_the_head_speculates(tmp_path):
     out = spec.generate(torch.tensor([prompt]), max_new_tokens=30, eos_token_id=None, return_dict_in_generate=True)
     assert out["sequences"][0, 6:].tolist() == examples[0]["input_ids"][6:36].tolist()
     assert max(max(s) for s in out["accept_lens"]) > 1  # the trained head does get accepted
+
+
+@torch.no_grad()
+def test_tau_is_the_greedy_chain_accepted_length_on_self_distilled_data():
+    """Oracle: for each row t whose step-0 token is an answer token, count the leading steps j whose
+    draft argmax (from the unrolled forward) equals the target's argmax at x_{t+2+j}."""
+    model = frozen_target()
+    examples = self_distilled(model, 4, length=24)
+    torch.manual_seed(5)
+    draft = new_eagle3_for(model, examples, draft_vocab_size=0, aux_layer_ids=(0, 1, 1))
+    batch = {"input_ids": torch.stack([e["input_ids"] for e in examples]),
+             "loss_mask": torch.stack([e["loss_mask"] for e in examples])}
+    _, metrics = eagle3_loss(model, draft, steps=3)(batch)
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    out = model(input_ids=ids, output_hidden_states=True)
+    logits = ttt_forward(draft, ids, tap_states(out.hidden_states, draft.aux_layer_ids, draft.aux_convention), 3)
+    target = out.logits.argmax(-1)  # target[t] predicts x_{t+1}
+    runs = []
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1] - 2):
+            if not mask[b, t + 2]:
+                continue
+            run = 0
+            for j in range(3):
+                if t + 2 + j >= ids.shape[1] or not mask[b, t + 2 + j]:
+                    break
+                if logits[j][b, t].argmax() != target[b, t + 1 + j]:
+                    break
+                run += 1
+            runs.append(run)
+    assert float(metrics["tau"]) == pytest.approx(1 + sum(runs) / len(runs), abs=1e-6)
+    assert 0 < sum(runs)  # the check can see hits: a random head agrees on some of this tiny vocabulary
+
+
+def test_full_vocabulary_head_drafts_through_the_targets_lm_head(tmp_path):
+    """--draft-vocab 0: no vocabulary matrix of its own (trained, saved or loaded); the checkpoint says so
+    as SGLang reads it (no draft_vocab_size, no lm_head.weight) and speculates token-exactly."""
+    model = frozen_target()
+    examples = self_distilled(model, 16)
+    torch.manual_seed(1)
+    draft = new_eagle3_for(model, examples, draft_vocab_size=0, aux_layer_ids=(0, 1, 1))
+    assert draft.lm_head_from_target and not any(n.startswith("lm_head") for n, _ in draft.named_parameters())
+    head = model.get_output_embeddings().weight.clone()
+    config = TrainConfig(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, save_every=30, eval_every=1000)
+    history = train(draft, eagle3_loss(model, draft, steps=2), examples, config, tmp_path)
+    assert sum(h["loss"] for h in history[-5:]) / 5 < history[0]["loss"]
+    assert torch.equal(model.get_output_embeddings().weight, head)  # the target's head stays as it was
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["draft_vocab_size"] is None
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert not any(k.startswith(("lm_head", "embed")) for k in f.keys())
+    loaded = Eagle3.from_pretrained(tmp_path)
+    assert loaded.lm_head_from_target and loaded.d2t is None
+    spec = specgraph.compile(model, loaded, tree=specgraph.DynamicTree(steps=3, topk=2, nodes=6), max_length=128)
+    prompt = examples[0]["input_ids"][:6].tolist()
+    out = spec.generate(torch.tensor([prompt]), max_new_tokens=30, eos_token_id=None)
+    assert out[0, 6:].tolist() == examples[0]["input_ids"][6:36].tolist()
+    with pytest.raises(ValueError, match="full vocabulary"):
+        Eagle3(loaded.config.__class__(**{**loaded.config.to_dict(), "draft_vocab_size": 50}), (0, 1, 1),
+               lm_head_from_target=True)

@@ -1,0 +1,119 @@
+"""Self-distillation at scale (specgraph.train.distill): every turn answered by the target's own
+greedy decoding (oracle: ``model.generate`` on each turn's prompt, built here from the chat
+template), batches padded to one bucket, long prompts closing a conversation, resume after a
+deadline, seeded sampling, and the token shards' round trip."""
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specgraph.train.distill import (DistillConfig, Progress, distill, load_shards, split_held_out, variant_name,
+                                     write_shards)
+
+pytestmark = pytest.mark.model
+
+RECORDS = [
+    {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"},
+                                  {"from": "human", "value": "and then?"}, {"from": "gpt", "value": "old"}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "old"}]},
+    {"id": "c", "conversations": [{"from": "human", "value": "word " * 120}, {"from": "gpt", "value": "old"}]},
+    {"id": "d", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "old"},
+                                  {"from": "human", "value": "why?"}, {"from": "gpt", "value": "old"}]},
+]
+CONFIG = DistillConfig(temperatures=(0.0,), batch_size=2, max_new_tokens=5, max_prompt_tokens=60, max_length=256,
+                       backend="eager")
+
+
+@pytest.fixture(scope="module")
+def target():
+    from capture_harness import tiny_target_for
+    from specgraph.models import load_gguf
+
+    _, tokenizer = load_gguf()
+    return tiny_target_for(tokenizer), tokenizer
+
+
+def test_every_turn_is_the_targets_greedy_answer_to_its_own_conversation(target, tmp_path):
+    model, tokenizer = target
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(RECORDS))
+    summary = distill(model, tokenizer, tmp_path / "out", CONFIG, source, workers=1)
+    state = Progress(**torch.load(tmp_path / "out" / "state-greedy.pt"))
+    order = torch.randperm(4, generator=torch.Generator().manual_seed(0)).tolist()
+    eos = model.generation_config.eos_token_id
+    for c, record in enumerate(RECORDS[i] for i in order):
+        users = [t["value"] for t in record["conversations"][::2]]
+        chat, want = [], []
+        for user in users:
+            chat.append({"role": "user", "content": user})
+            prompt = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True,
+                                                   return_dict=True)["input_ids"]
+            if len(prompt) > CONFIG.max_prompt_tokens:
+                break
+            ids = torch.tensor([prompt])
+            new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=CONFIG.max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+            answer = new[: new.index(eos)] if eos in new else new
+            want.append(answer)
+            chat.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()
+                         or "…"})
+        assert state.answers[c] == want, record["id"]
+    assert all(state.closed) and sum(map(len, state.answers)) == 5  # "c" opens with a prompt over the cap
+    greedy = summary["variants"]["greedy"]
+    assert greedy["finished"] and greedy["turns"] == 5 and greedy["conversations"] == greedy["examples"] == 3
+    examples = load_shards(tmp_path / "out")
+    assert len(examples) == 3 and {e["variant"] for e in examples} == {"greedy"}
+    assert sum(int(e["loss_mask"].sum()) for e in examples) == greedy["loss_tokens"] > 0
+
+
+def test_a_run_stopped_by_its_deadline_resumes_to_the_same_answers(target, tmp_path):
+    model, tokenizer = target
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(RECORDS))
+    config = DistillConfig(**{**CONFIG.__dict__, "temperatures": (0.0, 1.0)})
+    late = distill(model, tokenizer, tmp_path / "resumed", config, source, workers=1, deadline=time.time() - 1)
+    assert not late["variants"]["greedy"]["finished"] and late["variants"]["greedy"]["turns"] == 0
+    assert "t1" not in late["variants"]  # the next variant waits for the unfinished one
+    resumed = distill(model, tokenizer, tmp_path / "resumed", config, source, workers=1)
+    straight = distill(model, tokenizer, tmp_path / "straight", config, source, workers=1)
+    for name in ("greedy", "t1"):
+        a = torch.load(tmp_path / "resumed" / f"state-{name}.pt")["answers"]
+        b = torch.load(tmp_path / "straight" / f"state-{name}.pt")["answers"]
+        assert a == b, name  # greedy, and sampling seeded per (seed, variant, turn, batch)
+        assert resumed["variants"][name]["finished"] and straight["variants"][name]["finished"]
+    greedy = torch.load(tmp_path / "straight" / "state-greedy.pt")["answers"]
+    sampled = torch.load(tmp_path / "straight" / "state-t1.pt")["answers"]
+    assert greedy != sampled  # T = 1 does sample
+    assert variant_name(0.0) == "greedy" and variant_name(0.8) == "t0.8"
+
+
+def test_shards_round_trip_under_their_size_limit(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(0, 60000, (n,), generator=g).numpy(),
+                 "loss_mask": (torch.rand(n, generator=g) > 0.3).numpy(), "conversation": c}
+                for c, n in enumerate([300, 17, 1, 900, 450, 64])]
+    paths = write_shards(examples, tmp_path / "greedy", vocab_size=60000, max_bytes=2500, metadata={"k": 1})
+    from safetensors.numpy import load_file
+
+    sizes = [(p.stat().st_size, len(load_file(str(p))["conversation"])) for p in paths]
+    assert len(paths) > 2 and all(size < 2500 or count == 1 for size, count in sizes), sizes
+    loaded = load_shards(tmp_path)
+    assert len(loaded) == len(examples)
+    for e, got in zip(examples, loaded):
+        assert got["input_ids"].tolist() == e["input_ids"].tolist() and got["input_ids"].dtype == torch.int64
+        assert got["loss_mask"].tolist() == e["loss_mask"].tolist()
+        assert got["conversation"] == e["conversation"] and got["variant"] == "greedy"
+    assert load_file(str(paths[0]))["input_ids"].dtype == np.uint16
+    write_shards(examples[:1], tmp_path / "wide", vocab_size=151_936)
+    assert load_file(str(tmp_path / "wide" / "shard-00000.safetensors"))["input_ids"].dtype == np.int32
+    with pytest.raises(FileNotFoundError, match="specgraph.train.distill"):
+        load_shards(tmp_path / "nothing")
+
+
+def test_held_out_conversations_stay_out_of_training_in_every_variant():
+    examples = [{"conversation": c, "variant": v} for v in ("greedy", "t0.8") for c in range(10)]
+    train, held = split_held_out(examples, 3)
+    assert sorted(e["conversation"] for e in held) == [0, 1, 2] and {e["variant"] for e in held} == {"greedy"}
+    assert len(train) == 14 and min(e["conversation"] for e in train) == 3

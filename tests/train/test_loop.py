@@ -1,0 +1,64 @@
+"""The shared training loop: each epoch visits every example once, in an order fixed by (seed,
+epoch) and grouped by length; the best checkpoint by a held-out metric is kept and patience
+ends the run; a resumed run continues from its data position."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from specgraph.train.loop import TrainConfig, epoch_batches, train
+
+
+def test_an_epoch_visits_every_example_once_in_length_groups():
+    lengths = [int(x) for x in torch.randint(1, 500, (1000,), generator=torch.Generator().manual_seed(0))]
+    batches = epoch_batches(lengths, 8, seed=3, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    assert batches == epoch_batches(lengths, 8, seed=3, epoch=0) != epoch_batches(lengths, 8, seed=3, epoch=1)
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    shuffled = torch.randperm(1000, generator=torch.Generator().manual_seed(1)).tolist()
+    random_spread = sum(max(lengths[i] for i in shuffled[k:k + 8]) - min(lengths[i] for i in shuffled[k:k + 8])
+                        for k in range(0, 1000, 8)) / 125
+    assert spread < 0.2 * random_spread  # batches of similar lengths: little padding
+
+
+class Scalar(nn.Module):
+    """One weight; its eval metric is scripted by the step the loop evaluates at."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+
+    def save_pretrained(self, path, dtype=None, max_shard_bytes=None):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "w.json").write_text(json.dumps(float(self.w)))
+
+
+def scripted(draft, taus: dict[int, float], step: list[int], weights: dict | None = None):
+    """loss_fn whose held-out tau after training step k is taus[k]; weights[k]: w entering step k."""
+    def loss_fn(batch):
+        if draft.training:
+            step[0] += 1
+            if weights is not None:
+                weights[step[0]] = float(draft.w)
+        return (draft.w - 1.0) ** 2 * batch["input_ids"].shape[0], {"tau": torch.tensor(taus.get(step[0], 0.0))}
+    return loss_fn
+
+
+def test_the_best_checkpoint_is_kept_and_patience_stops_the_run(tmp_path):
+    examples = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.ones(3, dtype=torch.bool)}] * 5
+    draft = Scalar()
+    taus = {2: 1.5, 4: 2.5, 6: 2.0, 8: 2.25, 10: 3.0}  # exact in float32
+    config = TrainConfig(steps=20, batch_size=2, lr=0.1, warmup_steps=1, eval_every=2, save_every=100,
+                         select="eval_tau", patience=2)
+    weights = {}
+    history = train(draft, scripted(draft, taus, [0], weights), examples, config, tmp_path,
+                    eval_examples=examples[:1])
+    assert history[-1]["step"] == 8  # steps 6 and 8 did not beat step 4's 2.5
+    assert [h["eval_tau"] for h in history if "eval_tau" in h] == [1.5, 2.5, 2.0, 2.25]
+    assert json.loads((tmp_path / "best" / "w.json").read_text()) == weights[5] != float(draft.w)
+    state = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    assert state["best"] == {"step": 4, "value": 2.5} and state["step"] == 8
+    assert (tmp_path / "history.png").is_file() and json.loads((tmp_path / "history.json").read_text()) == history
+    with pytest.raises(ValueError, match="patience needs select"):
+        train(draft, scripted(draft, taus, [0]), examples, TrainConfig(patience=1), tmp_path / "x")
