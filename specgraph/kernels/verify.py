@@ -236,6 +236,21 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     return (probs.to(torch.float64) / race.clamp(min=torch.finfo(torch.float64).tiny)).argmax(-1)
 
 
+SCAN_BLOCK = 256
+
+
+def _cumsum_in_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(-1)`` as two short scans (within blocks of SCAN_BLOCK, then over the blocks' totals):
+    inductor splits one long scan over a vocabulary (SplitScan), whose code generation failed on the
+    H200 for a [256, 1, 49152] cumsum in the sampled decode step (torch 2.11)."""
+    v = x.shape[-1]
+    pad = -v % SCAN_BLOCK
+    blocks = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, SCAN_BLOCK))  # [..., V / block, block]
+    within = blocks.cumsum(-1)
+    before = within[..., -1].cumsum(-1) - within[..., -1]  # [..., V / block]: the sum of earlier blocks
+    return (within + before.unsqueeze(-1)).flatten(-2)[..., :v]
+
+
 def sampling_probs(logits, temperature, top_k=None, top_p=None) -> torch.Tensor:
     """Per-row target distribution after temperature, top-k, then top-p.
 
@@ -259,7 +274,7 @@ def sampling_probs(logits, temperature, top_k=None, top_p=None) -> torch.Tensor:
     if top_p is not None:
         p = per_row(top_p, torch.float32)
         ascending, order = x.sort(-1)
-        cumulative = ascending.softmax(-1).cumsum(-1)
+        cumulative = _cumsum_in_blocks(ascending.softmax(-1))
         drop = cumulative <= 1 - p
         drop[..., -1] = False  # always keep the most likely token
         x = torch.where(drop.scatter(-1, order, drop), float("-inf"), x)
