@@ -61,3 +61,27 @@ def test_export_command_writes_onnx_that_runs(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specgraph", "export", str(out), "--nodes", "65"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--nodes 65" in bad.stderr
+
+
+@pytest.mark.model
+def test_train_on_distilled_shards_keeps_the_best_head_by_held_out_tau(tmp_path):
+    """`specgraph train eagle3 --shards`: held-out conversations out of training, eval_tau every step,
+    best/ loadable; --draft-vocab 0 drafts through the target's LM head."""
+    import json
+
+    import torch
+
+    from specgraph.drafts import Eagle3
+    from specgraph.train.distill import write_shards
+
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(0, 49152, (24,), generator=g).numpy(),
+                 "loss_mask": (torch.arange(24) >= 8).numpy(), "conversation": c} for c in range(5)]
+    write_shards(examples, tmp_path / "data" / "greedy", vocab_size=49152)
+    out = tmp_path / "head"
+    assert main(["train", "eagle3", "--shards", str(tmp_path / "data"), "--held-out", "1", "--draft-vocab", "0",
+                 "--out", str(out), "--steps", "2", "--batch-size", "2", "--eval-every", "1", "--ttt-steps", "2",
+                 "--select", "eval_tau", "--cpu"]) == 0
+    history = json.loads((out / "history.json").read_text())
+    assert [h["step"] for h in history] == [1, 2] and all("eval_tau" in h for h in history)
+    assert Eagle3.from_pretrained(out / "best").lm_head_from_target
