@@ -26,7 +26,7 @@ from tqdm import tqdm
 import specgraph
 from specgraph import Chain, DynamicTree
 from specgraph.models import default_draft_path, load_gguf
-from specgraph.train.evaluate import acceptance, mt_bench_questions, plot
+from specgraph.train.evaluate import acceptance, plot, prompt_set
 from specgraph.trees import parse_tree
 
 SWEEP = [Chain(3), Chain(5), Chain(7), DynamicTree(4, 4, 16), DynamicTree(5, 8, 32), DynamicTree(6, 8, 48),
@@ -44,7 +44,9 @@ def main() -> None:
     parser.add_argument("--eagle3", default=str(default_draft_path()), help="EAGLE-3 head directory (default: the shipped head)")
     parser.add_argument("--medusa", default=None, help="Medusa head directory")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--questions", type=int, default=80)
+    parser.add_argument("--questions", type=int, default=80, help="the first N of the prompt set")
+    parser.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval"],
+                        help="MT-bench first turns, or HumanEval's function prompts (code no head trained on)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--sweep-questions", type=int, default=40)
     parser.add_argument("--sweep-tokens", type=int, default=128)
@@ -63,7 +65,7 @@ def main() -> None:
     if args.medusa:
         heads["medusa"] = specgraph.drafts.Medusa.from_pretrained(args.medusa).to(device)
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    summary = dict(prompts=args.prompts, date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                    torch=torch.__version__, target="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)", runs={})
     specs = {}
 
@@ -78,7 +80,7 @@ def main() -> None:
         if key not in specs:
             specs[key] = specgraph.compile(model, heads[draft], tree=tree, backend=args.backend,
                                            max_batch=args.batch_size, max_length=tokens + 1024)
-        report = acceptance(specs[key], tokenizer, mt_bench_questions(questions), tokens, temperature,
+        report = acceptance(specs[key], tokenizer, prompt_set(args.prompts, questions), tokens, temperature,
                             batch_size=args.batch_size)
         summary["runs"][name] = report
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))

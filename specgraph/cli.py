@@ -161,7 +161,7 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from . import compile, drafts
-    from .train.evaluate import acceptance, mt_bench_questions, plot
+    from .train.evaluate import acceptance, plot, prompt_set
 
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
@@ -173,7 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
     tree = args.tree
     spec = compile(model, draft, tree=tree, backend=args.backend, max_length=args.max_new_tokens + 1024,
                    max_batch=args.batch_size)
-    report = acceptance(spec, tokenizer, mt_bench_questions(args.questions), args.max_new_tokens, args.temperature,
+    report = acceptance(spec, tokenizer, prompt_set(args.prompts, args.questions), args.max_new_tokens, args.temperature,
                         batch_size=args.batch_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -393,7 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default="ngram", help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
     bench.add_argument("--tree", default="chain4", type=_tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
     bench.add_argument("--backend", default="eager", choices=["eager", "inductor"])
-    bench.add_argument("--questions", type=int, default=80)
+    bench.add_argument("--questions", type=int, default=80, help="the first N of the prompt set")
+    bench.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval"],
+                       help="MT-bench first turns, or HumanEval's 164 function prompts (code no head trained on)")
     bench.add_argument("--max-new-tokens", type=int, default=256)
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     bench.add_argument("--batch-size", type=int, default=1, help="questions generated at once (greedy τ unchanged)")

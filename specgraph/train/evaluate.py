@@ -21,11 +21,36 @@ import torch
 from tqdm import tqdm
 
 
+def _jsonl(name: str) -> list[dict]:
+    text = resources.files("specgraph").joinpath("data", name).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def mt_bench_questions(limit: int | None = None) -> list[dict]:
     """The 80 MT-bench questions shipped with specgraph (see specgraph/data/NOTICE)."""
-    text = resources.files("specgraph").joinpath("data", "mt_bench_questions.jsonl").read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return rows[:limit]
+    return _jsonl("mt_bench_questions.jsonl")[:limit]
+
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one code block."
+
+
+def humaneval_questions(limit: int | None = None) -> list[dict]:
+    """The 164 HumanEval problems (their prompts only; see specgraph/data/NOTICE) as one-turn questions:
+    ``{"question_id", "turns": [instruction + the prompt in a code block]}``. Code the draft heads never
+    trained on (they learn from ShareGPT)."""
+    return [{"question_id": row["task_id"], "category": "code",
+             "turns": [f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{row['prompt']}```"]}
+            for row in _jsonl("humaneval_prompts.jsonl")[:limit]]
+
+
+PROMPT_SETS = {"mt-bench": mt_bench_questions, "humaneval": humaneval_questions}
+
+
+def prompt_set(name: str, limit: int | None = None) -> list[dict]:
+    """One of ``PROMPT_SETS`` (first turns), the first ``limit`` of them."""
+    if name not in PROMPT_SETS:
+        raise ValueError(f"prompt set {name!r}: one of {', '.join(PROMPT_SETS)}")
+    return PROMPT_SETS[name](limit)
 
 
 @torch.no_grad()

@@ -3,16 +3,28 @@ consistent with each other and with what generate returned, and the plot is writ
 import json
 
 import pytest
-import torch
 
 import specgraph
-from specgraph.train.evaluate import acceptance, mt_bench_questions, plot
+from specgraph.train.evaluate import HUMANEVAL_INSTRUCTION, acceptance, mt_bench_questions, plot, prompt_set
 
 
 def test_the_80_mt_bench_questions_ship_with_the_package():
     questions = mt_bench_questions()
     assert len(questions) == 80 and all(len(q["turns"]) == 2 for q in questions)
     assert {q["category"] for q in questions} >= {"writing", "coding", "math", "reasoning"}
+
+
+def test_humaneval_prompts_ship_as_one_turn_code_questions():
+    """The second prompt set: all 164 HumanEval function prompts (no solutions, no tests), each asked
+    as a one-turn question with the function in a code block."""
+    questions = prompt_set("humaneval")
+    assert len(questions) == 164 and len({q["question_id"] for q in questions}) == 164
+    first = questions[0]["turns"][0]
+    assert first.startswith(HUMANEVAL_INSTRUCTION) and "def has_close_elements(" in first and first.endswith("```")
+    assert all("canonical_solution" not in q and "test" not in q for q in questions)
+    assert prompt_set("mt-bench", 3) == mt_bench_questions(3) and len(prompt_set("humaneval", 5)) == 5
+    with pytest.raises(ValueError, match="one of mt-bench, humaneval"):
+        prompt_set("gsm8k")
 
 
 @pytest.mark.model
