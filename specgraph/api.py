@@ -1,6 +1,8 @@
 """specgraph.compile(): the one place that wires the layers together."""
 from __future__ import annotations
 
+import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -17,11 +19,12 @@ from .runtime.generate import Sampling, speculative_generate
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree
 
-BACKENDS = ("eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
+BACKENDS = ("auto", "eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
+log = logging.getLogger("specgraph")
 _PLAIN = NGram()  # plain decoding: an n-gram session whose trees are the root alone (Chain(0))
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
                  "do_sample", "temperature", "top_k", "top_p", "generation_config", "return_dict_in_generate",
-                 "stopping_criteria", "streamer"}
+                 "stopping_criteria", "streamer", "use_cache"}  # use_cache: speculation always keeps its cache
 
 
 # generation_config fields that change what generate returns and that the speculative path does not
@@ -64,14 +67,40 @@ def unsupported_arguments(kwargs: dict, generation_config) -> list[str]:
     return problems
 
 
+HF_DEFAULT_MAX_LENGTH = 20  # what model.generate uses when neither the call nor the generation config sets a length
+
+
 def max_new_tokens(kwargs: dict, generation_config, prompt_width: int) -> int:
-    """How many tokens a generate call asks for, as model.generate reads its arguments."""
+    """How many tokens a generate call asks for, as model.generate reads its arguments; a length that
+    leaves none to generate is refused (as model.generate refuses it)."""
     max_new = kwargs.get("max_new_tokens")
     if max_new is None:
         max_new = getattr(generation_config, "max_new_tokens", None)
-    if max_new is None:
-        max_new = (kwargs.get("max_length") or generation_config.max_length) - prompt_width
-    return max_new
+    if max_new is not None:
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+            raise ValueError(f"max_new_tokens={max_new!r}: a whole number >= 1")
+        return max_new
+    max_length = kwargs.get("max_length") or getattr(generation_config, "max_length", None) or HF_DEFAULT_MAX_LENGTH
+    if max_length <= prompt_width:
+        raise ValueError(f"max_length={max_length} leaves no room after the prompt of {prompt_width} tokens: "
+                         f"pass max_new_tokens, or a max_length above the prompt's length")
+    return max_length - prompt_width
+
+
+def token_ids(value, name: str) -> list[int]:
+    """An eos/pad setting as a list of token ids (order kept): an int, a sequence of ints, a 0-d or 1-d
+    integer tensor or a numpy integer; None -> []."""
+    if value is None:
+        return []
+    if torch.is_tensor(value):
+        if value.dtype.is_floating_point or value.dim() > 1:
+            raise TypeError(f"{name}={value!r}: an integer token id or a 1-d tensor of them")
+        return [int(v) for v in value.reshape(-1).tolist()]
+    if isinstance(value, (list, tuple)):
+        return [i for v in value for i in token_ids(v, name)]
+    if hasattr(value, "__index__") and not isinstance(value, bool):
+        return [int(value.__index__())]
+    raise TypeError(f"{name}={value!r}: an integer token id, a list of them, or a tensor of them")
 
 
 @dataclass(frozen=True)
@@ -84,9 +113,24 @@ class SpecConfig:
     policy: str = "fixed"  # "fixed": always the tree; "measured": per batch size, the tree or plain decoding
 
 
-def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1, max_length: int = 2048,
+def resolve_backend(backend: str, model) -> str:
+    """``"auto"``: the compiled whole-step graph (``"inductor"``) when the model is on CUDA, ``"eager"``
+    elsewhere (on a CPU compiling costs more than it saves); any other name as given."""
+    if backend != "auto":
+        return backend
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    chosen = "inductor" if on_cuda else "eager"
+    log.info("specgraph: backend 'auto' -> %r%s", chosen, " (each batch size's first generate compiles its "
+             "step once, about a minute)" if on_cuda else " (the model is not on CUDA)")
+    return chosen
+
+
+def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, max_length: int = 2048,
             synthetic_accept: int | None = None, policy: str = "fixed") -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
+
+    ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
+    graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"`` or ``"inductor"``.
 
     ``draft=None``: plain decoding on the same engine (``tree`` None or ``Chain(0)``: one node,
     the root, per step), the baseline speculation is measured against.
@@ -136,6 +180,7 @@ def compile(model, draft, tree=None, backend: str = "eager", max_batch: int = 1,
     if blockers:
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
     model.config._attn_implementation = "sdpa"
+    backend = resolve_backend(backend, model)
     return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept, policy))
 
 
@@ -189,26 +234,30 @@ class SpecModel:
         if unknown:
             raise TypeError(f"SpecModel.generate does not support {unknown} yet; they would change the result, "
                             f"so they are refused rather than ignored")
-        sampling = None
-        do_sample = kwargs.get("do_sample")
-        if do_sample or (do_sample is None and getattr(gen, "do_sample", False)):
-            pick = lambda name, default: kwargs[name] if kwargs.get(name) is not None else (  # noqa: E731
-                getattr(gen, name, None) if getattr(gen, name, None) is not None else default)
-            sampling = Sampling(float(pick("temperature", 1.0)), int(pick("top_k", 50)), float(pick("top_p", 1.0)))
-            if sampling.temperature <= 0:
-                raise ValueError(f"temperature={sampling.temperature} with do_sample=True: use do_sample=False for greedy")
+        sampling = _sampling(kwargs, gen)
+        if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids: a [B, T] tensor of integer token ids (e.g. tokenizer(..., return_tensors='pt')"
+                            f".input_ids); got {type(input_ids).__name__}"
+                            f"{'' if not torch.is_tensor(input_ids) else ' of ' + str(input_ids.dtype)}")
         if input_ids.dim() != 2 or input_ids.shape[0] == 0:
             raise ValueError(f"input_ids must be [B, T] with B >= 1; got {tuple(input_ids.shape)}")
+        vocab = self.model.config.get_text_config().vocab_size
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"input_ids hold ids outside the vocabulary 0 .. {vocab - 1} "
+                             f"(min {int(input_ids.min())}, max {int(input_ids.max())})")
         b, t = input_ids.shape
         if b > self.config.max_batch:
             raise ValueError(f"batch of {b} rows > max_batch={self.config.max_batch} given to specgraph.compile")
+        eos_list = token_ids(kwargs.get("eos_token_id", gen.eos_token_id), "eos_token_id")
+        given_pad = token_ids(kwargs.get("pad_token_id", gen.pad_token_id), "pad_token_id")
+        if len(given_pad) > 1:
+            raise ValueError(f"pad_token_id={given_pad}: one token id")
+        if attention_mask is None and given_pad and given_pad[0] not in eos_list and bool((input_ids == given_pad[0]).any()):
+            attention_mask = input_ids.ne(given_pad[0]).long()  # model.generate infers the mask the same way
         prompts = _strip_left_padding(input_ids, attention_mask)
         max_new = max_new_tokens(kwargs, gen, t)
-        eos = kwargs.get("eos_token_id", gen.eos_token_id)
-        eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-        pad = kwargs.get("pad_token_id", gen.pad_token_id)
-        if pad is None:
-            pad = min(eos) if eos else 0
+        eos = set(eos_list)
+        pad = given_pad[0] if given_pad else eos_list[0] if eos_list else 0  # model.generate pads with eos[0]
         n = self.config.tree.num_nodes
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_new + n > self.config.max_length]
         if too_long:
@@ -226,15 +275,16 @@ class SpecModel:
                 raise ValueError("synthetic_accept (benchmarks only) is greedy only: pass do_sample=False")
             warnings.warn(f"synthetic_accept={self.config.synthetic_accept}: acceptance is forced for benchmarking; "
                           f"the output is NOT the model's", stacklevel=2)
-        mode = self.policy.choose(b) if self.policy else "tree"
-        draft, tree = self.modes[mode]
-        start = time.perf_counter()
-        result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
-                                      self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,
-                                      compiled=self.config.backend == "inductor",
-                                      synthetic_accept=self.config.synthetic_accept)
-        if self.policy:  # every row's tokens were read back: the device work is done
-            self.policy.record(b, mode, time.perf_counter() - start, sum(map(len, result.sequences)))
+        with self.capture.lock:  # SpecModels of one model share its caches: one call at a time
+            mode = self.policy.choose(b) if self.policy else "tree"
+            draft, tree = self.modes[mode]
+            start = time.perf_counter()
+            result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
+                                          self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,
+                                          compiled=self.config.backend == "inductor",
+                                          synthetic_accept=self.config.synthetic_accept)
+            if self.policy:  # every row's tokens were read back: the device work is done
+                self.policy.record(b, mode, time.perf_counter() - start, sum(map(len, result.sequences)))
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):
@@ -256,6 +306,24 @@ class SpecModel:
         if not isinstance(batch, int) or not 1 <= batch <= self.config.max_batch:
             raise ValueError(f"batch={batch!r}: an int in 1 .. max_batch={self.config.max_batch}")
         return exporters[format](self.capture, self.config.tree, path, batch)
+
+
+def _sampling(kwargs: dict, gen) -> Sampling | None:
+    """The call's sampling settings (``do_sample`` off: None), checked as model.generate checks them."""
+    do_sample = kwargs.get("do_sample")
+    if not (do_sample or (do_sample is None and getattr(gen, "do_sample", False))):
+        return None
+    pick = lambda name, default: kwargs[name] if kwargs.get(name) is not None else (  # noqa: E731
+        getattr(gen, name, None) if getattr(gen, name, None) is not None else default)
+    temperature, top_k, top_p = pick("temperature", 1.0), pick("top_k", 50), pick("top_p", 1.0)
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature={temperature!r} with do_sample=True: a finite number > 0 (do_sample=False "
+                         f"for greedy)")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r}: a whole number >= 0 (0: no top-k filter)")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: a number in (0, 1] (1: no top-p filter)")
+    return Sampling(float(temperature), top_k, float(top_p))
 
 
 def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

@@ -23,7 +23,7 @@ from .api import SpecModel, compile, max_new_tokens, unsupported_arguments
 _ATTR = "_specgraph_original_generate"
 
 
-def attach(model, draft=None, tree=None, backend: str = "eager", max_batch: int = 8,
+def attach(model, draft=None, tree=None, backend: str = "auto", max_batch: int = 8,
            max_length: int = 2048) -> SpecModel:
     """Compile ``model`` with ``draft`` (arguments as ``specgraph.compile``) and route its own
     ``generate`` through the result. Returns the SpecModel."""
@@ -44,8 +44,8 @@ def attach(model, draft=None, tree=None, backend: str = "eager", max_batch: int 
                 warned.update(new)
             return original(input_ids, generation_config=generation_config, **kwargs)
         want_dict = kwargs.pop("return_dict_in_generate", None)
-        if want_dict is None and generation_config is not None:
-            want_dict = generation_config.return_dict_in_generate
+        if want_dict is None:
+            want_dict = (generation_config or model.generation_config).return_dict_in_generate
         return spec.generate(input_ids, generation_config=generation_config, return_dict_in_generate=want_dict,
                              **kwargs)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +245,8 @@ class Capture:
             raise ValueError(f"backend={backend!r}: 'eager' or 'inductor'")
         self.model, self.max_length, self.debug, self.backend = model, max_length, debug, backend
         self.kv_device = next(model.parameters()).device
+        # one generate at a time: every SpecModel of this model and backend shares these caches and buffers
+        self.lock = threading.RLock()
         self.decode_steps: dict = {}  # runtime.generate.decode_step's Bucket per (draft, B, tree, ...)
         self.readbacks: dict = {}  # runtime.generate's pinned host buffers per (B, D+2)
         self.prefills: dict = {}  # runtime.generate.prefill's GraphedCall per (B, chunk, taps)

@@ -1,0 +1,138 @@
+"""generate's arguments read as model.generate reads them — eos as a tensor, a numpy integer or a list,
+padding inferred from the pad id, finished rows padded with eos[0], HF's default length — and refused
+where model.generate refuses them (a NaN temperature, a length that leaves nothing to generate,
+ids that are not token ids); the "auto" backend; calls from two threads on one model. Oracle: the
+tiny model's own ``model.generate``."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import specgraph
+from specgraph.drafts import NGram
+from test_capture import tiny_model
+from test_generate import generated_rows, hf_greedy, left_pad, prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def spec(model):
+    return specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_batch=2, max_length=128)
+
+
+def test_auto_backend_is_eager_off_cuda(model):
+    assert specgraph.compile(model, None).config.backend == "eager"
+    assert specgraph.compile(model, NGram(), backend="auto").config.backend == "eager"
+    with pytest.raises(specgraph.CompileError, match="auto, eager, inductor"):
+        specgraph.compile(model, NGram(), backend="tensorrt-ish")
+
+
+def test_eos_as_a_tensor_a_numpy_integer_or_a_list_stops_where_model_generate_does(model, spec):
+    row = prompts(3, [9])[0]
+    free = hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
+    eos = free[6]  # a token the answer reaches: generation must stop there
+    want = hf_greedy(model, row, max_new_tokens=20, eos_token_id=eos)
+    assert len(want) == free.index(eos) + 1 < 20
+    for given in (torch.tensor([eos]), torch.tensor(eos), np.int64(eos), [eos], (eos,)):
+        out = spec.generate(torch.tensor([row]), max_new_tokens=20, eos_token_id=given, pad_token_id=0)
+        assert out[0, len(row):].tolist() == want, type(given)
+    for bad in (torch.tensor([1.5]), "2", torch.tensor([[1, 2]])):
+        with pytest.raises(TypeError, match="eos_token_id"):
+            spec.generate(torch.tensor([row]), max_new_tokens=4, eos_token_id=bad)
+
+
+def test_finished_rows_are_padded_with_the_first_eos(model, spec):
+    rows = prompts(3, [9, 5])
+    free = hf_greedy(model, rows[0], max_new_tokens=12, eos_token_id=None)
+    eos = [free[2], 100 if free[2] != 100 else 99]  # row 0 finishes early; its padding must be eos[0]
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
+    hf = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, do_sample=False)
+    assert torch.equal(out, hf)
+    assert out[0, ids.shape[1] + 3:].eq(eos[0]).all()
+
+
+def test_left_padding_without_a_mask_is_inferred_from_the_pad_id(model, spec):
+    rows = prompts(5, [4, 11])
+    pad = 1  # not a token of these prompts (they use 3..100), and not eos
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    out = spec.generate(ids, max_new_tokens=10, pad_token_id=pad, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, width)):
+        assert got == hf_greedy(model, row, max_new_tokens=10, eos_token_id=None)
+
+
+def test_hfs_default_length_applies_when_none_is_given(model, spec):
+    row = prompts(7, [6])[0]
+    model.generation_config.max_length, before = None, model.generation_config.max_length
+    try:
+        out = spec.generate(torch.tensor([row]), eos_token_id=None)
+    finally:
+        model.generation_config.max_length = before
+    assert out.shape[1] == 20  # transformers' default max_length, prompt included
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=-3), "max_new_tokens=-3"),
+    (dict(max_length=4), "max_length=4 leaves no room"),
+    (dict(max_new_tokens=4, do_sample=True, temperature=float("nan")), "temperature=nan"),
+    (dict(max_new_tokens=4, do_sample=True, temperature=0.0), "temperature=0.0"),
+    (dict(max_new_tokens=4, do_sample=True, top_k=-5), "top_k=-5"),
+    (dict(max_new_tokens=4, do_sample=True, top_p=1.5), "top_p=1.5"),
+])
+def test_settings_model_generate_refuses_are_refused(spec, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        spec.generate(torch.tensor([prompts(1, [6])[0]]), **kwargs)
+
+
+def test_input_ids_that_are_not_token_ids_are_refused(spec):
+    with pytest.raises(TypeError, match="input_ids: a \\[B, T\\] tensor of integer token ids"):
+        spec.generate([[5, 6, 7]], max_new_tokens=2)
+    with pytest.raises(TypeError, match="torch.float32"):
+        spec.generate(torch.tensor([[5.0, 6.0]]), max_new_tokens=2)
+    for bad in ([[5, 600, 7]], [[5, -1, 7]]):
+        with pytest.raises(ValueError, match="outside the vocabulary 0 .. 100"):
+            spec.generate(torch.tensor(bad), max_new_tokens=2)
+
+
+def test_two_threads_on_one_model_each_get_their_own_tokens(model):
+    """Two SpecModels of one model share its caches: their calls take turns, none corrupts another."""
+    a = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_length=128)
+    b = specgraph.compile(model, NGram(), tree=specgraph.Chain(2), max_length=128)
+    rows = prompts(11, [5, 9, 7, 12])
+    want = [hf_greedy(model, r, max_new_tokens=16, eos_token_id=None) for r in rows]
+    got, errors = {}, []
+
+    def work(spec, k):
+        try:
+            for _ in range(3):
+                for i, r in enumerate(rows):
+                    got[k, i] = spec.generate(torch.tensor([r]), max_new_tokens=16, eos_token_id=None)[0, len(r):].tolist()
+                    assert got[k, i] == want[i]
+        except Exception as err:  # reported below: an assert in a thread would be lost
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(s, k)) for k, s in enumerate((a, b, a))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(got[k, i] == want[i] for k in range(3) for i in range(len(rows)))
+
+
+def test_attach_honours_return_dict_in_generate_from_the_generation_config(model):
+    specgraph.attach(model, NGram(), tree=specgraph.Chain(2), max_length=128)
+    try:
+        model.generation_config.return_dict_in_generate = True
+        out = model.generate(torch.tensor([prompts(2, [6])[0]]), max_new_tokens=5, eos_token_id=None)
+        assert hasattr(out, "sequences") and out.accept_lens
+    finally:
+        model.generation_config.return_dict_in_generate = False
+        specgraph.detach(model)
