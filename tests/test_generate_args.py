@@ -136,3 +136,62 @@ def test_attach_honours_return_dict_in_generate_from_the_generation_config(model
     finally:
         model.generation_config.return_dict_in_generate = False
         specgraph.detach(model)
+
+
+def test_compile_reads_tree_spellings_and_refuses_a_draft_class(model):
+    assert specgraph.compile(model, NGram(), tree="chain4").config.tree == specgraph.Chain(4)
+    assert specgraph.compile(model, NGram(), tree="chain2").config.tree == specgraph.Chain(2)
+    with pytest.raises(specgraph.CompileError, match="tree='chainx'.*spellings: chainK"):
+        specgraph.compile(model, NGram(), tree="chainx")
+    with pytest.raises(specgraph.CompileError, match="tree=5: a specgraph.Chain"):
+        specgraph.compile(model, NGram(), tree=5)
+    with pytest.raises(specgraph.CompileError, match=r"draft=NGram is a class: pass an instance, e.g. NGram\(\)"):
+        specgraph.compile(model, NGram, tree="chain4")
+    with pytest.raises(TypeError, match="NGram\\(max_ngram=2.5\\): whole numbers"):
+        NGram(max_ngram=2.5)
+
+
+def test_head_checkpoints_name_the_file_or_the_hub_id_they_could_not_read(tmp_path, monkeypatch):
+    from specgraph.drafts import Eagle3
+
+    draft = Eagle3.for_target(model_for_heads())
+    draft.save_pretrained(tmp_path / "head")
+    weights = tmp_path / "head" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    with pytest.raises(ValueError, match="model.safetensors: cannot read EAGLE-3 weights"):
+        Eagle3.from_pretrained(tmp_path / "head")
+    draft.save_pretrained(tmp_path / "head")
+    (tmp_path / "head" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        Eagle3.from_pretrained(tmp_path / "head")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="'someorg/no-such-head': not a local path, and the hub id could not"):
+        Eagle3.from_pretrained("someorg/no-such-head")
+    with pytest.raises(FileNotFoundError, match="'no/such/dir' does not exist"):
+        Eagle3.from_pretrained("no/such/dir")
+    # a hub id resolves through huggingface_hub's snapshot (here: one prepared locally)
+    draft.save_pretrained(tmp_path / "snapshot")
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(tmp_path / "snapshot"))
+    loaded = Eagle3.from_pretrained("someorg/a-head")
+    assert torch.equal(loaded.fc.weight, draft.fc.weight)
+
+
+def model_for_heads():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--max-new-tokens", "-1"], "--max-new-tokens: -1: a whole number >= 1"),
+    (["train", "medusa", "--out", "x", "--heads", "0"], "--heads: 0: a whole number >= 1"),
+    (["train", "eagle3", "--out", "x", "--steps", "-1"], "--steps: -1: a whole number >= 1"),
+    (["export", "x.onnx", "--batch", "0"], "--batch: 0: a whole number >= 1"),
+    (["bench", "acceptance", "--questions", "many"], "--questions: 'many': a whole number >= 1"),
+])
+def test_the_cli_refuses_nonsense_numbers(argv, message, capsys):
+    from specgraph.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

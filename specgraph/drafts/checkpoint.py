@@ -15,7 +15,7 @@ def read_checkpoint(path: str | Path, weight_files: tuple[str, ...], what: str) 
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{what} checkpoint {str(path)!r} does not exist")
+        path = _from_hub(str(path), what)
     files = [path] if path.is_file() else [path / f for f in weight_files if (path / f).is_file()][:1]
     if not path.is_file():
         files += sorted(path.glob("model-*.safetensors"))
@@ -23,15 +23,38 @@ def read_checkpoint(path: str | Path, weight_files: tuple[str, ...], what: str) 
         raise FileNotFoundError(f"{path}: no {what} weights (looked for {', '.join(weight_files)}, model-*.safetensors)")
     state = {}
     for file in files:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors.torch import load_file
 
-            state.update(load_file(str(file)))
-        else:
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
+                state.update(load_file(str(file)))
+            else:
+                state.update(torch.load(file, map_location="cpu", weights_only=True))
+        except Exception as err:  # a truncated or corrupted file: say which
+            raise ValueError(f"{file}: cannot read {what} weights ({type(err).__name__}: {err}); the file is "
+                             f"damaged or not a weights file: download or save it again") from err
     config_file = (path if path.is_dir() else path.parent) / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file}: not valid JSON ({err})") from err
     return state, config
+
+
+def _from_hub(name: str, what: str) -> Path:
+    """A hub id ("org/name") -> its local snapshot (config and weights only), through huggingface_hub."""
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or name.startswith((".", "~")):
+        raise FileNotFoundError(f"{what} checkpoint {name!r} does not exist (a local directory or file, or a hub "
+                                f"id like 'org/name')")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=name, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+    except Exception as err:  # offline, unknown repository, no access: one clear message
+        raise FileNotFoundError(f"{what} checkpoint {name!r}: not a local path, and the hub id could not be fetched "
+                                f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); download it where "
+                                f"there is a network, or pass the local directory") from err
 
 
 def write_checkpoint(path: str | Path, state: dict, config: dict, weights: str = "model.safetensors",

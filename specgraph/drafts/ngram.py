@@ -26,6 +26,10 @@ class NGram:
     kind = "ngram"
 
     def __post_init__(self):
+        bad = [f"{name}={value!r}" for name, value in (("max_ngram", self.max_ngram), ("min_ngram", self.min_ngram))
+               if not isinstance(value, int) or isinstance(value, bool)]
+        if bad:
+            raise TypeError(f"NGram({', '.join(bad)}): whole numbers of tokens")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"NGram(min_ngram={self.min_ngram}, max_ngram={self.max_ngram}): need 1 <= min <= max")
 

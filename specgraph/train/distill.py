@@ -274,6 +274,9 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
 def main(argv: list[str] | None = None) -> int:
     """``python -m specgraph.train.distill``: see the module docstring. Exit status 3: out of time
     (what is done is saved; run the same command again to continue)."""
+    from ..cli import _load_target, whole_number
+
+    _positive = whole_number(1)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (resumes from its state files)")
@@ -292,8 +295,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=_positive, default=8, help="tokenizer processes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from ..cli import _load_target
-
     deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -309,13 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     done = len(summary["variants"]) == len(config.temperatures) and all(
         s["finished"] for s in summary["variants"].values())
     return 0 if done else 3
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: a whole number >= 1")
-    return value
 
 
 if __name__ == "__main__":
