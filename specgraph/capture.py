@@ -36,6 +36,9 @@ from .kernels.bitmask import MAX_NODES
 from .passes.fuse_projections import pack_projections
 
 
+ALIBI_MODEL_TYPES = ("bloom",)  # ALiBi built into the architecture, no config flag to read
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What the passes need to know about the target, read from its config."""
@@ -64,6 +67,18 @@ class TargetInfo:
             if value not in (None, False, "rope", "rotary"):
                 blockers.append(f"config.{flag}={value!r}: attention with logit soft-capping, ALiBi or absolute-"
                                 f"position variants is not tree_attention's contract")
+        if getattr(config, "model_type", None) in ALIBI_MODEL_TYPES:
+            blockers.append(f"model_type={config.model_type!r} biases attention by position (ALiBi) without a config "
+                            f"flag: not tree_attention's contract")
+        if hasattr(model, "can_generate") and not model.can_generate():
+            blockers.append(f"{type(model).__name__} is not a generative causal LM (model.can_generate() is False); "
+                            f"load it with AutoModelForCausalLM")
+        else:
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            paths = [name for name, module in model.named_modules() if head is not None and module is head]
+            if not isinstance(head, torch.nn.Linear) or not any(p.split(".")[-1] == "lm_head" for p in paths):
+                blockers.append(f"the LM head is {paths[0] if paths else type(head).__name__!r}: the passes find the "
+                                f"vocabulary projection as a Linear module named 'lm_head' (a causal LM's layout)")
         if getattr(config, "kv_lora_rank", None):
             blockers.append(f"config.kv_lora_rank={config.kv_lora_rank}: multi-head latent attention (DeepSeek-V2/V3) "
                             f"caches keys and values of different widths; tree_attention's cache has one head_dim")
@@ -79,8 +94,11 @@ class TargetInfo:
         if blockers:
             raise CompileError(f"cannot capture {type(model).__name__}", blockers)
         heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+            kv_heads = 1  # Falcon's multi-query layout: one K/V head, whatever its num_kv_heads field says
         return cls(
-            num_layers=layers, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab_size=config.vocab_size,
             layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
             dtype=next(model.parameters()).dtype,

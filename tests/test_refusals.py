@@ -138,3 +138,41 @@ def test_generation_settings_that_would_change_the_output_are_named():
     on = GenerationConfig(repetition_penalty=1.2, forced_bos_token_id=0, suppress_tokens=[7])
     assert unsupported_arguments({"num_beams": 2, "logits_processor": []}, on) == [
         "logits_processor=[]", "forced_bos_token_id=0", "num_beams=2", "repetition_penalty=1.2", "suppress_tokens=[7]"]
+
+
+def _tiny(cls_name: str, config_name: str, **fields):
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(getattr(transformers, config_name)(vocab_size=101, hidden_size=32,
+                                                                             **fields)).eval()
+    return model
+
+
+@pytest.mark.parametrize("cls_name, config_name, fields, message", [
+    ("BertLMHeadModel", "BertConfig", dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                            is_decoder=True), "the LM head is 'cls.predictions.decoder'"),
+    ("BertForMaskedLM", "BertConfig", dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
+     "not a generative causal LM"),
+    ("BloomForCausalLM", "BloomConfig", dict(n_layer=2, n_head=2), "model_type='bloom' biases attention"),
+])
+def test_models_the_step_cannot_express_are_refused_at_compile(cls_name, config_name, fields, message):
+    """They used to pass compile and fail inside the first generate."""
+    import specgraph
+
+    with pytest.raises(CompileError, match=message):
+        specgraph.compile(_tiny(cls_name, config_name, **fields), specgraph.drafts.NGram(), tree=specgraph.Chain(2),
+                          max_length=64)
+
+
+@pytest.mark.parametrize("fields", [dict(multi_query=True, new_decoder_architecture=False),
+                                    dict(num_kv_heads=2, new_decoder_architecture=True)], ids=["multi-query", "gqa"])
+def test_falcon_kv_heads_are_read_from_its_own_fields(fields):
+    """Falcon's multi-query layout has one K/V head whatever its num_kv_heads says: token-exact with generate."""
+    import specgraph
+
+    model = _tiny("FalconForCausalLM", "FalconConfig", num_hidden_layers=2, num_attention_heads=4, **fields)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(2), max_length=64)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6]])
+    want = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, max_new_tokens=12, eos_token_id=None), want)
