@@ -15,7 +15,7 @@ from .errors import CompileError
 from .drafts.layer import fuse_projections as fuse_draft_projections
 from .drafts.ngram import NGram
 from .fast_paths import draft_fast_paths
-from .runtime.generate import Sampling, speculative_generate
+from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree
 
@@ -208,9 +208,11 @@ def _storage(*modules) -> tuple:
 @dataclass
 class SpecGenerateOutput(GenerateDecoderOnlyOutput):
     """What ``generate(..., return_dict_in_generate=True)`` returns: transformers' output
-    (``out.sequences``, ``out["sequences"]``) plus ``accept_lens`` [steps][B]."""
+    (``out.sequences``, ``out["sequences"]``) plus ``accept_lens`` [steps][B] and ``acceptance``
+    (``AcceptanceStats``: τ, per-position rates)."""
 
     accept_lens: list | None = None
+    acceptance: AcceptanceStats | None = None
 
 
 class SpecModel:
@@ -232,6 +234,7 @@ class SpecModel:
                 self.modes["chain"] = (draft, chain)
             self.modes["plain"] = (_PLAIN, Chain(0))
         self.policy = MeasuredPolicy(modes=tuple(self.modes)) if config.policy == "measured" else None
+        self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
@@ -301,13 +304,14 @@ class SpecModel:
                                           synthetic_accept=self.config.synthetic_accept)
             if self.policy:  # every row's tokens were read back: the device work is done
                 self.policy.record(b, mode, time.perf_counter() - start, sum(map(len, result.sequences)))
+            self.last_stats = AcceptanceStats.of(result, tree.max_depth)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):
             new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
         sequences = torch.cat([input_ids, new], 1)
         if kwargs.get("return_dict_in_generate"):
-            return SpecGenerateOutput(sequences=sequences, accept_lens=result.accept_lens)
+            return SpecGenerateOutput(sequences=sequences, accept_lens=result.accept_lens, acceptance=self.last_stats)
         return sequences
 
     def export(self, path, format: str = "onnx", batch: int = 1):

@@ -195,3 +195,16 @@ def test_the_cli_refuses_nonsense_numbers(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_acceptance_statistics_of_the_last_call_match_its_accept_lens(model, spec):
+    rows = prompts(13, [9, 14])
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, return_dict_in_generate=True)
+    stats = out.acceptance
+    assert stats is spec.last_stats
+    lens = [n for step in out.accept_lens for n in step if n > 0]
+    assert stats.steps == len(lens) and stats.tokens == 40 and stats.tau == pytest.approx(40 / len(lens))
+    assert stats.accepted_hist == tuple(sum(min(n - 1, 3) == k for n in lens) for k in range(4))
+    assert stats.position_rate[0] == pytest.approx(sum(n >= 2 for n in lens) / len(lens))
+    assert stats.tau > 1  # the repeated prompt (row 1) makes the n-gram draft pay

@@ -32,6 +32,32 @@ class GenerateResult:
     accept_lens: list[list[int]] = field(default_factory=list)  # per step, per row: tokens committed
 
 
+@dataclass(frozen=True)
+class AcceptanceStats:
+    """How much one generate call's speculation bought, over all rows. ``tau``: tokens emitted per
+    target verify step (the bonus token included; 1.0 = no draft token accepted); ``position_rate[k]``:
+    the share of steps whose (k+1)-th drafted token was accepted; ``accepted_hist[k]``: steps that
+    accepted exactly k drafted tokens."""
+
+    steps: int
+    tokens: int
+    tau: float
+    accepted_hist: tuple[int, ...]
+    position_rate: tuple[float, ...]
+
+    @classmethod
+    def of(cls, result: GenerateResult, depth: int) -> "AcceptanceStats":
+        hist = [0] * (depth + 1)
+        for step in result.accept_lens:
+            for n in step:
+                if n > 0:  # 0: the row had finished
+                    hist[min(n - 1, depth)] += 1
+        steps = sum(hist)
+        reached = [sum(hist[k:]) for k in range(depth + 1)]
+        return cls(steps, sum(map(len, result.sequences)), sum(map(len, result.sequences)) / max(steps, 1),
+                   tuple(hist), tuple(reached[k + 1] / max(steps, 1) for k in range(depth)))
+
+
 def _chain_mask(n: int, device) -> torch.Tensor:
     return torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(n)], device=device)
 
