@@ -107,9 +107,13 @@ def decomposed_program(capture, tree, batch: int):
 
 def export_onnx(capture, tree, path: str | Path, batch: int = 1) -> Path:
     """Write the (batch, tree.num_nodes) verify step of ``capture``'s target to ``path`` (.onnx)."""
-    path = Path(path)
+    path = _writable(Path(path))
+    try:
+        import onnxscript  # noqa: F401  (torch.onnx's exporter needs it; say so before seconds of work)
+    except ImportError:
+        raise ModuleNotFoundError("spec.export(format='onnx') needs onnx and onnxscript: "
+                                  "pip install 'specgraph[export]'") from None
     module, program, _ = decomposed_program(capture, tree, batch)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch.onnx.export(program, (), str(path), dynamo=True, opset_version=ONNX_OPSET, input_names=list(INPUTS),
                           output_names=list(OUTPUTS), external_data=_large(module), verbose=False)
@@ -130,6 +134,22 @@ def export_tensorrt(capture, tree, path: str | Path, batch: int = 1) -> Path:
         engine = torch_tensorrt.dynamo.compile(program, inputs=list(inputs))
     torch_tensorrt.save(engine, str(path), inputs=list(inputs))
     return Path(path)
+
+
+def _writable(path: Path) -> Path:
+    """``path`` checked before any work: a file name (not a directory) in a folder we can write."""
+    if path.is_dir():
+        raise IsADirectoryError(f"export path {str(path)!r} is a directory: name the .onnx file, e.g. {path / 'step.onnx'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "ab"):  # opened for writing, nothing written
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as err:
+        raise PermissionError(f"export path {str(path)!r} cannot be written ({err.strerror}): choose another") from err
+    return path
 
 
 def _large(module: torch.nn.Module) -> bool:

@@ -61,3 +61,32 @@ def test_export_refuses_what_it_cannot_do(tmp_path):
     except ImportError:
         with pytest.raises(RuntimeError, match="torch-tensorrt .* not installed.*format='onnx'"):
             spec.export(tmp_path / "x.engine", format="tensorrt")
+
+
+def test_export_checks_its_path_and_its_extra_before_any_work(tmp_path, monkeypatch):
+    import builtins
+
+    import specgraph.export
+
+    spec = specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_length=64)
+    with pytest.raises(IsADirectoryError, match="is a directory: name the .onnx file"):
+        spec.export(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(PermissionError, match="cannot be written"):
+        spec.export(blocker / "step.onnx")  # its folder is a file
+    real_import = builtins.__import__
+
+    def no_onnxscript(name, *args, **kwargs):
+        if name == "onnxscript":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the step was captured before the checks")
+
+    monkeypatch.setattr(specgraph.export, "decomposed_program", no_work)
+    monkeypatch.setattr(builtins, "__import__", no_onnxscript)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'specgraph\[export\]'"):
+        spec.export(tmp_path / "step.onnx")
+    assert not (tmp_path / "step.onnx").exists()
