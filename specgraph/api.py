@@ -301,7 +301,8 @@ class SpecModel:
             result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
                                           self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,
                                           compiled=self.config.backend == "inductor",
-                                          synthetic_accept=self.config.synthetic_accept)
+                                          synthetic_accept=self.config.synthetic_accept,
+                                          padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)])
             if self.policy:  # every row's tokens were read back: the device work is done
                 self.policy.record(b, mode, time.perf_counter() - start, sum(map(len, result.sequences)))
             self.last_stats = AcceptanceStats.of(result, tree.max_depth)

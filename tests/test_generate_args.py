@@ -208,3 +208,17 @@ def test_acceptance_statistics_of_the_last_call_match_its_accept_lens(model, spe
     assert stats.accepted_hist == tuple(sum(min(n - 1, 3) == k for n in lens) for k in range(4))
     assert stats.position_rate[0] == pytest.approx(sum(n >= 2 for n in lens) / len(lens))
     assert stats.tau > 1  # the repeated prompt (row 1) makes the n-gram draft pay
+
+
+def test_stopping_criteria_see_each_row_with_its_left_padding(model, spec):
+    """MaxLengthCriteria counts the padded batch's width, as in model.generate: every row stops at the
+    same total length, the short prompt's row too."""
+    from transformers import MaxLengthCriteria, StoppingCriteriaList
+
+    rows = prompts(17, [4, 10])
+    ids, mask = left_pad(rows)
+    stop = StoppingCriteriaList([MaxLengthCriteria(max_length=ids.shape[1] + 5)])
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, stopping_criteria=stop)
+    hf = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, do_sample=False,
+                        pad_token_id=0, stopping_criteria=stop)
+    assert torch.equal(out, hf) and out.shape[1] == ids.shape[1] + 5

@@ -250,7 +250,8 @@ class _Readback:
 def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                          eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
                          stopping_criteria=None, streamer=None, compiled: bool = False,
-                         synthetic_accept: int | None = None) -> GenerateResult:
+                         synthetic_accept: int | None = None, padding: list[list[int]] | None = None
+                         ) -> GenerateResult:
     """Speculative decoding of ``prompts`` over ``tree``: greedy (token-exact), or with
     ``sampling`` exact in distribution (the drafts are deterministic, so each node
     draws its own target sample and a draft is accepted iff it equals its
@@ -272,6 +273,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
+    padding = padding or [[] for _ in prompts]
     session, run, propose, _ = decode_step(capture, draft, tree, b, max_length, sampling, compiled, synthetic_accept)
     cache_len, features = prefill(capture, prompts, device, session.taps)
     session.prefill(prompts, features)
@@ -310,8 +312,8 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
                 if streamer is not None:
                     streamer.put(torch.tensor([token]))
                 stop = token in eos_token_ids or len(generated[row]) >= max_new_tokens
-                if not stop and stopping_criteria is not None:
-                    stop = bool(stopping_criteria(torch.tensor([sequences[row]]), None).any())
+                if not stop and stopping_criteria is not None:  # the row as model.generate shows it: padding first
+                    stop = bool(stopping_criteria(torch.tensor([padding[row] + sequences[row]]), None).any())
                 if stop:
                     done[row] = True
                     active[row] = False  # seen from the next step launched (the one ahead, if any, runs on)
