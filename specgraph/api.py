@@ -271,8 +271,11 @@ class SpecModel:
         given_pad = token_ids(kwargs.get("pad_token_id", gen.pad_token_id), "pad_token_id")
         if len(given_pad) > 1:
             raise ValueError(f"pad_token_id={given_pad}: one token id")
-        if attention_mask is None and given_pad and given_pad[0] not in eos_list and bool((input_ids == given_pad[0]).any()):
-            attention_mask = input_ids.ne(given_pad[0]).long()  # model.generate infers the mask the same way
+        if attention_mask is None and given_pad and given_pad[0] not in eos_list:
+            inferred = input_ids.ne(given_pad[0]).long()  # model.generate infers the mask from the pad id too
+            # only as left padding: a pad id inside a prompt (a chat template's end-of-turn, say) is a token
+            if not bool(inferred.all()) and bool((inferred[:, 1:] >= inferred[:, :-1]).all()):
+                attention_mask = inferred
         prompts = _strip_left_padding(input_ids, attention_mask)
         max_new = max_new_tokens(kwargs, gen, t)
         eos = set(eos_list)
