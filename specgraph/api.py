@@ -23,7 +23,7 @@ BACKENDS = ("auto", "eager", "inductor")  # "tensorrt" arrives with the compiled
 log = logging.getLogger("specgraph")
 _PLAIN = NGram()  # plain decoding: an n-gram session whose trees are the root alone (Chain(0))
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
-                 "do_sample", "temperature", "top_k", "top_p", "generation_config", "return_dict_in_generate",
+                 "do_sample", "temperature", "top_k", "top_p", "min_p", "generation_config", "return_dict_in_generate",
                  "stopping_criteria", "streamer", "use_cache"}  # use_cache: speculation always keeps its cache
 
 
@@ -32,7 +32,7 @@ GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", 
 UNSUPPORTED_CONFIG = ("bad_words_ids", "begin_suppress_tokens", "constraints", "diversity_penalty", "dola_layers",
                       "epsilon_cutoff", "eta_cutoff", "exponential_decay_length_penalty", "force_words_ids",
                       "forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "max_time", "min_length",
-                      "min_new_tokens", "min_p", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
+                      "min_new_tokens", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
                       "num_return_sequences", "output_attentions", "output_hidden_states", "output_logits",
                       "output_scores", "penalty_alpha", "renormalize_logits", "repetition_penalty", "sequence_bias",
                       "stop_strings", "suppress_tokens", "token_healing", "top_h", "typical_p", "watermarking_config",
@@ -340,6 +340,7 @@ def _sampling(kwargs: dict, gen) -> Sampling | None:
     pick = lambda name, default: kwargs[name] if kwargs.get(name) is not None else (  # noqa: E731
         getattr(gen, name, None) if getattr(gen, name, None) is not None else default)
     temperature, top_k, top_p = pick("temperature", 1.0), pick("top_k", 50), pick("top_p", 1.0)
+    min_p = pick("min_p", 0.0)
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature={temperature!r} with do_sample=True: a finite number > 0 (do_sample=False "
                          f"for greedy)")
@@ -347,7 +348,9 @@ def _sampling(kwargs: dict, gen) -> Sampling | None:
         raise ValueError(f"top_k={top_k!r}: a whole number >= 0 (0: no top-k filter)")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r}: a number in (0, 1] (1: no top-p filter)")
-    return Sampling(float(temperature), top_k, float(top_p))
+    if not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p!r}: a number in [0, 1] (0: no min-p filter)")
+    return Sampling(float(temperature), top_k, float(top_p), float(min_p))
 
 
 def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

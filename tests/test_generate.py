@@ -184,8 +184,8 @@ def _small_vocab_model():
     return model
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=0), dict(temperature=0.7, top_k=5, top_p=0.9)],
-                         ids=["plain", "filtered"])
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=0), dict(temperature=0.7, top_k=5, top_p=0.9),
+                                    dict(temperature=1.0, top_k=0, min_p=0.2)], ids=["plain", "filtered", "min_p"])
 def test_sampling_matches_plain_sampling_in_distribution(params):
     """Per position, speculative and plain sampling give the same token distribution (chi-square)."""
     model = _small_vocab_model()

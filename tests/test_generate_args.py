@@ -85,6 +85,7 @@ def test_hfs_default_length_applies_when_none_is_given(model, spec):
     (dict(max_new_tokens=4, do_sample=True, temperature=0.0), "temperature=0.0"),
     (dict(max_new_tokens=4, do_sample=True, top_k=-5), "top_k=-5"),
     (dict(max_new_tokens=4, do_sample=True, top_p=1.5), "top_p=1.5"),
+    (dict(max_new_tokens=4, do_sample=True, min_p=-0.1), "min_p=-0.1"),
 ])
 def test_settings_model_generate_refuses_are_refused(spec, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

@@ -86,14 +86,17 @@ def test_verify_errors_name_the_argument():
 
 
 # ----------------------------------------------------------------------------- sampling parameters
-def _hf_warped(logits, temperature, top_k, top_p):
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+def _hf_warped(logits, temperature, top_k, top_p, min_p=0.0):
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
 
     x = TemperatureLogitsWarper(temperature)(None, logits)
     if top_k > 0:
         x = TopKLogitsWarper(top_k)(None, x)
     if top_p < 1.0:
         x = TopPLogitsWarper(top_p)(None, x)
+    if min_p > 0:
+        x = MinPLogitsWarper(min_p)(None, x)
     return x.softmax(-1)
 
 
@@ -106,12 +109,14 @@ def test_sampling_probs_match_transformers_warpers(data):
     temperature = [data.draw(st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5])) for _ in range(b)]
     top_k = [data.draw(st.sampled_from([0, 1, 2, 5, v, v + 3])) for _ in range(b)]
     top_p = [data.draw(st.sampled_from([1.0, 0.95, 0.8, 0.5, 0.1])) for _ in range(b)]
-    probs = sampling_probs(logits, torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p))
+    min_p = [data.draw(st.sampled_from([0.0, 0.05, 0.2, 0.6, 1.0])) for _ in range(b)]
+    probs = sampling_probs(logits, torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p),
+                           torch.tensor(min_p))
     for row in range(b):
         if temperature[row] == 0:
             want = torch.nn.functional.one_hot(logits[row].argmax(-1), v).float()
         else:
-            want = _hf_warped(logits[row], temperature[row], top_k[row], top_p[row])
+            want = _hf_warped(logits[row], temperature[row], top_k[row], top_p[row], min_p[row])
         torch.testing.assert_close(probs[row], want, atol=1e-6, rtol=1e-5)
 
 

@@ -251,13 +251,14 @@ def _cumsum_in_blocks(x: torch.Tensor) -> torch.Tensor:
     return (within + before.unsqueeze(-1)).flatten(-2)[..., :v]
 
 
-def sampling_probs(logits, temperature, top_k=None, top_p=None) -> torch.Tensor:
-    """Per-row target distribution after temperature, top-k, then top-p.
+def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """Per-row target distribution after temperature, top-k, top-p, then min-p.
 
-    logits: [B, N, V]; temperature, top_k, top_p: [B] (or scalars).
-    temperature <= 0 means greedy (one-hot argmax); top_k <= 0 and top_p >= 1
-    disable their filter. Semantics match transformers' Temperature, TopK and
-    TopP logits warpers applied in that order. returns float32 [B, N, V].
+    logits: [B, N, V]; temperature, top_k, top_p, min_p: [B] (or scalars).
+    temperature <= 0 means greedy (one-hot argmax); top_k <= 0, top_p >= 1 and
+    min_p <= 0 disable their filter. Semantics match transformers' Temperature,
+    TopK, TopP and MinP logits warpers applied in that order (its generate's
+    order). returns float32 [B, N, V].
     """
     b, _, v = logits.shape
 
@@ -278,6 +279,9 @@ def sampling_probs(logits, temperature, top_k=None, top_p=None) -> torch.Tensor:
         drop = cumulative <= 1 - p
         drop[..., -1] = False  # always keep the most likely token
         x = torch.where(drop.scatter(-1, order, drop), float("-inf"), x)
+    if min_p is not None:  # tokens less likely than min_p times the most likely one go
+        probs = x.softmax(-1)
+        x = torch.where(probs < per_row(min_p, torch.float32) * probs.amax(-1, keepdim=True), float("-inf"), x)
     probs = x.softmax(-1)
     one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)

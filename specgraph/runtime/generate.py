@@ -112,6 +112,7 @@ class Sampling:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
 
 def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None, compiled: bool,

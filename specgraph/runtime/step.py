@@ -58,7 +58,8 @@ class DecodeStep:
         self.sampling = None
         if sampling is not None:
             self.sampling = {name: torch.zeros((), dtype=dtype, device=capture.kv_device) for name, dtype in
-                             (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32))}
+                             (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
+                              ("min_p", torch.float32))}
             self.set_sampling(sampling)
         self.synthetic_accept = synthetic_accept
         self.argmax_chunk = argmax_chunk()
@@ -68,7 +69,7 @@ class DecodeStep:
         self.proposes_on_device = getattr(session, "proposes_on_device", False)
 
     def set_sampling(self, sampling) -> None:
-        """Use ``sampling``'s temperature, top_k and top_p from the next step on (in place)."""
+        """Use ``sampling``'s temperature, top_k, top_p and min_p from the next step on (in place)."""
         for name, value in self.sampling.items():
             value.fill_(getattr(sampling, name))
 
