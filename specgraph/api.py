@@ -22,9 +22,10 @@ from .trees import Chain, DynamicTree, StaticTree
 BACKENDS = ("auto", "eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
 log = logging.getLogger("specgraph")
 _PLAIN = NGram()  # plain decoding: an n-gram session whose trees are the root alone (Chain(0))
+# use_cache is accepted and ignored: speculation always keeps its cache
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
                  "do_sample", "temperature", "top_k", "top_p", "min_p", "generation_config", "return_dict_in_generate",
-                 "stopping_criteria", "streamer", "use_cache"}  # use_cache: speculation always keeps its cache
+                 "stopping_criteria", "stop_strings", "tokenizer", "streamer", "use_cache"}
 
 
 # generation_config fields that change what generate returns and that the speculative path does not
@@ -35,7 +36,7 @@ UNSUPPORTED_CONFIG = ("bad_words_ids", "begin_suppress_tokens", "constraints", "
                       "min_new_tokens", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
                       "num_return_sequences", "output_attentions", "output_hidden_states", "output_logits",
                       "output_scores", "penalty_alpha", "renormalize_logits", "repetition_penalty", "sequence_bias",
-                      "stop_strings", "suppress_tokens", "token_healing", "top_h", "typical_p", "watermarking_config",
+                      "suppress_tokens", "token_healing", "top_h", "typical_p", "watermarking_config",
                       "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "remove_invalid_values")
 
 
@@ -297,12 +298,13 @@ class SpecModel:
                 raise ValueError("synthetic_accept (benchmarks only) is greedy only: pass do_sample=False")
             warnings.warn(f"synthetic_accept={self.config.synthetic_accept}: acceptance is forced for benchmarking; "
                           f"the output is NOT the model's", stacklevel=2)
+        stopping = _stopping_criteria(kwargs, gen)
         with self.capture.lock:  # SpecModels of one model share its caches: one call at a time
             mode = self.policy.choose(b) if self.policy else "tree"
             draft, tree = self.modes[mode]
             start = time.perf_counter()
             result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
-                                          self.config.max_length, sampling, kwargs.get("stopping_criteria"), streamer,
+                                          self.config.max_length, sampling, stopping, streamer,
                                           compiled=self.config.backend == "inductor",
                                           synthetic_accept=self.config.synthetic_accept,
                                           padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)])
@@ -330,6 +332,22 @@ class SpecModel:
         if not isinstance(batch, int) or not 1 <= batch <= self.config.max_batch:
             raise ValueError(f"batch={batch!r}: an int in 1 .. max_batch={self.config.max_batch}")
         return exporters[format](self.capture, self.config.tree, path, batch)
+
+
+def _stopping_criteria(kwargs: dict, gen):
+    """The call's stopping criteria, with ``stop_strings`` as transformers' StopStringCriteria (which,
+    as in model.generate, needs ``tokenizer=``)."""
+    criteria = kwargs.get("stopping_criteria")
+    stop_strings = kwargs.get("stop_strings") or getattr(gen, "stop_strings", None)
+    if not stop_strings:
+        return criteria
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer too: generate(..., stop_strings=..., tokenizer=tokenizer), "
+                         "as model.generate asks")
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    return StoppingCriteriaList([*(criteria or []), StopStringCriteria(tokenizer, stop_strings)])
 
 
 def _sampling(kwargs: dict, gen) -> Sampling | None:

@@ -223,3 +223,23 @@ def test_stopping_criteria_see_each_row_with_its_left_padding(model, spec):
     hf = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, do_sample=False,
                         pad_token_id=0, stopping_criteria=stop)
     assert torch.equal(out, hf) and out.shape[1] == ids.shape[1] + 5
+
+
+@pytest.mark.model
+def test_stop_strings_stop_where_model_generate_stops():
+    from capture_harness import tiny_target_for
+    from specgraph.models import load_gguf
+
+    _, tokenizer = load_gguf()
+    model = tiny_target_for(tokenizer)
+    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_length=128)
+    ids = tokenizer("The list: one, two, three", return_tensors="pt").input_ids
+    free = spec.generate(ids, max_new_tokens=24, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    stop = tokenizer.decode(free[8:10])  # a string the answer reaches in its 10th token
+    assert stop.strip()
+    kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0, stop_strings=[stop], tokenizer=tokenizer)
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kw)
+    got = spec.generate(ids, **kw)
+    assert torch.equal(got, want) and got.shape[1] - ids.shape[1] <= 10
+    with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
+        spec.generate(ids, max_new_tokens=4, stop_strings=["x"])
