@@ -121,7 +121,7 @@ def resolve_backend(backend: str, model) -> str:
         return backend
     on_cuda = next(model.parameters()).device.type == "cuda"
     chosen = "inductor" if on_cuda else "eager"
-    log.info("specgraph: backend 'auto' -> %r%s", chosen, " (each batch size's first generate compiles its "
+    log.info("backend 'auto' -> %r%s", chosen, " (each batch size's first generate compiles its "
              "step once, about a minute)" if on_cuda else " (the model is not on CUDA)")
     return chosen
 

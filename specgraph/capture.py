@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ from .kernels.bitmask import MAX_NODES
 from .passes.fuse_projections import pack_projections
 
 
+log = logging.getLogger(__name__)
 ALIBI_MODEL_TYPES = ("bloom",)  # ALiBi built into the architecture, no config flag to read
 
 
@@ -276,12 +279,16 @@ class Capture:
     def step(self, batch: int, nodes: int, taps=None, logits_rows: tuple[int, int] | None = None) -> CapturedStep:
         key = (batch, nodes, taps, logits_rows)
         if key not in self._steps:
+            start = time.perf_counter()
+            log.info("capturing %s for batch %d, %d tree rows (torch.export and the passes) ...",
+                     type(self.model).__name__, batch, nodes)
             step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug,
                                 taps, logits_rows)
             self._kv.setdefault(batch, step.kv)
             if self.backend == "inductor":
                 step.run = torch.compile(step.graph, backend="inductor", fullgraph=True, dynamic=False)
             self._steps[key] = step
+            log.info("captured in %.1f s", time.perf_counter() - start)
         return self._steps[key]
 
     def kv(self, batch: int) -> torch.Tensor:

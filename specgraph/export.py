@@ -26,6 +26,7 @@ custom op as an ``auto_functionalized`` node that no decomposition removes).
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import torch
@@ -36,6 +37,8 @@ from .kernels.compact_kv import compact_kv_reference
 from .kernels.kv_write import kv_write_reference
 from .kernels.tree_attention_write import tree_attention_write_reference
 from .kernels.verify import verify_greedy
+
+log = logging.getLogger(__name__)
 
 ONNX_OPSET = 20
 INPUTS = ("input_ids", "positions", "cache_len", "tree_mask", "parents", "kv")
@@ -113,6 +116,7 @@ def export_onnx(capture, tree, path: str | Path, batch: int = 1) -> Path:
     except ImportError:
         raise ModuleNotFoundError("spec.export(format='onnx') needs onnx and onnxscript: "
                                   "pip install 'specgraph[export]'") from None
+    log.info("exporting the verify step (batch %d, %d nodes) to %s ...", batch, tree.num_nodes, path)
     module, program, _ = decomposed_program(capture, tree, batch)
     with torch.no_grad():
         torch.onnx.export(program, (), str(path), dynamo=True, opset_version=ONNX_OPSET, input_names=list(INPUTS),

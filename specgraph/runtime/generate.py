@@ -11,6 +11,7 @@ row yields the first new token).
 """
 from __future__ import annotations
 
+import logging
 import os
 import types
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ import torch
 
 from .graphed import GraphedCall, StaticStep
 from .step import DecodeStep, features_of
+
+log = logging.getLogger(__name__)
 
 # prefill chunk: as wide as tree attention goes (64 rows; a chain mask of 64 bits): each chunk reads
 # every weight once, so the widest chunk means the fewest passes over a long prompt
@@ -132,6 +135,9 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
         if sampling is not None:
             bucket.step.set_sampling(sampling)
         return bucket
+    if compiled:  # the first call of the bucket compiles it: say so, it is the one slow call
+        log.info("the decode step for batch %d, %s compiles on its first call (about a minute on a GPU; "
+                 "inductor's cache makes later processes faster)", batch, tree)
     session = draft.session(tree, batch, max_length, device)
     if whole_step and hasattr(session, "compile_host_work"):  # e.g. the EAGLE drafts' pass over the prompt
         # compiled, over static inputs, and on CUDA recorded as a graph like the target's prefill chunks
