@@ -259,8 +259,8 @@ class SpecModel:
             raise TypeError(f"input_ids: a [B, T] tensor of integer token ids (e.g. tokenizer(..., return_tensors='pt')"
                             f".input_ids); got {type(input_ids).__name__}"
                             f"{'' if not torch.is_tensor(input_ids) else ' of ' + str(input_ids.dtype)}")
-        if input_ids.dim() != 2 or input_ids.shape[0] == 0:
-            raise ValueError(f"input_ids must be [B, T] with B >= 1; got {tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with B >= 1 rows of T >= 1 tokens; got {tuple(input_ids.shape)}")
         vocab = self.model.config.get_text_config().vocab_size
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"input_ids hold ids outside the vocabulary 0 .. {vocab - 1} "

@@ -100,8 +100,13 @@ def _load_target(name: str | None, tokenizer: bool = True):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(name) if tokenizer else None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
+            tokenizer = AutoTokenizer.from_pretrained(name) if tokenizer else None
+        except OSError as err:  # offline, no such repository or directory: one line naming the target
+            raise SystemExit(f"specgraph: the target {name!r} is not a .gguf file or a model directory here, and "
+                             f"transformers could not fetch it as a hub id ({str(err).splitlines()[0][:200]}); "
+                             f"download it where there is a network, or pass a local path") from None
     model.config._attn_implementation = "sdpa"
     return model, tokenizer
 

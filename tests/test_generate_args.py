@@ -243,3 +243,26 @@ def test_stop_strings_stop_where_model_generate_stops():
     assert torch.equal(got, want) and got.shape[1] - ids.shape[1] <= 10
     with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
         spec.generate(ids, max_new_tokens=4, stop_strings=["x"])
+
+
+def test_incomplete_heads_empty_prompts_and_unknown_targets_get_clear_errors(model, spec, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from specgraph.cli import main
+    from specgraph.drafts import Medusa
+
+    Medusa(16, 50, num_heads=3).save_pretrained(tmp_path / "medusa")
+    weights = tmp_path / "medusa" / "medusa_lm_head.safetensors"
+    save_file({k: v for k, v in load_file(str(weights)).items() if not k.startswith("1.")}, str(weights))
+    with pytest.raises(ValueError, match=r"Medusa heads \[1\] are missing \(found heads \[0, 2\]\)"):
+        Medusa.from_pretrained(tmp_path / "medusa")
+    with pytest.raises(ValueError, match="rows of T >= 1 tokens; got \\(1, 0\\)"):
+        spec.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    import transformers
+
+    def offline(name, **kwargs):  # what transformers raises without a network (none is reached in tests)
+        raise OSError(f"We couldn't connect to the hub to load {name}.\nmore")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
+    with pytest.raises(SystemExit, match="the target 'someorg/no-such-model' is not a .gguf file or a model directory"):
+        main(["inspect", "someorg/no-such-model"])

@@ -102,9 +102,13 @@ class Medusa(nn.Module):
         state, config = read_checkpoint(path, WEIGHT_FILES, "Medusa")
         layout = _normalise(state)
         heads = sorted(layout)
-        if not heads or heads != list(range(len(heads))):
+        if not heads:
             raise ValueError(f"{path}: no Medusa heads found (looked for FasterDecoding, Medusa-2, ModelOpt and vLLM "
                              f"key layouts)")
+        if heads != list(range(len(heads))):
+            missing = sorted(set(range(max(heads) + 1)) - set(heads))
+            raise ValueError(f"{path}: Medusa heads {missing} are missing (found heads {heads}); heads are numbered "
+                             f"from 0 without gaps: the file is incomplete")
         layers = {len(layout[h]["blocks"]) for h in heads}
         own = {layout[h]["lm_head"] is not None for h in heads}
         biases = {b is not None for h in heads for _, b in layout[h]["blocks"]}
