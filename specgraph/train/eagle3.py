@@ -107,23 +107,26 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
             out = model(input_ids=ids, output_hidden_states=True)
             features = tap_states(out.hidden_states, draft.aux_layer_ids, draft.aux_convention)
             target_logits = out.logits  # z_t predicts x_{t+1}
+        b, t = ids.shape
+        flat = target_logits.reshape(b * t, -1)  # row b·T + s: the target's distribution of x_{s+1}
         total, metrics, chain = 0.0, {}, 0
         run = first = None
         for j, hidden in enumerate(ttt_hidden(draft, ids, features, steps)):
-            z = _shift(target_logits, 1 + j)  # the target's distribution of x_{t+2+j}
-            keep = _shift(mask, 2 + j, False)
-            if draft.t2d is not None:
-                keep = keep & draft.t2d[z.argmax(-1)]
-            z = z[keep].float()  # [M, V]
-            if draft.t2d is not None:
-                z = z[:, draft.t2d]
-            logits = draft.draft_logits(hidden[keep]).float()  # [M, V_draft]
+            keep = _shift(mask, 2 + j, False)  # row t of step j predicts x_{t+2+j}: loss where that is an answer token
+            rows, cols = keep.nonzero(as_tuple=True)
+            z = flat[rows * t + cols + 1 + j].float()  # [M, V]: the teacher, for those rows only
+            if draft.t2d is not None:  # a target token outside the draft vocabulary cannot be learnt: no loss
+                inside = draft.t2d[z.argmax(-1)]
+                rows, cols, z = rows[inside], cols[inside], z[inside][:, draft.t2d]
+                keep = torch.zeros_like(keep)
+                keep[rows, cols] = True
+            logits = draft.draft_logits(hidden[rows, cols]).float()  # [M, V_draft]
             per_row = -(torch.softmax(z, -1) * torch.log_softmax(logits, -1)).sum(-1)  # [M]
             count = keep.sum().clamp(min=1)
             total = total + STEP_DECAY ** j * per_row.sum() / count
             with torch.no_grad():
                 hit = torch.zeros_like(keep)
-                hit[keep] = logits.argmax(-1) == z.argmax(-1)
+                hit[rows, cols] = logits.argmax(-1) == z.argmax(-1)
                 metrics[f"acc_step{j}"] = hit.sum() / count
                 run, first = (hit, keep) if j == 0 else (run & hit, first)  # rows still on the chain
                 chain = chain + run.sum()
