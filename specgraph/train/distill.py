@@ -9,7 +9,8 @@ turn by turn over all conversations: the prompt is the chat template of the conv
 ``max_new_tokens``. A conversation ends where its next prompt would exceed ``max_prompt_tokens``.
 Batches always hold ``batch_size`` rows (the last one padded with copies), so the engine compiles
 one prefill and one decode bucket per variant. Each batch is seeded from (seed, variant, turn,
-batch), so a resumed run regenerates exactly what an uninterrupted one would.
+batch index), so a run is reproducible; a run resumed mid-turn batches that turn's remaining
+conversations anew (other batches, other seeds: the same distribution, not the same samples).
 
 Layout of ``DIR``: ``state-{variant}.pt`` (the answers so far, as token ids: what a resumed run
 reads), ``{variant}/shard-NNNNN.safetensors`` (``input_ids`` uint16 or int32 concatenated,
