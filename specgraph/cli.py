@@ -184,7 +184,8 @@ def _bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "acceptance.png")
-    print(f"{report['draft']} {report['tree']}: tau {report['tau']:.2f}, {report['tokens_per_s']:.1f} tok/s, "
+    print(f"{report['draft']} {report['tree']}: tau (tokens per target step) {report['tau']:.2f}, "
+          f"{report['tokens_per_s']:.1f} tok/s, "
           f"per-position {[round(r, 2) for r in report['position_rate']]}; wrote {out}/acceptance.{{json,png}}")
     return 0
 
@@ -431,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=whole_number(1), default=256)
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     bench.add_argument("--batch-size", type=whole_number(1), default=1,
-                       help="questions generated at once (greedy τ unchanged)")
+                       help="questions generated at once (greedy tau unchanged)")
     bench.add_argument("--bf16", action="store_true")
     bench.add_argument("--cpu", action="store_true")
     bench.add_argument("--out", default="acceptance")
