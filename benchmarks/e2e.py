@@ -42,7 +42,7 @@ the script, not for numbers).
 triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
-(SPECGRAPH_EXTRA_PASSES=name: with an experimental pass, when there is one; SPECGRAPH_ARGMAX_CHUNK=0:
+(SPECGRAPH_ARGMAX_CHUNK=0:
 the greedy argmax in one stage, not two of 2048; SPECGRAPH_SKIP_FAST_PATHS=topk,fuse_projections:
 the draft-side fast paths off, specgraph/fast_paths.py; SPECGRAPH_FOLD_ROTARY_ROWS:
 the most rows a step may have for fold_rotary); the JSON records them.

@@ -98,7 +98,6 @@ def run_settings() -> dict:
     """The environment settings a result depends on (passes skipped or added, the argmax's chunk, the draft
     fast paths skipped, fold_rotary's row limits at 64- and 128-dim heads), for the results JSON of every benchmark."""
     return dict(skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
-                extra_passes=os.environ.get("SPECGRAPH_EXTRA_PASSES", ""),
                 argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
                 fold_rotary_rows=dict(head_dim_64=fold_rotary_limit(64), head_dim_128=fold_rotary_limit(128)))
 

@@ -7,7 +7,6 @@ more than one row."""
 
 import pytest
 import torch
-import transformers
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specgraph.capture import Capture
@@ -146,12 +145,6 @@ def assert_same_step(plain, step, ids):
         want, got = plain(ids, positions, cache_len, chain), step(ids, positions, cache_len, chain)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step.kv, plain.kv, atol=1e-6, rtol=1e-6)
-
-
-def test_unknown_extra_pass_is_refused(monkeypatch):
-    monkeypatch.setenv("SPECGRAPH_EXTRA_PASSES", "fold_everything")
-    with pytest.raises(ValueError, match="the experimental passes are none at present"):
-        Capture(tiny_model("llama"), 64).step(1, 1)
 
 
 @pytest.mark.model

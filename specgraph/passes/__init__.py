@@ -5,9 +5,7 @@ Ensures and it asserts its own postcondition. ``PIPELINE`` is the one
 linear sequence ``run_pipeline`` applies. ``SPECGRAPH_DEBUG=1`` (or
 ``debug=True``) prints each pass's counters; ``SPECGRAPH_DUMP=dir`` also
 writes each pass's graph before and after as text. ``SPECGRAPH_SKIP_PASSES=a,b``
-leaves out speed-up passes (``OPTIONAL``), for A/B measurements and bisection;
-``SPECGRAPH_EXTRA_PASSES=a,b`` appends experimental ones (``EXPERIMENTAL``: correct,
-tested, not yet measured faster).
+leaves out speed-up passes (``OPTIONAL``), for A/B measurements and bisection.
 """
 from __future__ import annotations
 
@@ -38,8 +36,6 @@ PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections
             fold_cache_writes, fold_rotary, fold_norms, fold_norms_rows)
 # Passes that only make the graph faster: the graph is correct without them (SPECGRAPH_SKIP_PASSES).
 OPTIONAL = ("fuse_projections", "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows")
-# Speed-up passes that are correct and tested but not measured faster: off unless SPECGRAPH_EXTRA_PASSES.
-EXPERIMENTAL: dict = {}
 
 
 def skipped_passes() -> set[str]:
@@ -51,23 +47,12 @@ def skipped_passes() -> set[str]:
     return names
 
 
-def extra_passes() -> list:
-    """The EXPERIMENTAL passes ``SPECGRAPH_EXTRA_PASSES`` (comma-separated) appends, in its order."""
-    names = [n.strip() for n in os.environ.get("SPECGRAPH_EXTRA_PASSES", "").split(",") if n.strip()]
-    unknown = [n for n in names if n not in EXPERIMENTAL]
-    if unknown:
-        raise ValueError(f"SPECGRAPH_EXTRA_PASSES names {unknown}: the experimental passes are "
-                         f"{', '.join(EXPERIMENTAL) or 'none at present'}")
-    return [EXPERIMENTAL[n] for n in names]
-
-
 def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None = None) -> list[tuple[str, PassResult]]:
-    """Apply PIPELINE, then the passes SPECGRAPH_EXTRA_PASSES names, in order to ``gm`` (in place).
-    Returns each pass's result."""
+    """Apply PIPELINE in order to ``gm`` (in place). Returns each pass's result."""
     debug = os.environ.get("SPECGRAPH_DEBUG") == "1" if debug is None else debug
     dump = os.environ.get("SPECGRAPH_DUMP")
     results, skip = [], skipped_passes()
-    for i, graph_pass in enumerate((*PIPELINE, *extra_passes())):
+    for i, graph_pass in enumerate(PIPELINE):
         name = graph_pass.__name__
         if name in skip:
             continue
