@@ -12,6 +12,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .capture import Capture, TargetInfo
 from .errors import CompileError
+from .drafts.base import Draft
 from .drafts.layer import fuse_projections as fuse_draft_projections
 from .drafts.ngram import NGram
 from .fast_paths import draft_fast_paths
@@ -168,15 +169,14 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     tree = tree if tree is not None else Chain(4)
     if backend not in BACKENDS:
         blockers.append(f"backend={backend!r}: available now: {', '.join(BACKENDS)}")
-    kind = getattr(draft, "kind", None)
-    if kind is None or not hasattr(draft, "session"):
-        blockers.append(f"draft={type(draft).__name__}: not a specgraph draft (see specgraph.drafts)")
-    if kind == "ngram" and not isinstance(tree, Chain):
+    if not isinstance(draft, Draft):  # nothing else can be checked against it
+        blockers.append(f"draft={type(draft).__name__}: not a specgraph draft (see specgraph.drafts; a new kind "
+                        f"implements specgraph.drafts.base.Draft)")
+        raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
+    if isinstance(draft, NGram) and not isinstance(tree, Chain):
         blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
-    if hasattr(draft, "tree_problems"):
-        blockers += draft.tree_problems(tree)
-    if hasattr(draft, "bind"):
-        blockers += draft.bind(model)
+    blockers += draft.tree_problems(tree)
+    blockers += draft.bind(model)
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
         blockers.append(f"synthetic_accept={synthetic_accept!r}: an int in 1 .. tree depth + 1 = {tree.max_depth + 1}")
@@ -231,7 +231,7 @@ class SpecModel:
         self.modes = {"tree": (draft, config.tree)}
         if config.policy == "measured":
             chain = Chain(config.tree.max_depth)
-            if not isinstance(config.tree, Chain) and not getattr(draft, "tree_problems", lambda t: [])(chain):
+            if not isinstance(config.tree, Chain) and not draft.tree_problems(chain):
                 self.modes["chain"] = (draft, chain)
             self.modes["plain"] = (_PLAIN, Chain(0))
         self.policy = MeasuredPolicy(modes=tuple(self.modes)) if config.policy == "measured" else None

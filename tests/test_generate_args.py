@@ -266,3 +266,21 @@ def test_incomplete_heads_empty_prompts_and_unknown_targets_get_clear_errors(mod
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
     with pytest.raises(SystemExit, match="the target 'someorg/no-such-model' is not a .gguf file or a model directory"):
         main(["inspect", "someorg/no-such-model"])
+
+
+def test_every_draft_kind_implements_the_draft_protocol_and_others_are_refused(model):
+    from specgraph.drafts import MTP, Eagle, Eagle3, Medusa
+    from specgraph.drafts.base import Draft, DraftSession
+
+    assert all(issubclass(kind, Draft) for kind in (NGram, Medusa, Eagle, Eagle3, MTP))
+    session = NGram().session(specgraph.Chain(2), 1, 32, torch.device("cpu"))
+    assert isinstance(session, DraftSession) and session.taps is None
+
+    class Lookalike:  # duck-typed: has the names, not the protocol
+        kind = "ngram"
+
+        def session(self, *args):
+            return None
+
+    with pytest.raises(specgraph.CompileError, match="draft=Lookalike: not a specgraph draft"):
+        specgraph.compile(model, Lookalike(), tree="chain2")

@@ -19,8 +19,6 @@ from test_generate import generated_rows, left_pad, prompts
 class Session:
     """A stand-in draft session: ``length`` reassigned by the step, ``table`` mutated in place."""
 
-    proposes_on_device = True
-
     def __init__(self):
         self.length = torch.zeros(2, dtype=torch.int64)
         self.table = torch.zeros(2, 4)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..kernels.bitmask import MAX_NODES
 from ..trees import Chain, DynamicTree, StaticTree, Tree, expand_frontier, seed_frontier, select_tree, top_k
+from .base import Draft, DraftSession
 
 CHAIN_CHUNK = 32  # rows per call when the draft reads a prompt
 _LOW63 = (1 << 63) - 1
@@ -34,7 +35,7 @@ def chain_mask(n: int, device) -> torch.Tensor:
     return torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(n)], device=device)
 
 
-class AutoregressiveDraft(nn.Module):
+class AutoregressiveDraft(nn.Module, Draft):
     """Base of drafts that run a decoder layer autoregressively over their own cache.
 
     Subclasses provide ``forward(tokens, features, from_target, positions, kv,
@@ -61,10 +62,8 @@ class AutoregressiveDraft(nn.Module):
         return torch.zeros(2 * layers, batch, h_kv, slots, d, dtype=dtype, device=device)
 
 
-class ARSession:
+class ARSession(DraftSession):
     """One generate call's draft state: the draft cache, its length, the last output."""
-
-    proposes_on_device = True  # the next tree comes from device state: it is part of the decode step
 
     def __init__(self, draft: AutoregressiveDraft, tree, batch: int, max_length: int, device):
         self.draft, self.tree, self.batch = draft, tree, batch
@@ -141,7 +140,7 @@ class ARSession:
         self.length.copy_(torch.tensor(lengths, device=self.device))
 
     @torch.no_grad()
-    def propose(self, sequences, roots: torch.Tensor) -> Tree:
+    def propose(self, roots: torch.Tensor) -> Tree:
         """roots [B] -> the next tree (tokens in the target's vocabulary)."""
         if isinstance(self.tree, DynamicTree):
             return self._propose_dynamic(roots)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..passes import HiddenTaps
 from .checkpoint import read_checkpoint, write_checkpoint
+from .base import Draft, DraftSession
 from .eagle import _Borrowed
 from ..trees import Chain, StaticTree, Tree, top_k
 
@@ -36,7 +37,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class Medusa(nn.Module):
+class Medusa(nn.Module, Draft):
     """Medusa-1 heads: K heads of ResBlocks, each with its own LM head (or the target's shared one),
     reading the target's final hidden state; head k proposes the token k+1 ahead, all at once
     (a StaticTree such as ``MEDUSA_MC_SIM_7B_63`` or a Chain). ``Medusa.from_pretrained(dir)`` reads
@@ -172,10 +173,8 @@ def _normalise(state: dict) -> dict[int, dict]:
     return out
 
 
-class MedusaSession:
+class MedusaSession(DraftSession):
     """Per generate call: the target's final hidden state at each row's last committed token."""
-
-    proposes_on_device = True  # the next tree comes from device state: it is part of the decode step
 
     taps = HiddenTaps(final=True)
 
@@ -191,7 +190,7 @@ class MedusaSession:
             if len(prompt) > 1:  # a 1-token prompt has nothing prefilled: its first tree is a guess
                 self.hidden[row] = features[row, len(prompt) - 2]
 
-    def propose(self, sequences, roots: torch.Tensor) -> Tree:
+    def propose(self, roots: torch.Tensor) -> Tree:
         drafts = self.draft.propose_tree(self.hidden, self.tree)
         return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.to(torch.int64)], 1))
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from ..trees import Tree
+from .base import Draft, DraftSession
 
 
 @dataclass(frozen=True)
-class NGram:
+class NGram(Draft):
     """Prompt lookup, no weights: the continuation of the most recent earlier occurrence of the
     sequence's last n tokens (n from ``max_ngram`` down to ``min_ngram``), proposed on the device as
     a Chain. ``propose(sequence, k)`` is the host reference."""
@@ -77,11 +78,8 @@ def propose_on_device(seq: torch.Tensor, length: torch.Tensor, k: int, max_ngram
     return out
 
 
-class NGramSession:
+class NGramSession(DraftSession):
     """Per generate call: every row's tokens on the device, so proposing is part of the decode step."""
-
-    taps = None
-    proposes_on_device = True
 
     def __init__(self, draft: NGram, tree, batch: int, max_length: int, device):
         self.draft, self.tree, self.device = draft, tree, device
@@ -96,7 +94,7 @@ class NGramSession:
             self.seq[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
         self.length.copy_(torch.tensor([len(p) for p in prompts], device=self.device))  # in place: see ARSession
 
-    def propose(self, sequences, roots: torch.Tensor) -> Tree:
+    def propose(self, roots: torch.Tensor) -> Tree:
         k = self.tree.num_nodes - 1
         drafts = propose_on_device(self.seq, self.length, k, self.draft.max_ngram, self.draft.min_ngram)
         return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts], 1))

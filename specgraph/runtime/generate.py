@@ -139,7 +139,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
         log.info("the decode step for batch %d, %s compiles on its first call (about a minute on a GPU; "
                  "inductor's cache makes later processes faster)", batch, tree)
     session = draft.session(tree, batch, max_length, device)
-    if whole_step and hasattr(session, "compile_host_work"):  # e.g. the EAGLE drafts' pass over the prompt
+    if whole_step:  # host-side per-call work (the EAGLE drafts' pass over the prompt; a no-op for others),
         # compiled, over static inputs, and on CUDA recorded as a graph like the target's prefill chunks
         session.compile_host_work(lambda method: GraphedCall(
             torch.compile(own_code(method), fullgraph=True, dynamic=False), mode == "manual",
@@ -155,12 +155,12 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
                                       mode="reduce-overhead" if mode == "trees" else None)
         run = _trees_step(compiled_step, session) if mode == "trees" else \
             StaticStep(compiled_step, session, cuda_graph=mode == "manual")
-    # The first tree of a call: a device-proposing draft's propose, compiled like the step (eagerly it
+    # The first tree of a call: the session's propose, compiled like the step (eagerly it
     # is thousands of small launches: an EAGLE-2 tree of 8 draft steps is ~4,300 aten ops), over a static
     # roots buffer and on CUDA recorded as a graph: it reads the session's state at fixed addresses (each
     # session's prefill writes it in place) and returns a Tree the step copies in before the next call
     propose = session.propose
-    if whole_step and getattr(session, "proposes_on_device", False):
+    if whole_step:
         propose = GraphedCall(torch.compile(own_code(session.propose), fullgraph=True, dynamic=False),
                               mode == "manual", f"the first propose (B={batch})")
     capture.decode_steps[key] = Bucket(session, run, propose, step)
@@ -169,7 +169,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
 
 class Bucket(NamedTuple):
     """What ``decode_step`` keeps per bucket: the draft session, the (compiled) step, how the first
-    tree of a call is proposed (``propose(sequences, roots)``), and the DecodeStep itself."""
+    tree of a call is proposed (``propose(roots)``), and the DecodeStep itself."""
 
     session: object
     run: object
@@ -288,8 +288,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     generated: list[list[int]] = [[] for _ in range(b)]
     done = [max_new_tokens <= 0] * b
     result = GenerateResult(generated)
-    roots = lambda: torch.tensor([seq[-1] for seq in sequences], device=device)  # noqa: E731  each row's last token
-    topology = propose(None if getattr(session, "proposes_on_device", False) else sequences, roots())
+    topology = propose(torch.tensor([seq[-1] for seq in sequences], device=device))  # each row's last token
     active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
     width = tree.max_depth + 2
     if (b, width) not in capture.readbacks:  # kept: pinning host memory is slow
@@ -330,7 +329,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
         # cache_len = prompt - 1 + generated tokens: checked from host state, without a second device read
         assert all(d or len(seq) - 1 + n <= max_length for d, seq in zip(done, sequences)), "cache overflow"
         if pending is None:
-            topology = out.next_tree if out.next_tree is not None else session.propose(sequences, roots())
+            topology = out.next_tree
             pending = readback.start(run(topology, out.cache_len, active))
     if streamer is not None:
         streamer.end()

@@ -2,8 +2,7 @@
 
     verify the current tree with the target -> accept a path (greedy or sampled)
     -> compact the target cache -> the draft commits the accepted pairs
-    -> the draft proposes the next tree (drafts that read the target; an NGram
-       draft proposes on the host between steps)
+    -> the draft proposes the next tree (from its device state: every draft kind)
 
 Nothing in it reads a value back to the host and every shape is static per
 (B, N) bucket, so ``torch.compile(step, fullgraph=True)`` turns the whole
@@ -25,7 +24,7 @@ class StepOut(NamedTuple):
     emitted: torch.Tensor  # [B, D+1] tokens committed this step (first accept_len of each row)
     accept_len: torch.Tensor  # [B], 0 for rows that were already done
     cache_len: torch.Tensor  # [B] after the step
-    next_tree: Tree | None  # the draft's next tree (None for host-side drafts)
+    next_tree: Tree | None  # the draft's next tree (None only from test stand-ins of the step)
 
 
 DEFAULT_ARGMAX_CHUNK = 2048
@@ -66,7 +65,6 @@ class DecodeStep:
         self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
         self.target_fn = self.target.run if compiled_target else self.target.graph
         self.kv = capture.kv(batch)
-        self.proposes_on_device = getattr(session, "proposes_on_device", False)
 
     def set_sampling(self, sampling) -> None:
         """Use ``sampling``'s temperature, top_k, top_p and min_p from the next step on (in place)."""
@@ -92,5 +90,5 @@ class DecodeStep:
         accept_len = torch.where(active, acc.accept_len, 0)
         torch.ops.specgraph.compact_kv(self.kv, base, acc.path, accept_len)
         self.session.commit(tree, acc, features, accept_len)
-        next_tree = self.session.propose(None, acc.bonus) if self.proposes_on_device else None
+        next_tree = self.session.propose(acc.bonus)
         return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree)

@@ -1,0 +1,62 @@
+"""The draft protocol: what ``specgraph.compile`` and the decode step ask of a draft and of the
+per-call session it opens. Every draft kind (NGram, Medusa, EAGLE-1/2, EAGLE-3, MTP) implements it;
+``compile`` refuses anything else by name.
+
+    session = draft.session(tree, batch, max_length, device)   # one per (batch, tree) bucket
+    session.prefill(prompts, features)       # each call: the prompts and their tapped target states
+    tree = session.propose(roots)            # the first tree, from device state
+    ... each step: verify -> session.commit(tree, acc, features, accept_len) -> session.propose(bonus)
+
+Proposing reads device state only, so it is part of the one compiled decode step.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..passes import HiddenTaps
+from ..trees import Tree
+
+
+class DraftSession(ABC):
+    """One draft's state for one (batch, tree) bucket, reset by ``prefill`` at each generate call."""
+
+    taps: HiddenTaps | None = None  # the target states the draft reads (None: none)
+
+    @abstractmethod
+    def caches(self) -> list[torch.Tensor]:
+        """The tensors the step mutates in place (their addresses must stay fixed under CUDA graphs)."""
+
+    @abstractmethod
+    def prefill(self, prompts: list[list[int]], features: torch.Tensor | None) -> None:
+        """Take a call's prompts and their tapped features ``[B, T-1, F]`` (None without taps), in place."""
+
+    @abstractmethod
+    def propose(self, roots: torch.Tensor) -> Tree:
+        """The next tree from each row's root token ``[B]`` and the session's device state."""
+
+    @abstractmethod
+    def commit(self, tree: Tree, acc, features: torch.Tensor | None, accept_len: torch.Tensor) -> None:
+        """Extend the session's state by each row's accepted path (``accept_len`` 0: the row finished)."""
+
+    def compile_host_work(self, compile_fn) -> None:
+        """Wrap host-side per-call work (e.g. a pass over the prompt) with ``compile_fn``; default: none."""
+
+
+class Draft(ABC):
+    """A draft kind: checks itself against the target and the tree at ``compile``, then opens sessions."""
+
+    kind: str
+
+    @abstractmethod
+    def session(self, tree, batch: int, max_length: int, device) -> DraftSession:
+        """A session for one bucket: ``batch`` rows over ``tree``, caches of ``max_length`` slots."""
+
+    def tree_problems(self, tree) -> list[str]:
+        """Why this draft cannot fill ``tree`` (empty: it can)."""
+        return []
+
+    def bind(self, model) -> list[str]:
+        """Check against the target and borrow what the draft shares with it; returns blockers."""
+        return []
