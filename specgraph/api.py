@@ -15,6 +15,7 @@ from .errors import CompileError
 from .drafts.base import Draft
 from .drafts.layer import fuse_projections as fuse_draft_projections
 from .drafts.ngram import NGram
+from .drafts.plain import Plain
 from .fast_paths import draft_fast_paths
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.policy import MeasuredPolicy
@@ -22,7 +23,7 @@ from .trees import Chain, DynamicTree, StaticTree
 
 BACKENDS = ("auto", "eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
 log = logging.getLogger("specgraph")
-_PLAIN = NGram()  # plain decoding: an n-gram session whose trees are the root alone (Chain(0))
+_PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
 # use_cache is accepted and ignored: speculation always keeps its cache
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
                  "do_sample", "temperature", "top_k", "top_p", "min_p", "generation_config", "return_dict_in_generate",
@@ -165,7 +166,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     if draft is None:
         if tree is not None and tree != Chain(0):
             blockers.append(f"tree={tree} with draft=None: plain decoding verifies the root only; pass tree=None")
-        draft, tree = NGram(), Chain(0)  # an n-gram session with no node to propose: root-only trees
+        draft, tree = _PLAIN, Chain(0)
     tree = tree if tree is not None else Chain(4)
     if backend not in BACKENDS:
         blockers.append(f"backend={backend!r}: available now: {', '.join(BACKENDS)}")

@@ -269,10 +269,17 @@ def test_incomplete_heads_empty_prompts_and_unknown_targets_get_clear_errors(mod
 
 
 def test_every_draft_kind_implements_the_draft_protocol_and_others_are_refused(model):
-    from specgraph.drafts import MTP, Eagle, Eagle3, Medusa
+    from specgraph.drafts import MTP, Eagle, Eagle3, Medusa, Plain
     from specgraph.drafts.base import Draft, DraftSession
 
-    assert all(issubclass(kind, Draft) for kind in (NGram, Medusa, Eagle, Eagle3, MTP))
+    assert all(issubclass(kind, Draft) for kind in (NGram, Medusa, Eagle, Eagle3, MTP, Plain))
+    plain = specgraph.compile(model, None)  # plain decoding is the Plain draft on root-only trees
+    assert isinstance(plain.draft, Plain) and plain.config.tree == specgraph.Chain(0)
+    row = prompts(19, [7])[0]
+    assert plain.generate(torch.tensor([row]), max_new_tokens=9, eos_token_id=None)[0, 7:].tolist() == \
+        hf_greedy(model, row, max_new_tokens=9, eos_token_id=None)
+    with pytest.raises(specgraph.CompileError, match="plain decoding verifies the root alone"):
+        specgraph.compile(model, Plain(), tree="chain2")
     session = NGram().session(specgraph.Chain(2), 1, 32, torch.device("cpu"))
     assert isinstance(session, DraftSession) and session.taps is None
 
