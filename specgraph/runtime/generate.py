@@ -50,15 +50,27 @@ class AcceptanceStats:
 
     @classmethod
     def of(cls, result: GenerateResult, depth: int) -> "AcceptanceStats":
-        hist = [0] * (depth + 1)
-        for step in result.accept_lens:
-            for n in step:
-                if n > 0:  # 0: the row had finished
-                    hist[min(n - 1, depth)] += 1
-        steps = sum(hist)
-        reached = [sum(hist[k:]) for k in range(depth + 1)]
-        return cls(steps, sum(map(len, result.sequences)), sum(map(len, result.sequences)) / max(steps, 1),
-                   tuple(hist), tuple(reached[k + 1] / max(steps, 1) for k in range(depth)))
+        hist = accepted_histogram((n for step in result.accept_lens for n in step), depth)
+        tokens, steps = sum(map(len, result.sequences)), sum(hist)
+        return cls(steps, tokens, tokens / max(steps, 1), tuple(hist), tuple(position_rates(hist)[0]))
+
+
+def accepted_histogram(lens, depth: int) -> list[int]:
+    """``hist[k]``: steps that accepted exactly k drafted tokens (committed - the bonus, at most ``depth``),
+    from per-step committed counts ``lens`` (0: a finished row, skipped)."""
+    hist = [0] * (depth + 1)
+    for n in lens:
+        if n > 0:
+            hist[min(n - 1, depth)] += 1
+    return hist
+
+
+def position_rates(hist: list[int]) -> tuple[list[float], list[float]]:
+    """Per draft depth k+1: the share of steps that accepted it, and the share given depth k was."""
+    steps, depth = sum(hist), len(hist) - 1
+    reached = [sum(hist[k:]) for k in range(depth + 1)]  # steps that accepted at least k drafts
+    return ([reached[k + 1] / max(steps, 1) for k in range(depth)],
+            [reached[k + 1] / max(reached[k], 1) for k in range(depth)])
 
 
 def _chain_mask(n: int, device) -> torch.Tensor:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..runtime.generate import accepted_histogram, position_rates
+
 
 def _jsonl(name: str) -> list[dict]:
     text = resources.files("specgraph").joinpath("data", name).read_text(encoding="utf-8")
@@ -90,16 +92,14 @@ def acceptance(spec, tokenizer, questions: list[dict] | None = None, max_new_tok
             ends = [i + 1 for i, t in enumerate(generated[row]) if t == tokenizer.eos_token_id][:1]
             tokens += min([sum(lens), max_new_tokens] + ends)  # a step's tokens after eos are not emitted
             steps += len(lens)
-            for n in lens:
-                hist[min(n - 1, depth)] += 1  # drafted tokens accepted = committed - the bonus
-    reached = [sum(hist[k:]) for k in range(depth + 1)]  # steps that accepted at least k drafts
+            hist = [a + b for a, b in zip(hist, accepted_histogram(lens, depth))]
+    rate, conditional = position_rates(hist)
     return {
         "questions": len(questions), "max_new_tokens": max_new_tokens, "temperature": temperature,
         "tree": str(spec.config.tree), "draft": type(spec.draft).__name__, "backend": spec.config.backend,
         "batch_size": batch_size, "tokens": tokens, "steps": steps, "tau": tokens / max(steps, 1),
         "tokens_per_s": tokens / max(elapsed, 1e-9), "accepted_hist": hist,
-        "position_rate": [reached[k + 1] / max(steps, 1) for k in range(depth)],
-        "position_conditional": [reached[k + 1] / max(reached[k], 1) for k in range(depth)],
+        "position_rate": rate, "position_conditional": conditional,
     }
 
 
