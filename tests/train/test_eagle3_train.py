@@ -136,3 +136,36 @@ def test_full_vocabulary_head_drafts_through_the_targets_lm_head(tmp_path):
     with pytest.raises(ValueError, match="full vocabulary"):
         Eagle3(loaded.config.__class__(**{**loaded.config.to_dict(), "draft_vocab_size": 50}), (0, 1, 1),
                lm_head_from_target=True)
+
+
+@torch.no_grad()
+def test_a_warm_start_keeps_what_the_source_head_learnt_and_grows_its_vocabulary():
+    """init_from: a head with a larger draft vocabulary drafts exactly as the source on the source's
+    tokens (same hidden states; LM-head rows carried by target id), and other taps are refused."""
+    model = frozen_target()
+    examples = self_distilled(model, 16)
+    torch.manual_seed(2)
+    source = new_eagle3_for(model, examples, draft_vocab_size=20, aux_layer_ids=(0, 1, 1))
+    for p in source.parameters():
+        if p.requires_grad:
+            p.add_(torch.randn_like(p) * 0.1)  # stands in for training: away from any initialisation
+    torch.manual_seed(3)
+    grown = new_eagle3_for(model, examples, draft_vocab_size=40, init_from=source)
+    assert grown.aux_layer_ids == source.aux_layer_ids
+    ids = examples[0]["input_ids"][None, :12]
+    features = tap_states(model(input_ids=ids, output_hidden_states=True).hidden_states, source.aux_layer_ids,
+                          source.aux_convention)
+    old, new = ttt_forward(source, ids, features, 2), ttt_forward(grown, ids, features, 2)
+    old_ids = torch.arange(20) + source.d2t
+    new_ids = torch.arange(40) + grown.d2t
+    assert set(old_ids.tolist()) < set(new_ids.tolist())
+    where = torch.tensor([new_ids.tolist().index(t) for t in old_ids.tolist()])
+    for a, b in zip(old, new):
+        torch.testing.assert_close(b[..., where], a)
+    fresh = torch.tensor([i for i in range(40) if i not in where.tolist()])
+    assert not torch.allclose(new[0][..., fresh], torch.zeros(()))  # new tokens keep their own rows
+    other = new_eagle3_for(model, examples, draft_vocab_size=20, aux_layer_ids=(0, 0, 1))
+    with pytest.raises(ValueError, match="same features"):
+        from specgraph.train.eagle3 import warm_start
+
+        warm_start(other, source)
