@@ -7,7 +7,9 @@ Per (draft vocabulary, batch): the step ``specgraph train eagle3`` takes (the fr
 under bf16 autocast, the 7-step training-time-test unroll, the soft cross-entropy, backward, AdamW),
 on examples whose lengths follow the self-distilled ShareGPT data (uniform 200-2048 tokens, the
 first fifth without loss). Prints steps/s, tokens/s and peak memory; ``--profile`` adds the top
-CUDA kernels of one step. ``--sampled-batch B``: ``compile(model, None, backend="inductor",
+operators of one step by CUDA and by CPU time. ``--shards DIR``: the real SmolLM2 (``SPECGRAPH_GGUF``)
+on the first examples of the self-distilled shards instead (how many rows a reduced vocabulary keeps
+depends on the target's own argmax). ``--sampled-batch B``: ``compile(model, None, backend="inductor",
 max_batch=B)`` then a sampled generate (T = 0.8), as ``python -m specgraph.train.distill`` runs it.
 """
 from __future__ import annotations
@@ -46,8 +48,8 @@ def examples(n: int, vocab: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def time_training(model, vocab: int, batch: int, steps: int, profile: bool) -> dict:
-    data = examples(batch * (steps + 3), SMOLLM2["vocab_size"])
+def time_training(model, vocab: int, batch: int, steps: int, profile: bool, real: list[dict] | None = None) -> dict:
+    data = real[:batch * (steps + 3)] if real else examples(batch * (steps + 3), SMOLLM2["vocab_size"])
     draft = new_eagle3_for(model, data, draft_vocab_size=vocab)
     loss_fn = eagle3_loss(model, draft, steps=7)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -76,10 +78,11 @@ def time_training(model, vocab: int, batch: int, steps: int, profile: bool) -> d
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(3)
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        for key in ("cuda_time_total", "cpu_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
     return {"vocab": vocab or "target LM head", "batch": batch, "steps_per_s": steps / seconds,
             "tokens_per_s": tokens / seconds, "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
 
@@ -106,14 +109,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sampled-batch", type=int, default=None)
+    parser.add_argument("--shards", default=None, help="self-distilled shards: the real target on real examples")
     args = parser.parse_args()
     rows = []
+    real = None
+    if args.shards:
+        import random
+
+        from specgraph.train.distill import load_shards
+
+        real = load_shards(args.shards, ["greedy"])
+        random.Random(0).shuffle(real)
     if args.vocab and args.batch:
-        model = target(torch.float32)  # as `specgraph train` holds it: fp32 weights, bf16 autocast
+        if real:
+            from specgraph.models import load_gguf
+
+            model = load_gguf()[0].cuda().eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+        else:
+            model = target(torch.float32)  # as `specgraph train` holds it: fp32 weights, bf16 autocast
         for vocab in args.vocab:
             for batch in args.batch:
                 try:
-                    rows.append(time_training(model, vocab, batch, args.steps, args.profile))
+                    rows.append(time_training(model, vocab, batch, args.steps, args.profile, real))
                 except torch.OutOfMemoryError:
                     rows.append({"vocab": vocab, "batch": batch, "steps_per_s": 0, "tokens_per_s": 0,
                                  "peak_gb": float("nan")})
