@@ -45,9 +45,13 @@ class TrainConfig:
     max_shard_bytes: int | None = None  # split the checkpoint's safetensors (HF index) above this size
 
 
+PAD_MULTIPLE = 64  # few distinct T: kernels that plan per shape (cuDNN attention) plan once per width
+
+
 def collate(examples: list[dict], pad_id: int = 0) -> dict:
-    """Right-pad a batch: input_ids [B, T], loss_mask [B, T] (padding carries no loss)."""
-    width = max(len(e["input_ids"]) for e in examples)
+    """Right-pad a batch to a multiple of PAD_MULTIPLE: input_ids [B, T], loss_mask [B, T] (padding
+    carries no loss)."""
+    width = -(-max(len(e["input_ids"]) for e in examples) // PAD_MULTIPLE) * PAD_MULTIPLE
     ids = torch.full((len(examples), width), pad_id, dtype=torch.int64)
     mask = torch.zeros(len(examples), width, dtype=torch.bool)
     for i, e in enumerate(examples):

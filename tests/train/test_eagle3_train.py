@@ -169,3 +169,22 @@ def test_a_warm_start_keeps_what_the_source_head_learnt_and_grows_its_vocabulary
         from specgraph.train.eagle3 import warm_start
 
         warm_start(other, source)
+
+
+@torch.no_grad()
+def test_padding_to_the_width_multiple_changes_no_loss_or_metric():
+    """collate pads T up to PAD_MULTIPLE (fewer shapes for per-shape kernel plans): the padded rows carry
+    no loss and, the model being causal, change no kept row — same loss and τ as the exact width."""
+    from specgraph.train.loop import PAD_MULTIPLE, collate
+
+    model = frozen_target()
+    examples = self_distilled(model, 4)
+    draft = new_eagle3_for(model, examples, draft_vocab_size=0, aux_layer_ids=(0, 1, 1))
+    loss_fn = eagle3_loss(model, draft, steps=3)
+    padded = collate(examples)
+    width = max(len(e["input_ids"]) for e in examples)
+    assert padded["input_ids"].shape[1] % PAD_MULTIPLE == 0 and padded["input_ids"].shape[1] > width
+    exact = {k: v[:, :width] for k, v in padded.items()}
+    (a, ma), (b, mb) = loss_fn(padded), loss_fn(exact)
+    torch.testing.assert_close(a, b)
+    assert set(ma) == set(mb) and all(torch.allclose(ma[k], mb[k]) for k in ma)
