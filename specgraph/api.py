@@ -18,6 +18,7 @@ from .drafts.ngram import NGram
 from .drafts.plain import Plain
 from .fast_paths import draft_fast_paths
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
+from .runtime.budget import CostPolicy, CostTable, cost_key
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree
 
@@ -113,7 +114,7 @@ class SpecConfig:
     max_batch: int
     max_length: int
     synthetic_accept: int | None = None  # benchmarks only: forced accepted length, NOT lossless
-    policy: str = "fixed"  # "fixed": always the tree; "measured": per batch size, the tree or plain decoding
+    policy: str = "fixed"  # "fixed": always the tree; "measured"/"cost": per batch size, the tree, a chain or plain
 
 
 def resolve_backend(backend: str, model) -> str:
@@ -140,10 +141,13 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     ``synthetic_accept=k``: FOR BENCHMARKS ONLY, output is NOT the target's: every step accepts k
     nodes down the tree's first-child chain (as SGLang's simulated acceptance length does), to time
     the engine at a given τ without a trained head. Greedy only; generate warns on every call.
-    ``policy="measured"``: per batch size, generate runs the tree, a chain as deep as the tree (when
-    the tree is not one), or plain decoding, whichever measured fewer seconds per token
-    (``runtime/policy.py``; all lossless), so speculation that loses — a large batch, a CPU —
-    shrinks or switches itself off. ``"fixed"`` (default): always the tree.
+    ``policy="cost"``: per call, generate runs the tree, a chain as deep as the tree (when the tree
+    is not one), or plain decoding, whichever is expected to give the most tokens per second: τ
+    from the latest calls over the step cost measured once per device, model, draft and batch size
+    and kept on disk (``runtime/budget.py``; all lossless). ``policy="measured"``: the same modes
+    chosen by trial, each call timed whole (``runtime/policy.py``). Either way speculation that
+    loses — a large batch, a CPU — shrinks or switches itself off. ``"fixed"`` (default): always
+    the tree.
     Everything that cannot be supported is refused here, all blockers at once.
     """
     blockers = []
@@ -181,11 +185,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
         blockers.append(f"synthetic_accept={synthetic_accept!r}: an int in 1 .. tree depth + 1 = {tree.max_depth + 1}")
-    if policy not in ("fixed", "measured"):
-        blockers.append(f"policy={policy!r}: 'fixed' (always the tree) or 'measured' (the tree, a chain as deep, "
-                        f"or plain decoding, whichever measured faster)")
-    elif policy == "measured" and synthetic_accept is not None:
-        blockers.append("policy='measured' with synthetic_accept: a benchmark of forced acceptance must run its tree")
+    if policy not in ("fixed", "measured", "cost"):
+        blockers.append(f"policy={policy!r}: 'fixed' (always the tree), 'cost' or 'measured' (the tree, a chain "
+                        f"as deep, or plain decoding, whichever is faster)")
+    elif policy != "fixed" and synthetic_accept is not None:
+        blockers.append(f"policy={policy!r} with synthetic_accept: a benchmark of forced acceptance must run its tree")
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
     if not isinstance(max_length, int) or max_length <= tree.num_nodes:
@@ -227,15 +231,23 @@ class SpecModel:
         self.capture = Capture.shared(model.eval(), config.max_length, config.backend)  # reused across compiles
         fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
         self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
-        # what generate may run per call: the tree; with policy="measured" also a chain as deep as the
+        # what generate may run per call: the tree; with a policy also a chain as deep as the
         # tree (a smaller tree: at a large batch it can win where the tree loses) and plain decoding
         self.modes = {"tree": (draft, config.tree)}
-        if config.policy == "measured":
+        if config.policy != "fixed":
             chain = Chain(config.tree.max_depth)
             if not isinstance(config.tree, Chain) and not draft.tree_problems(chain):
                 self.modes["chain"] = (draft, chain)
             self.modes["plain"] = (_PLAIN, Chain(0))
-        self.policy = MeasuredPolicy(modes=tuple(self.modes)) if config.policy == "measured" else None
+        self.policy = None
+        if config.policy == "measured":
+            self.policy = MeasuredPolicy(modes=tuple(self.modes))
+        elif config.policy == "cost":  # the step costs are shared by every process on this machine
+            from .models import cache_root
+
+            table = CostTable(cache_root() / "step-costs.json", cost_key(model, draft, config.backend))
+            depths = {"tree": None, "chain": config.tree.max_depth, "plain": 0}
+            self.policy = CostPolicy({m: depths[m] for m in self.modes}, table)
         self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
@@ -309,9 +321,13 @@ class SpecModel:
                                           compiled=self.config.backend == "inductor",
                                           synthetic_accept=self.config.synthetic_accept,
                                           padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)])
-            if self.policy:  # every row's tokens were read back: the device work is done
-                self.policy.record(b, mode, time.perf_counter() - start, sum(map(len, result.sequences)))
+            seconds = time.perf_counter() - start  # every row's tokens were read back: the device work is done
             self.last_stats = AcceptanceStats.of(result, tree.max_depth)
+            if isinstance(self.policy, MeasuredPolicy):
+                self.policy.record(b, mode, seconds, sum(map(len, result.sequences)))
+            elif self.policy:
+                self.policy.record(b, mode, seconds, len(result.accept_lens), self.last_stats.tau,
+                                   self.last_stats.position_rate)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):

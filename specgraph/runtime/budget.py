@@ -1,0 +1,175 @@
+"""How much to speculate, from a table of step costs and the acceptance the draft is getting
+(``compile(..., policy="cost")``).
+
+A mode's tokens per second is τ / (seconds per target step). The two factors vary on different
+axes, so they are estimated apart:
+
+- The step cost depends on the hardware, the model, the draft, the dtype, the batch size and the
+  tree, not on the text. ``CostTable`` measures it once per (device, model, draft, dtype, backend,
+  batch, tree) and keeps it on disk, so a new process starts knowing it (no trial calls).
+- τ depends on the text. Plain decoding's is 1. A speculating mode's is an exponential average over
+  the latest calls that ran it; a chain that has not run yet is predicted from the tree's per-depth
+  acceptance (the tree holds the draft's greedy chain, so the prediction is an upper bound, replaced
+  by the chain's own figure once it runs).
+
+``CostPolicy.choose`` runs the mode with the most expected tokens per second. A mode whose cost at
+this batch is unknown runs first (its first call compiles, the next one is timed). While another
+mode leads, the speculating modes are re-run now and then to refresh their τ (after
+``explore_every`` calls, doubling while the leader holds, up to ``max_explore_every``): plain
+decoding by itself says nothing about how predictable the text has become. Every mode is lossless:
+the choice changes speed only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def cost_key(model, draft, backend: str) -> str:
+    """What a step's cost depends on besides batch and tree: the device, the model's architecture and
+    shapes (its config), its dtype, the draft's kind and tensor shapes, and the backend."""
+    import torch
+
+    param = next(model.parameters())
+    device = torch.cuda.get_device_name(param.device) if param.device.type == "cuda" else param.device.type
+    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    shapes = json.dumps([(k, list(v.shape)) for k, v in draft.state_dict().items()]) \
+        if isinstance(draft, torch.nn.Module) else repr(vars(draft))
+    model_digest = hashlib.sha256(config.encode()).hexdigest()[:16]
+    draft_digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    return f"{device}|{type(model).__name__}:{model_digest}|{param.dtype}|{draft.kind}:{draft_digest}|{backend}"
+
+
+class CostTable:
+    """Seconds per target step, per (key, batch, mode), in one JSON file (atomic writes; an unreadable
+    file is set aside with a warning and measured again, never trusted)."""
+
+    def __init__(self, path: str | os.PathLike, key: str):
+        self.path, self.key = Path(path), key
+        self.costs: dict[tuple[int, str], float] = {}
+        try:
+            saved = json.loads(self.path.read_text()).get(key, {}) if self.path.is_file() else {}
+            for name, seconds in saved.items():
+                batch, _, mode = name.partition("/")
+                self.costs[int(batch), mode] = float(seconds)
+        except (OSError, ValueError, AttributeError) as err:
+            log.warning("step-cost table %s unreadable (%s): measuring again", self.path, err)
+            self.costs = {}
+
+    def get(self, batch: int, mode: str) -> float | None:
+        return self.costs.get((batch, mode))
+
+    def put(self, batch: int, mode: str, seconds: float, persist: bool = True) -> None:
+        self.costs[batch, mode] = seconds
+        if persist:
+            self._write()
+
+    def _write(self) -> None:
+        try:
+            data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+            if not isinstance(data, dict):
+                data = {}
+        except (OSError, ValueError):
+            data = {}
+        data[self.key] = {f"{b}/{m}": s for (b, m), s in sorted(self.costs.items())}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".costs-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as err:  # a read-only cache: the table still serves this process
+            log.warning("step-cost table %s not written (%s)", self.path, err)
+
+
+def chain_tau(position_rate: tuple[float, ...], depth: int) -> float:
+    """τ of a chain ``depth`` deep predicted from a deeper draft's per-depth acceptance:
+    1 + the share of steps that accepted depth 1, 2, ..., ``depth``."""
+    return 1.0 + sum(position_rate[:depth])
+
+
+@dataclass
+class CostPolicy:
+    """``modes``: name -> chain depth (0: plain decoding; None: the tree, whose τ is only observed).
+    ``table``: the step costs, shared across processes."""
+
+    modes: dict
+    table: CostTable
+    explore_every: int = 8
+    max_explore_every: int = 256
+    decay: float = 0.5  # weight of the old τ or cost when a new measurement comes in
+    tau: dict = field(default_factory=dict)  # mode -> expected tokens per step
+    rates: tuple = ()  # the deepest speculating mode's latest per-depth acceptance
+    runs: dict = field(default_factory=dict)  # (batch, mode) -> calls run in this process
+    calls: dict = field(default_factory=dict)  # batch -> calls decided
+    interval: dict = field(default_factory=dict)  # batch -> calls between refreshes while another mode leads
+    next_refresh: dict = field(default_factory=dict)  # batch -> the call index of the next refresh
+    leader: dict = field(default_factory=dict)  # batch -> the best mode when last decided
+    refreshes: dict = field(default_factory=dict)  # batch -> refreshes made (which mode is next)
+    saved: dict = field(default_factory=dict)  # (batch, mode) -> the cost last written to the table's file
+
+    def expected_tau(self, mode: str) -> float | None:
+        depth = self.modes[mode]
+        if depth == 0:
+            return 1.0
+        if mode in self.tau:
+            return self.tau[mode]
+        return None if depth is None or not self.rates else chain_tau(self.rates, depth)
+
+    def rate(self, batch: int, mode: str) -> float | None:
+        """Expected tokens per second per row; None while τ or the cost is unknown."""
+        tau, cost = self.expected_tau(mode), self.table.get(batch, mode)
+        return None if tau is None or cost is None else tau / cost
+
+    def choose(self, batch: int) -> str:
+        n = self.calls.get(batch, 0)
+        self.calls[batch] = n + 1
+        unknown = [m for m in self.modes if self.rate(batch, m) is None]
+        speculating = [m for m in unknown if self.modes[m] != 0]
+        if unknown:  # measure first: the speculating modes (their τ informs the others), then the rest
+            return (speculating or unknown)[0]
+        best = max(self.modes, key=lambda m: self.rate(batch, m))
+        if self.leader.get(batch) != best:
+            self.leader[batch], self.interval[batch] = best, self.explore_every
+            self.next_refresh[batch] = n + self.explore_every
+        if n < self.next_refresh[batch]:
+            return best
+        # refresh the τ of a speculating mode that is not leading, in turn
+        self.interval[batch] = min(2 * self.interval[batch], self.max_explore_every)
+        self.next_refresh[batch] = n + self.interval[batch]
+        refresh = [m for m in self.modes if self.modes[m] != 0 and m != best]
+        if not refresh:
+            return best
+        self.refreshes[batch] = self.refreshes.get(batch, 0) + 1
+        return refresh[self.refreshes[batch] % len(refresh)]
+
+    def record(self, batch: int, mode: str, seconds: float, steps: int, tau: float,
+               position_rate: tuple[float, ...]) -> None:
+        """A finished call: ``steps`` target steps in ``seconds``, ``tau`` tokens per step."""
+        runs = self.runs.get((batch, mode), 0)
+        self.runs[batch, mode] = runs + 1
+        if self.modes[mode] != 0 and steps > 0:
+            old = self.tau.get(mode)
+            self.tau[mode] = tau if old is None else self.decay * old + (1 - self.decay) * tau
+            if self.modes[mode] is None:  # the tree: its per-depth acceptance predicts the chains
+                self.rates = tuple(position_rate)
+        if runs == 0 or steps == 0:  # the first call in a process may compile: not a measurement
+            return
+        per_step = seconds / steps
+        old = self.table.get(batch, mode)
+        if old is None:
+            log.info("step cost at batch %d, %s: %.3g ms", batch, mode, 1e3 * per_step)
+        new = per_step if old is None else self.decay * old + (1 - self.decay) * per_step
+        saved = self.saved.get((batch, mode))
+        # written when first measured and when it has moved by a tenth since: not a file write per call
+        persist = saved is None or abs(new - saved) > 0.1 * saved
+        self.table.put(batch, mode, new, persist=persist)
+        if persist:
+            self.saved[batch, mode] = new

@@ -1,0 +1,117 @@
+"""runtime/budget.py: the speculation budget from a persisted step-cost table and observed acceptance;
+lossless whatever it chooses."""
+import json
+
+import torch
+
+import specgraph
+from specgraph import Chain
+from specgraph.drafts import NGram
+from specgraph.runtime.budget import CostPolicy, CostTable, chain_tau, cost_key
+from test_capture import tiny_model
+from test_generate import hf_greedy, prompts
+
+MODES = {"tree": None, "chain": 4, "plain": 0}
+
+
+def drive(policy, batch, cost, tau, rates, calls):
+    """Run ``calls`` calls where a mode's step costs ``cost[mode]`` and accepts ``tau[mode]`` per step."""
+    chosen = []
+    for _ in range(calls):
+        mode = policy.choose(batch)
+        policy.record(batch, mode, seconds=cost[mode] * 50, steps=50, tau=tau[mode], position_rate=rates)
+        chosen.append(mode)
+    return chosen
+
+
+def test_the_table_persists_per_key_and_batch(tmp_path):
+    path = tmp_path / "costs.json"
+    table = CostTable(path, "gpu|model|dtype|eagle3|inductor")
+    table.put(1, "tree", 0.004)
+    table.put(64, "plain", 0.002)
+    CostTable(path, "gpu|other-model|dtype|eagle3|inductor").put(1, "tree", 0.5)  # another key, same file
+    again = CostTable(path, "gpu|model|dtype|eagle3|inductor")
+    assert again.get(1, "tree") == 0.004 and again.get(64, "plain") == 0.002 and again.get(64, "tree") is None
+    assert CostTable(path, "gpu|other-model|dtype|eagle3|inductor").get(1, "tree") == 0.5
+    (tmp_path / "a-file").write_text("")
+    unwritable = CostTable(tmp_path / "a-file" / "costs.json", "k")  # its folder cannot be made
+    unwritable.put(1, "tree", 0.004)  # a warning; the table still serves this process
+    assert unwritable.get(1, "tree") == 0.004
+    path.write_text("{not json")  # a damaged file is measured again, not trusted and not fatal
+    assert CostTable(path, "gpu|model|dtype|eagle3|inductor").get(1, "tree") is None
+
+
+def test_the_key_separates_what_changes_a_step_cost():
+    model = tiny_model("llama")
+    other = tiny_model("llama")
+    other.config.num_hidden_layers = 3  # another shape, same class
+    assert cost_key(model, NGram(), "eager") == cost_key(tiny_model("llama"), NGram(), "eager")
+    assert len({cost_key(model, NGram(), "eager"), cost_key(other, NGram(), "eager"),
+                cost_key(model, NGram(), "inductor"), cost_key(model, NGram(max_ngram=2), "eager"),
+                cost_key(model.to(torch.bfloat16), NGram(), "eager")}) == 5
+
+
+def test_chain_tau_is_one_plus_the_accepted_share_per_depth():
+    assert chain_tau((0.8, 0.6, 0.4, 0.2), 2) == 1 + 0.8 + 0.6
+    assert chain_tau((0.8, 0.6), 4) == 1 + 0.8 + 0.6  # deeper than observed: nothing more predicted
+
+
+def test_the_mode_with_the_most_tokens_per_second_runs(tmp_path):
+    """A known table: one tree call to learn τ, then the argmax of τ / cost, no trial of the others."""
+    table = CostTable(tmp_path / "c.json", "k")
+    for mode, seconds in {"tree": 3.0, "chain": 2.0, "plain": 1.0}.items():
+        table.put(1, mode, seconds)
+    cost = {"tree": 3.0, "chain": 2.0, "plain": 1.0}
+    rates = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)  # the tree's: a chain of 4 is predicted at 4.0 tokens a step
+    # tree 4.5 / 3 = 1.5, chain 4.0 / 2 = 2.0, plain 1 / 1 = 1.0 tokens per second-unit: the chain
+    chosen = drive(CostPolicy(dict(MODES), table), 1, cost, {"tree": 4.5, "chain": 4.0, "plain": 1}, rates, 6)
+    assert chosen == ["tree", "chain", "chain", "chain", "chain", "chain"]
+    # text the draft cannot predict: the tree accepts little, every speculating mode loses to plain decoding
+    low = (0.2, 0.05, 0.0, 0.0, 0.0, 0.0)
+    chosen = drive(CostPolicy(dict(MODES), table), 1, cost, {"tree": 1.3, "chain": 1.25, "plain": 1}, low, 6)
+    assert chosen == ["tree"] + ["plain"] * 5
+
+
+def test_without_a_table_each_mode_is_compiled_then_timed_once(tmp_path):
+    table = CostTable(tmp_path / "c.json", "k")
+    policy = CostPolicy(dict(MODES), table)
+    cost = {"tree": 2.0, "chain": 1.5, "plain": 1.0}
+    chosen = drive(policy, 8, cost, {"tree": 3.0, "chain": 2.5, "plain": 1}, (0.8, 0.5, 0.4, 0.3), 10)
+    assert chosen[:6] == ["tree", "tree", "chain", "chain", "plain", "plain"]  # first call of each compiles
+    assert {m: table.get(8, m) for m in cost} == cost
+    # tree 3 / 2 = 1.5, chain 2.5 / 1.5 = 1.67, plain 1: the chain; a new process reads the table
+    assert chosen[6:] == ["chain"] * 4
+    fresh = CostPolicy(dict(MODES), CostTable(tmp_path / "c.json", "k"))
+    assert drive(fresh, 8, cost, {"tree": 3.0, "chain": 2.5, "plain": 1}, (0.8, 0.5, 0.4, 0.3), 3) == \
+        ["tree", "chain", "chain"]
+
+
+def test_while_plain_leads_the_speculating_modes_are_refreshed_and_win_back(tmp_path):
+    policy = CostPolicy({"tree": None, "plain": 0}, CostTable(tmp_path / "c.json", "k"),
+                        explore_every=4, max_explore_every=16)
+    cost = {"tree": 2.0, "plain": 1.0}
+    chosen = drive(policy, 1, cost, {"tree": 1.5, "plain": 1}, (0.5,), 40)  # 1.5 / 2 < 1: plain
+    refreshes = [i for i, m in enumerate(chosen) if m == "tree" and i >= 4]
+    assert refreshes == [8, 16, 32]  # explore_every after plain first leads, then doubling up to the cap
+    chosen = drive(policy, 1, cost, {"tree": 5.0, "plain": 1}, (0.9,), 40)  # the text became predictable
+    assert chosen[-10:] == ["tree"] * 10
+
+
+def test_cost_policy_is_lossless_and_persists_across_spec_models(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGRAPH_CACHE", str(tmp_path))
+    from specgraph.models import cache_root
+
+    model = tiny_model("llama")
+    row = prompts(2, [10, 24])[1]
+    want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="cost")
+    assert list(spec.policy.modes) == ["tree", "plain"]
+    for _ in range(5):
+        out = spec.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want
+    saved = json.loads((cache_root() / "step-costs.json").read_text())
+    assert set(next(iter(saved.values()))) == {"1/tree", "1/plain"}
+    again = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="cost")
+    assert again.policy.table.get(1, "tree") == next(iter(saved.values()))["1/tree"] > 0
+    out = again.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
+    assert out[0, len(row):].tolist() == want
