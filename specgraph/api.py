@@ -5,7 +5,7 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -23,6 +23,8 @@ from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree
 
 BACKENDS = ("auto", "eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
+VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY when sampling
+TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterDecoding/Medusa medusa_generate
 log = logging.getLogger("specgraph")
 _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
 # use_cache is accepted and ignored: speculation always keeps its cache
@@ -115,6 +117,8 @@ class SpecConfig:
     max_length: int
     synthetic_accept: int | None = None  # benchmarks only: forced accepted length, NOT lossless
     policy: str = "fixed"  # "fixed": always the tree; "measured"/"cost": per batch size, the tree, a chain or plain
+    verify: str = "exact"  # "typical": Medusa's typical acceptance when sampling, NOT lossless
+    typical: tuple[float, float] | None = None  # (posterior_threshold, posterior_alpha) with verify="typical"
 
 
 def resolve_backend(backend: str, model) -> str:
@@ -130,7 +134,8 @@ def resolve_backend(backend: str, model) -> str:
 
 
 def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, max_length: int = 2048,
-            synthetic_accept: int | None = None, policy: str = "fixed") -> "SpecModel":
+            synthetic_accept: int | None = None, policy: str = "fixed", verify: str = "exact",
+            typical: tuple[float, float] | None = None) -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
 
     ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
@@ -148,6 +153,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     chosen by trial, each call timed whole (``runtime/policy.py``). Either way speculation that
     loses — a large batch, a CPU — shrinks or switches itself off. ``"fixed"`` (default): always
     the tree.
+    ``verify="typical"``: LOSSY, opt-in — when sampling, Medusa's typical acceptance (a draft is
+    kept iff the target gives it probability > min(threshold, alpha * exp(-entropy))) replaces exact
+    rejection sampling, so the output is NOT distributed as the target's; greedy stays token-exact.
+    ``typical=(posterior_threshold, posterior_alpha)``, default (0.09, 0.3) as Medusa's. Warns here.
+    ``verify="exact"`` (default): greedy token-exact, sampling exact in distribution.
     Everything that cannot be supported is refused here, all blockers at once.
     """
     blockers = []
@@ -190,6 +200,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
                         f"as deep, or plain decoding, whichever is faster)")
     elif policy != "fixed" and synthetic_accept is not None:
         blockers.append(f"policy={policy!r} with synthetic_accept: a benchmark of forced acceptance must run its tree")
+    blockers += _verify_problems(verify, typical, synthetic_accept)
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
     if not isinstance(max_length, int) or max_length <= tree.num_nodes:
@@ -203,7 +214,32 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
     model.config._attn_implementation = "sdpa"
     backend = resolve_backend(backend, model)
-    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept, policy))
+    if verify == "typical":
+        typical = tuple(map(float, typical if typical is not None else TYPICAL_DEFAULT))
+        warnings.warn(f"verify='typical' (posterior_threshold, posterior_alpha = {typical}) is LOSSY: sampled output "
+                      f"is not distributed as the target's (greedy stays exact); verify='exact' is lossless",
+                      stacklevel=2)
+    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept, policy,
+                                              verify, typical))
+
+
+def _verify_problems(verify, typical, synthetic_accept) -> list[str]:
+    """What is wrong with compile's ``verify`` / ``typical`` (empty: nothing)."""
+    if verify not in VERIFY:
+        return [f"verify={verify!r}: 'exact' (lossless, the default) or 'typical' (Medusa's typical "
+                f"acceptance when sampling: LOSSY, opt-in)"]
+    if verify == "exact":
+        return [] if typical is None else [f"typical={typical!r} has no effect with verify='exact': pass "
+                                           f"verify='typical' as well to opt in to lossy typical acceptance"]
+    problems = [] if synthetic_accept is None else ["verify='typical' with synthetic_accept: forced acceptance "
+                                                    "(greedy) has no typical rule; drop one of them"]
+    if typical is not None:
+        ok = isinstance(typical, (tuple, list)) and len(typical) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in typical)
+        if not ok or not 0 <= typical[0] <= 1 or typical[1] < 0:
+            problems.append(f"typical={typical!r}: (posterior_threshold in [0, 1], posterior_alpha >= 0), e.g. "
+                            f"Medusa's {TYPICAL_DEFAULT}")
+    return problems
 
 
 def _storage(*modules) -> tuple:
@@ -223,7 +259,8 @@ class SpecGenerateOutput(GenerateDecoderOnlyOutput):
 
 class SpecModel:
     """The speculating model. ``generate`` takes ``model.generate``'s arguments: greedy is
-    token-exact, sampling (temperature, top_k, top_p) exact in distribution."""
+    token-exact, sampling (temperature, top_k, top_p) exact in distribution (unless compiled with
+    the lossy ``verify="typical"``)."""
 
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
@@ -268,6 +305,8 @@ class SpecModel:
             raise TypeError(f"SpecModel.generate does not support {unknown} yet; they would change the result, "
                             f"so they are refused rather than ignored")
         sampling = _sampling(kwargs, gen)
+        if sampling is not None and self.config.verify == "typical":  # lossy, opted in at compile
+            sampling = replace(sampling, typical=self.config.typical)
         if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise TypeError(f"input_ids: a [B, T] tensor of integer token ids (e.g. tokenizer(..., return_tensors='pt')"
                             f".input_ids); got {type(input_ids).__name__}"

@@ -18,7 +18,8 @@ every cache an explicit input and output, in standard ops only:
 The host (or an engine's runtime) adds accept_len to cache_len and feeds
 kv_out back as kv. specgraph's ops are lowered by their decompositions
 (``kernels.DECOMPOSITIONS``: the plain-torch references), so the ONNX file
-uses the default domain only and TensorRT's ONNX parser can read it. The
+uses the default domain only. TensorRT's ONNX parser still refuses two of its nodes (int64
+``BitwiseAnd``, int64 ``Clip``: docs/export.md, tests/test_export_trt_ops.py). The
 mutating ops (``kv_write``, ``tree_attention_write``, ``compact_kv``) are traced as their references,
 whose in-place scatters torch.export functionalizes (it keeps a mutating
 custom op as an ``auto_functionalized`` node that no decomposition removes).

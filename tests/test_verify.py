@@ -139,9 +139,9 @@ def test_typical_acceptance_is_greedy_at_temperature_zero_and_lossy_above():
     # at the root the target prefers 2 (p ~ .55) over the drafted 1 (p ~ .45)
     logits = torch.tensor([[[-9.0, 0.0, 0.2], [-9.0, -9.0, 5.0], [0.0, 0.0, 0.0]]])
     greedy = verify_greedy(*_args(tree), logits.argmax(-1), tree.max_depth)
-    typical0 = verify_typical(*_args(tree), logits, tree.max_depth, temperature=0.0)
+    typical0 = verify_typical(*_args(tree), sampling_probs(logits, 0.0), tree.max_depth)
     assert greedy.path.tolist() == typical0.path.tolist() == [[0, -1, -1]]
-    typical = verify_typical(*_args(tree), logits, tree.max_depth, temperature=1.0)
+    typical = verify_typical(*_args(tree), sampling_probs(logits, 1.0), tree.max_depth)
     assert typical.path.tolist() == [[0, 1, 2]]  # accepts the non-argmax draft: lossy by design
     assert typical.accept_len.tolist() == [3]
 

@@ -59,7 +59,7 @@ def _from_hub(name: str, what: str) -> Path:
 
 def write_checkpoint(path: str | Path, state: dict, config: dict, weights: str = "model.safetensors",
                      dtype: torch.dtype | None = None, max_shard_bytes: int | None = None) -> None:
-    """Safetensors + config.json. ``dtype`` casts floating tensors (e.g. bf16 to ship a head);
+    """Safetensors (a torch file when ``weights`` ends in .pt / .bin) + config.json. ``dtype`` casts floating tensors (e.g. bf16 to ship a head);
     ``max_shard_bytes`` splits the weights into ``model-0000i-of-0000n.safetensors`` shards with
     transformers' ``model.safetensors.index.json``."""
     from safetensors.torch import save_file
@@ -75,7 +75,11 @@ def write_checkpoint(path: str | Path, state: dict, config: dict, weights: str =
                 > max_shard_bytes:
             shards.append({})
         shards[-1][key] = value
-    if len(shards) == 1:
+    if weights.endswith((".pt", ".bin")):  # a torch state dict (FasterDecoding's medusa_lm_head.pt): one file
+        if len(shards) > 1:
+            raise ValueError(f"max_shard_bytes={max_shard_bytes}: {weights} is one torch file; shards are safetensors")
+        torch.save(shards[0], path / weights)
+    elif len(shards) == 1:
         save_file(shards[0], str(path / weights))
     else:
         weight_map = {}

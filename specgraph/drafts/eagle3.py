@@ -7,11 +7,14 @@
 Later steps feed back h itself (no fc).
 
 Taps: the states entering target layers (2, L//2, L-3) by default ("layer_input",
-= the outputs of layers 1, L//2-1, L-4). Explicit ids from a config
-(``eagle_config.eagle_aux_hidden_state_layer_ids``) are read in the
-output-of-layer convention (ModelOpt, SpecForge and SGLang write them so) unless
-the config names its convention (``specgraph_aux_convention``, which
-``save_pretrained`` writes) or the caller does.
+= the outputs of layers 1, L//2-1, L-4; SGLang's and vLLM's default too). Ids in a
+config, as the engines read them (see ``docs/api.md``, "EAGLE-3 aux layer ids"):
+``eagle_config.eagle_aux_hidden_state_layer_ids`` is SGLang's key, read in the
+output-of-layer convention (SGLang taps layer id+1's input; ModelOpt and SpecForge
+write it so) unless the config names its convention (``specgraph_aux_convention``)
+or the caller does; a top-level ``eagle_aux_hidden_state_layer_ids`` is vLLM's key,
+read as layer inputs (vLLM taps the input of layer id). ``save_pretrained`` writes
+both, for the same layers.
 
 Keys: ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (q/k/v take 2H),
 ``midlayer.{mlp.*, hidden_norm, input_layernorm, post_attention_layernorm}``,
@@ -32,6 +35,7 @@ Other variant flags are refused by name rather than silently ignored.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -47,7 +51,8 @@ from .layer import DraftLayer
 SUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 REFUSED_FLAGS = ("use_mtp_layernorm", "add_para_norm", "mlp_bias")
 _NOT_LLAMA = ("draft_vocab_size", "target_hidden_size", "eagle_config", "architectures", "specgraph_aux_convention",
-              "bias") + SUPPORTED_FLAGS
+              "bias", "eagle_aux_hidden_state_layer_ids") + SUPPORTED_FLAGS
+log = logging.getLogger(__name__)
 
 
 class Eagle3(FeatureDraft):
@@ -180,8 +185,7 @@ class Eagle3(FeatureDraft):
             refused.append(f"num_hidden_layers={config['num_hidden_layers']} (multi-layer EAGLE-3 heads)")
         if refused:
             raise ValueError(f"{path}: EAGLE-3 variant not supported yet: {', '.join(refused)}")
-        ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-        convention = aux_convention or config.get("specgraph_aux_convention") or "layer_output"
+        ids, convention = aux_ids_of(config, aux_convention, path)
         state = {_rename(k): v for k, v in state.items()}
         llama = LlamaConfig(**{k: v for k, v in config.items() if k not in _NOT_LLAMA})
         llama.draft_vocab_size = config.get("draft_vocab_size")
@@ -197,17 +201,60 @@ class Eagle3(FeatureDraft):
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None,
                         max_shard_bytes: int | None = None) -> None:
-        """The SpecForge/SGLang layout; ``dtype`` (e.g. bf16) and ``max_shard_bytes`` as in write_checkpoint."""
+        """The SpecForge/SGLang layout, aux ids for SGLang and vLLM alike (``aux_ids_config``); ``dtype``
+        (e.g. bf16) and ``max_shard_bytes`` as in write_checkpoint."""
         config = self.config.to_dict()
         config.update(architectures=["LlamaForCausalLMEagle3"],
                       draft_vocab_size=None if self.lm_head_from_target else self.draft_vocab_size,
                       target_hidden_size=self.fc.in_features // 3, norm_before_residual=self.norm_before_residual,
                       norm_before_fc=self.input_norm is not None, fc_norm=self.fc_norm is not None,
-                      norm_output=self.norm_output, specgraph_aux_convention=self.aux_convention)
+                      norm_output=self.norm_output)
         if self.aux_layer_ids is not None:
-            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+            config.update(aux_ids_config(self.aux_layer_ids, self.aux_convention))
         state = {k: v for k, v in self.state_dict().items() if not (self.embed_from_target and k.startswith("embed"))}
         write_checkpoint(path, state, config, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def layer_inputs(ids, convention: str) -> tuple[int, ...]:
+    """Tapped layers as "the input of layer j" ids (vLLM's form; the output of layer i is j = i + 1)."""
+    return tuple(int(i) + (convention == "layer_output") for i in ids)
+
+
+def aux_ids_of(config: dict, aux_convention: str | None, path) -> tuple[tuple[int, ...] | None, str]:
+    """(ids, convention) from a config, each key read as the engine that owns it reads it: SGLang's
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` (layer outputs, unless ``specgraph_aux_convention``
+    or ``aux_convention`` says otherwise), vLLM's top-level key (layer inputs). Both present: they must
+    tap the same layers."""
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    if top and not nested:
+        return tuple(top), aux_convention or "layer_input"
+    if not nested:
+        return None, aux_convention or "layer_output"
+    convention = aux_convention or config.get("specgraph_aux_convention") or "layer_output"
+    if top and layer_inputs(nested, convention) != tuple(top):
+        raise ValueError(f"{path}: eagle_config.eagle_aux_hidden_state_layer_ids={list(nested)} ({convention}: SGLang "
+                         f"taps the inputs of layers {list(layer_inputs(nested, convention))}) and the top-level "
+                         f"eagle_aux_hidden_state_layer_ids={list(top)} (vLLM taps the inputs of those layers) "
+                         f"disagree; keep the key of the engine that trained the head, or pass aux_convention")
+    return tuple(nested), convention
+
+
+def aux_ids_config(ids, convention: str) -> dict:
+    """Config keys with which SGLang and vLLM tap the layers ``ids`` (``convention``) name: vLLM's top-level
+    ``eagle_aux_hidden_state_layer_ids`` as layer inputs; SGLang's ``eagle_config`` key as layer outputs
+    (SGLang adds 1; since sgl-project/sglang#25454 only when the first id is 1, which holds for the
+    default taps), with ``specgraph_aux_convention`` naming it. An embedding tap (input of layer 0) has
+    no output id: SGLang's key then keeps the inputs and SGLang reads it one layer late."""
+    inputs = layer_inputs(ids, convention)
+    if min(inputs) >= 1:
+        nested, named = [j - 1 for j in inputs], "layer_output"
+    else:
+        log.warning("EAGLE-3 taps %s include the embeddings (input of layer 0): SGLang cannot name that tap, "
+                    "its key is written as layer inputs and SGLang will read it one layer late", list(inputs))
+        nested, named = list(inputs), "layer_input"
+    return {"eagle_aux_hidden_state_layer_ids": list(inputs), "specgraph_aux_convention": named,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": nested}}
 
 
 def _rename(key: str) -> str:

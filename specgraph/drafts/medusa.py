@@ -9,7 +9,13 @@ keys, never from the config: FasterDecoding's uploaded configs are wrong):
   ModelOpt        medusa_heads.{h}.{l}.linear.*, medusa_heads.{h}.{L}.weight
   vLLM            blocks.{h}.layers.{l}.{weight,bias?}, lm_heads.{h}.weight
   legacy          {h}.{l}.linear.* without {h}.{L}.weight: the target's LM head is shared
-``save_pretrained`` writes the FasterDecoding layout plus a config.json.
+  (vLLM's ``original_lm_head``: one lm_heads.0.weight shared by every head)
+``save_pretrained(layout=...)`` writes them as the engines read them: "fasterdecoding"
+(medusa_lm_head.safetensors, as FasterDecoding's trainer writes it), "fasterdecoding_pt"
+(medusa_lm_head.pt, the file FasterDecoding's ``MedusaModel.from_pretrained`` loads), both with
+config.json medusa_num_heads / medusa_num_layers / base_model_name_or_path; "vllm"
+(model.safetensors, vLLM's ``Medusa`` names, config model_type "medusa", num_heads,
+num_hidden_layers, truncated_vocab_size, medusa_fc_bias, original_lm_head).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from .eagle import _Borrowed
 from ..trees import Chain, StaticTree, Tree, top_k
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
+LAYOUTS = ("fasterdecoding", "fasterdecoding_pt", "vllm")
 
 
 class ResBlock(nn.Module):
@@ -101,7 +108,14 @@ class Medusa(nn.Module, Draft):
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Medusa":
         state, config = read_checkpoint(path, WEIGHT_FILES, "Medusa")
+        truncated = config.get("truncated_vocab_size")
+        if "token_map" in state or (truncated and truncated != config.get("vocab_size", truncated)):
+            raise ValueError(f"{path}: a vLLM Medusa with a truncated vocabulary (token_map, truncated_vocab_size="
+                             f"{truncated}) is not supported yet: drafts cover the target's whole vocabulary")
         layout = _normalise(state)
+        if config.get("original_lm_head") and 0 in layout:  # vLLM: lm_heads.0 is every head's LM head
+            for entry in layout.values():
+                entry["lm_head"] = layout[0]["lm_head"]
         heads = sorted(layout)
         if not heads:
             raise ValueError(f"{path}: no Medusa heads found (looked for FasterDecoding, Medusa-2, ModelOpt and vLLM "
@@ -132,8 +146,12 @@ class Medusa(nn.Module, Draft):
         return module.eval()
 
     def save_pretrained(self, path: str | Path, base_model_name_or_path: str = "", dtype: torch.dtype | None = None,
-                        max_shard_bytes: int | None = None) -> None:
-        """FasterDecoding layout: medusa_lm_head.safetensors + config.json."""
+                        max_shard_bytes: int | None = None, layout: str = "fasterdecoding") -> None:
+        """Write the heads in ``layout`` (one of LAYOUTS, see the module docstring)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}: one of {', '.join(map(repr, LAYOUTS))}")
+        if layout == "vllm":
+            return self._save_vllm(path, dtype, max_shard_bytes)
         state = {}
         for h, blocks in enumerate(self.blocks):
             for l, block in enumerate(blocks):
@@ -144,8 +162,31 @@ class Medusa(nn.Module, Draft):
                 state[f"{h}.{self.num_layers}.weight"] = self.lm_heads[h].weight
         config = dict(medusa_num_heads=self.num_heads, medusa_num_layers=self.num_layers, hidden_size=self.hidden_size,
                       vocab_size=self.vocab_size, base_model_name_or_path=base_model_name_or_path, version="2")
-        write_checkpoint(path, state, config, weights="medusa_lm_head.safetensors", dtype=dtype,
-                         max_shard_bytes=max_shard_bytes)
+        weights = "medusa_lm_head.pt" if layout == "fasterdecoding_pt" else "medusa_lm_head.safetensors"
+        write_checkpoint(path, state, config, weights=weights, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+    def _save_vllm(self, path, dtype, max_shard_bytes) -> None:
+        """vLLM's ``Medusa``: blocks.{h}.layers.{l}.{weight,bias}, lm_heads.{h}.weight (one, with
+        original_lm_head, when the heads share the target's)."""
+        state = {}
+        for h, blocks in enumerate(self.blocks):
+            for l, block in enumerate(blocks):
+                state[f"blocks.{h}.layers.{l}.weight"] = block.linear.weight
+                if block.linear.bias is not None:
+                    state[f"blocks.{h}.layers.{l}.bias"] = block.linear.bias
+        shared = self.lm_heads is None
+        if shared:
+            if self._shared_head.module is None:
+                raise ValueError("layout='vllm' stores the LM head the heads share (the target's): bind the heads "
+                                 "first (specgraph.compile(model, draft) or draft.bind(model))")
+            state["lm_heads.0.weight"] = self._shared_head.module.weight
+        else:
+            state.update({f"lm_heads.{h}.weight": head.weight for h, head in enumerate(self.lm_heads)})
+        config = dict(architectures=["MedusaModel"], model_type="medusa", hidden_size=self.hidden_size,
+                      vocab_size=self.vocab_size, num_heads=self.num_heads, num_hidden_layers=self.num_layers,
+                      truncated_vocab_size=self.vocab_size, original_lm_head=shared,
+                      medusa_fc_bias=self.blocks[0][0].linear.bias is not None)
+        write_checkpoint(path, state, config, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
 _FASTER = re.compile(r"^(?:medusa_head\.|medusa_heads\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")

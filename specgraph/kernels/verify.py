@@ -3,8 +3,8 @@
 These are the CPU path and the test oracle. ``verify_greedy`` is also the
 ``specgraph::verify_greedy`` custom op with a Triton kernel on CUDA; sampling
 (``verify_sample``) and Medusa's lossy ``verify_typical`` stay plain torch
-(``verify_typical`` is not reachable from ``compile``: output would not be
-the target's).
+(``verify_typical`` runs only on ``compile(..., verify="typical")``, when sampling: its output
+is not the target's distribution).
 
 The tree (shared by every verifier), B rows of N nodes:
   tokens:  [B, N] int64   drafted token of each node (node 0 = the root)
@@ -353,23 +353,26 @@ def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, gener
     return _with_bonus(tokens, acc, sample_categorical(residual, generator))
 
 
-def verify_typical(tokens, parents, mask, target_logits, max_depth: int, temperature=0.7,
-                   posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, generator=None) -> Acceptance:
+def verify_typical(tokens, parents, mask, target_probs, max_depth: int, posterior_threshold=0.09,
+                   posterior_alpha=0.3, generator=None) -> Acceptance:
     """Medusa's typical acceptance -- LOSSY: the output is not the target's distribution.
 
-    A child is accepted iff the target's probability of its token at the
-    parent exceeds min(posterior_threshold, posterior_alpha * exp(-entropy)).
-    The deepest fully accepted node wins (ties to the lowest index; Medusa
-    breaks them by path likelihood); the bonus is sampled from the target at
-    that node (argmax where temperature <= 0). Use ``verify_sample`` for
-    lossless sampling.
+    target_probs: [B, N, V] the target's distribution at every node (``sampling_probs``).
+    A child is accepted iff the target's probability of its token at the parent exceeds
+    min(posterior_threshold, posterior_alpha * exp(-H)), H = -sum p log(p + 1e-5) there
+    (FasterDecoding/Medusa ``evaluate_posterior``; the thresholds may be 0-d tensors).
+    The deepest fully accepted node wins (ties to the lowest index; Medusa breaks them by
+    path likelihood); the bonus is sampled from the target at that node (Medusa's default
+    ``fast=True`` takes its argmax). A one-hot target (temperature 0) makes this the greedy
+    verdict. Use ``verify_sample`` for lossless sampling.
     """
     _check_tree(tokens, parents, mask, max_depth)
-    probs = sampling_probs(target_logits, temperature)  # [B, N, V]
-    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)  # [B, N]
-    threshold = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * (-entropy).exp())
-    p_parent = probs.gather(1, parents.clamp(min=0).unsqueeze(-1).expand_as(probs))  # [B, N, V]
-    p_token = p_parent.gather(2, tokens.unsqueeze(-1)).squeeze(-1)
-    typical = p_token > threshold.gather(1, parents.clamp(min=0))
+    probs = target_probs.float()  # [B, N, V]
+    entropy = -(probs * (probs + 1e-5).log()).sum(-1)  # [B, N]
+    cap = torch.as_tensor(posterior_threshold, dtype=probs.dtype, device=probs.device)
+    threshold = torch.minimum(posterior_alpha * (-entropy).exp(), cap)
+    at_parent = parents.clamp(min=0)
+    p_token = probs.gather(1, at_parent.unsqueeze(-1).expand_as(probs)).gather(2, tokens.unsqueeze(-1)).squeeze(-1)
+    typical = p_token > threshold.gather(1, at_parent)
     best, acc = _accept_deepest(tokens, parents, mask, typical, max_depth)
     return _with_bonus(tokens, acc, sample_categorical(_take(probs, best), generator))

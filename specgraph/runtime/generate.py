@@ -122,12 +122,14 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
 
 @dataclass(frozen=True)
 class Sampling:
-    """Per-batch sampling parameters (transformers' warper semantics)."""
+    """Per-batch sampling parameters (transformers' warper semantics). ``typical``: (posterior_threshold,
+    posterior_alpha) of Medusa's LOSSY typical acceptance (``compile(verify="typical")``), None: exact."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    typical: tuple[float, float] | None = None
 
 
 def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None, compiled: bool,
@@ -141,7 +143,8 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
     mode = cuda_graph_mode(device) if whole_step else "off"
     # sampling's values are not in the key: the step reads them from tensors (DecodeStep.set_sampling)
-    key = (id(draft), batch, repr(tree), max_length, sampling is None, compiled, whole_step, mode, synthetic_accept)
+    verify = None if sampling is None else sampling.typical is not None  # greedy, exact or typical sampling
+    key = (id(draft), batch, repr(tree), max_length, verify, compiled, whole_step, mode, synthetic_accept)
     if key in capture.decode_steps:
         bucket = capture.decode_steps[key]
         if sampling is not None:

@@ -1,6 +1,6 @@
 """The decode step: one iteration's device work as one function (one graph under torch.compile).
 
-    verify the current tree with the target -> accept a path (greedy or sampled)
+    verify the current tree with the target -> accept a path (greedy, sampled, or Medusa's lossy typical)
     -> compact the target cache -> the draft commits the accepted pairs
     -> the draft proposes the next tree (from its device state: every draft kind)
 
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import env_whole_number
-from ..kernels.verify import greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample
+from ..kernels.verify import greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample, verify_typical
 from ..trees import Tree
 
 
@@ -54,7 +54,10 @@ class DecodeStep:
         self.capture, self.session, self.spec = capture, session, spec
         # sampling parameters live in tensors updated in place (``set_sampling``): a compiled step, and
         # its CUDA graph, read the current values, so a new temperature recompiles nothing
-        self.sampling = None
+        self.sampling = self.typical = None
+        if sampling is not None and sampling.typical is not None:  # compile(verify="typical"): lossy
+            self.typical = {name: torch.zeros((), dtype=torch.float32, device=capture.kv_device)
+                            for name in ("posterior_threshold", "posterior_alpha")}
         if sampling is not None:
             self.sampling = {name: torch.zeros((), dtype=dtype, device=capture.kv_device) for name, dtype in
                              (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
@@ -70,6 +73,8 @@ class DecodeStep:
         """Use ``sampling``'s temperature, top_k, top_p and min_p from the next step on (in place)."""
         for name, value in self.sampling.items():
             value.fill_(getattr(sampling, name))
+        for value, setting in zip((self.typical or {}).values(), sampling.typical or ()):
+            value.fill_(setting)
 
     def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
         # rows that finished write their (ignored) tree at slot 0: their cache_len ran ahead by the
@@ -86,7 +91,10 @@ class DecodeStep:
             acc = verify_greedy(tree.tokens, tree.parents, tree.mask, target_tokens, self.spec.max_depth)
         else:
             probs = sampling_probs(logits, **self.sampling)
-            acc = verify_sample(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth)
+            if self.typical is not None:
+                acc = verify_typical(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth, **self.typical)
+            else:
+                acc = verify_sample(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth)
         accept_len = torch.where(active, acc.accept_len, 0)
         torch.ops.specgraph.compact_kv(self.kv, base, acc.path, accept_len)
         self.session.commit(tree, acc, features, accept_len)
