@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -54,8 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specgraph  # noqa: E402
 from specgraph.fast_paths import skipped_fast_paths  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
+from specgraph import config  # noqa: E402
 from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit  # noqa: E402
-from specgraph.runtime.step import argmax_chunk  # noqa: E402
+from specgraph.runtime.step import ARGMAX_CHUNK  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
 METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree",
@@ -95,10 +95,10 @@ NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitu
 
 
 def run_settings() -> dict:
-    """The environment settings a result depends on (passes skipped or added, the argmax's chunk, the draft
-    fast paths skipped, fold_rotary's row limits at 64- and 128-dim heads), for the results JSON of every benchmark."""
-    return dict(skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
-                argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
+    """The settings a result depends on (passes skipped, the argmax's chunk, the draft fast paths skipped,
+    fold_rotary's row limits at 64- and 128-dim heads), for the results JSON of every benchmark."""
+    return dict(skip_passes=",".join(sorted(config.skip_passes)),
+                argmax_chunk=ARGMAX_CHUNK, skip_fast_paths=skipped_fast_paths(),
                 fold_rotary_rows=dict(head_dim_64=fold_rotary_limit(64), head_dim_128=fold_rotary_limit(128)))
 
 

@@ -1,6 +1,6 @@
 """specgraph's ops: one module per op (Triton kernel, registration, plain-torch reference).
 
-Imports nothing else of specgraph. Importing this package registers the
+Imports nothing else of specgraph but its settings (``specgraph.config``). Importing this package registers the
 ``torch.ops.specgraph.*`` ops. ``DECOMPOSITIONS`` maps each op to standard
 aten ops (``ExportedProgram.run_decompositions(DECOMPOSITIONS)``: what ONNX
 and TensorRT export lower to).

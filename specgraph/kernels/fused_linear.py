@@ -50,12 +50,11 @@ twelfth session; the prologue in front of ``tl.dot``). The pass fold_norms uses 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .. import config
 from .tree_attention import _dot
 
 MAX_ROWS = 16  # one 16-row tile of x per program
@@ -192,7 +191,9 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         rows = rows.contiguous()
     m, k = rows.shape[0], weight.shape[1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    assert m <= MAX_ROWS and weight.stride(-1) == 1, "fused_linear_triton: M <= 16 rows, weight rows contiguous"
+    if m > MAX_ROWS or weight.stride(-1) != 1:
+        raise ValueError(f"fused_linear_triton: {m} rows and weight stride {weight.stride()}: the kernel takes at "
+                         f"most {MAX_ROWS} rows and contiguous weight rows (the op falls back to the reference)")
     res = residual.reshape(m, n) if residual is not None else None
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
@@ -205,7 +206,8 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     if next_gamma is not None:
         block_n = max(block_n, SQUARE_COLS)  # whole chunks of 16 columns per program
         block_k = min(block_k, 512) if block_m == 1 else block_k  # one row's [BN, BK] lanes stay in registers
-        assert block_n % SQUARE_COLS == 0, f"fused_linear_triton: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}"
+        if block_n % SQUARE_COLS:
+            raise ValueError(f"fused_linear_triton: tiles={tiles}: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}")
         scaled = torch.empty_like(out)
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
     _fused_linear_kernel[(triton.cdiv(n, block_n),)](
@@ -293,7 +295,7 @@ def _check(x, weight, gamma, eps, residual, gated, silu_mul=False, row_squares=N
 
 def _use_kernel(x, weight) -> bool:
     m = x.numel() // x.shape[-1]
-    return os.environ.get("SPECGRAPH_REFERENCE_KERNELS") != "1" and m <= MAX_ROWS and weight.stride(-1) == 1
+    return not config.reference_kernels and m <= MAX_ROWS and weight.stride(-1) == 1
 
 
 @torch.library.custom_op("specgraph::fused_linear", mutates_args=())

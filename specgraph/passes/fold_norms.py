@@ -31,7 +31,7 @@ import operator
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, drop_dead_code
+from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass
 from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
 
@@ -148,6 +148,7 @@ def residual_product(add):
     return None
 
 
+@graph_pass(after=("fuse_projections",))  # norms fold into the fused projections
 def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = adds = gated = 0
@@ -206,9 +207,11 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     gm.recompile()
 
     # Postconditions: no folded norm survives; every fused_linear is a norm (gamma) or an add (residual).
-    assert all(node._erased for chain in chains for node in chain[:-1]), "fold_norms left a folded norm alive"
+    ensure(all(node._erased for chain in chains for node in chain[:-1]), "fold_norms", "a folded norm is left alive")
     fused = graph.find_nodes(op="call_function", target=FUSED_LINEAR)
-    assert len(fused) >= norms + adds and sum(n.args[5:6] == (True,) for n in fused) == gated
-    assert all(n.args[2] is not None or n.args[4] is not None or n.args[5:6] == (True,) for n in fused)
+    ensure(len(fused) >= norms + adds and sum(n.args[5:6] == (True,) for n in fused) == gated, "fold_norms",
+           f"{len(fused)} fused_linear nodes for {norms} norms and {adds} adds folded, {gated} gated expected")
+    ensure(all(n.args[2] is not None or n.args[4] is not None or n.args[5:6] == (True,) for n in fused), "fold_norms",
+           "a fused_linear with neither a norm, a residual nor a gate: nothing folded into it")
     return PassResult(gm, bool(norms or adds or gated),
                       {"norms_folded": norms, "adds_folded": adds, "gated_folded": gated, **skipped})

@@ -32,7 +32,7 @@ import torch
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
 from ..kernels.fused_linear import MAX_ROWS, SQUARE_COLS
 from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears, residual_product
-from .pass_result import GraphContext, PassResult, drop_dead_code
+from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass
 from .pass_result import is_call as _call, val as _val
 
 aten = torch.ops.aten
@@ -49,6 +49,8 @@ def _fake_like(val, shape, dtype):
         return torch.empty(shape, dtype=dtype, device=val.device)
 
 
+# norms fold into the fused projections, and fold_norms takes the one-row steps first
+@graph_pass(after=("fuse_projections", "fold_norms"))
 def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = silu_muls = out_of_range = 0
@@ -110,11 +112,14 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     gm.recompile()
 
     # Postconditions: no folded norm survives; each producer feeds readers that scale by its squares.
-    assert all(n._erased for chain in chains for n in chain[:-1]), "fold_norms_rows left a folded norm alive"
-    assert all(n._erased for n in bypassed), "fold_norms_rows left a folded SiLU·mul alive"
-    assert len(graph.find_nodes(op="call_function", target=NORM_OUT)) == producers_before + norms
+    ensure(all(n._erased for chain in chains for n in chain[:-1]), "fold_norms_rows", "a folded norm is left alive")
+    ensure(all(n._erased for n in bypassed), "fold_norms_rows", "a folded SiLU·mul is left alive")
+    producers = len(graph.find_nodes(op="call_function", target=NORM_OUT))
+    ensure(producers == producers_before + norms, "fold_norms_rows",
+           f"{producers} fused_linear_norm_out nodes; {producers_before} before + {norms} folded norms expected")
     scaled_readers = [n for n in graph.find_nodes(op="call_function", target=FUSED_LINEAR)
                       if len(n.args) > 7 and n.args[7] is not None]
-    assert all(_call(n.args[7], operator.getitem) and n.args[7].args[0].target == NORM_OUT for n in scaled_readers)
+    ensure(all(_call(n.args[7], operator.getitem) and n.args[7].args[0].target == NORM_OUT for n in scaled_readers),
+           "fold_norms_rows", "a reader scales its rows by squares that no fused_linear_norm_out produced")
     return PassResult(gm, bool(norms or silu_muls),
                       {"norms_folded": norms, "silu_mul_folded": silu_muls, "rows_out_of_range": out_of_range})

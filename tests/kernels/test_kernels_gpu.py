@@ -202,7 +202,7 @@ def test_fused_linear_epilogues_at_real_shapes_replayed_in_a_cuda_graph(hidden, 
 @pytest.mark.parametrize("rows", [1, 8, 64])
 @pytest.mark.parametrize("vocab", [49152, 128256])
 def test_greedy_tokens_in_chunks_compiled_on_cuda(rows, vocab):
-    """The two-stage greedy argmax (the default; SPECGRAPH_ARGMAX_CHUNK) compiled by inductor for CUDA at real vocabulary
+    """The two-stage greedy argmax (the default; runtime.step.ARGMAX_CHUNK) compiled by inductor for CUDA at real vocabulary
     widths (128256: a partial last chunk): eager argmax's indices, ties across chunks to the first."""
     from specgraph.kernels.verify import greedy_tokens
 
