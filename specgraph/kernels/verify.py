@@ -129,8 +129,8 @@ def greedy_tokens(logits: torch.Tensor, chunk: int = 0) -> torch.Tensor:
     maximum), bit for bit. With ``chunk`` > 0 and V > 2 * chunk, in two stages: the maximum and its first
     index in each chunk of ``chunk`` entries (the last padded with -inf), then the first chunk holding the
     overall maximum. Inductor never splits an arg reduction across programs, so a step's few rows of a
-    128k vocabulary reduce in as many programs (29 us a step on the H200 at one row, fourteenth session's
-    profile); chunks give it rows * V / chunk programs."""
+    128k vocabulary reduce in as many programs (29 us a step on the H200 at one row, in a profile of
+    2026-12-01, docs/benchmarks.md); chunks give it rows * V / chunk programs."""
     vocab = logits.shape[-1]
     if chunk <= 0 or vocab <= 2 * chunk:
         return logits.argmax(-1)

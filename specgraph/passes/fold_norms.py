@@ -17,7 +17,7 @@ Ensures: in a one-row step: (1) every bias-free ``linear(n, W)`` whose input n i
   was left alone: too_many_rows.
 Why: a decoder layer launches a norm kernel (the residual add fused in) before q/k/v and again before
   gate/up, and a SiLU·mul kernel before down; folded, those three go: 8 launches a layer become 5.
-  Measured on the H200 (``benchmarks/fused_linear.py``, docs/benchmarks.md, thirteenth session), one
+  Measured on the H200 (``benchmarks/fused_linear.py``, docs/benchmarks.md, 2026-12-01), one
   row: SmolLM2's layers without attention 21.9 us (norms + cuBLAS) -> 12.2 folded, the 8B shape's
   126.8 -> 113.0 (every product beats cuBLAS with its prologue and epilogue: q/k/v with the norm 15.6
   against 16.2 + a norm kernel, gate/up 56.9 against 57.3 + a norm kernel). At 8 rows the padded
@@ -114,7 +114,7 @@ def _gated_source(node):
 
 
 def _why_not(rows_node) -> str | None:
-    """None when folding pays, measured (docs/benchmarks.md, thirteenth session): one row (decode at
+    """None when folding pays, measured (H200, 2026-12-01, docs/benchmarks.md): one row (decode at
     batch 1); else the counter to bump. More rows ran slower as fused_linear (the padded 16-row tiles'
     prologue is compute-bound)."""
     val = _val(rows_node)

@@ -1,8 +1,8 @@
 """fold_norms_rows: in steps of 2..16 rows, each RMSNorm whose input is a residual add of a
 product moves into that product's epilogue and its readers' row scaling, and the gated MLP's SiLU·mul into
 the packed gate/up product's epilogue -- so no multi-row product has anything between its load of x and
-``tl.dot`` (with a prologue there, the 16-row tiles lost to cuBLAS; without, they matched it: fourteenth
-session, docs/benchmarks.md).
+``tl.dot`` (with a prologue there, the 16-row tiles lost to cuBLAS; without, they matched it: H200,
+2026-12-01, docs/benchmarks.md).
 
 Requires: fold_norms has run (it folds one-row steps; it leaves steps of more rows untouched).
 Ensures: in a step of 2..MAX_ROWS rows: (1) a norm ``n`` = HF's LlamaRMSNorm of ``h = add(r, linear(y, W))``
@@ -18,7 +18,7 @@ Ensures: in a step of 2..MAX_ROWS rows: (1) a norm ``n`` = HF's LlamaRMSNorm of 
 Numerics: the readers scale the product of ``gamma * h`` (rounded to h's dtype) by the rstd, where HF
   rounds the normalized row first; the rstd sums h ** 2 in float32 per 16 columns, then over the row. Within
   the bf16 tolerance of fused_linear's tests, not bit for bit.
-Measured (H200, fifteenth session, docs/benchmarks.md): the 8B verify step of 8 nodes 4.786 -> 4.388 ms
+Measured (H200, 2026-12-01, docs/benchmarks.md): the 8B verify step of 8 nodes 4.786 -> 4.388 ms
   (1.136x -> 1.046x its plain step, same run); the layer's products at 8 rows 125.6 -> 120.9 us (8B) and
   21.4 -> 19.6 us (SmolLM2) against norm + cuBLAS + SiLU·mul + add.
 """

@@ -13,7 +13,7 @@ Ensures: such a layer becomes ``tree_attention_write(q0, kv, l, k0, value, cache
   Any other layer (partial rotary, another convention, no RoPE, more rows) keeps its rotated inputs,
   counted, not refused: this is a speed-up. The same tree_attention_write nodes remain, one per folded layer.
 Why: inductor ran each layer's RoPE as launches of its own (q and k: 3.4 + 2.5 us per layer of the 8B
-  step in the seventh session's profile); in the kernel it is a second load of q and of the new keys.
+  step in a profile of 2026-11-30, docs/results/); in the kernel it is a second load of q and of the new keys.
   Folded, the 8B plain decode step measured 0.05-0.07 ms (1.1-1.4%) faster on the H200, the 64-node
   SmolLM2 verify step 0.18 ms (15%); the 64-node 8B one 0.34 ms slower (so wide heads stop at 8 rows).
 """
@@ -34,14 +34,14 @@ TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
 # Rows of a step (B x R) up to which the fold is measured faster when R > 1 (R = 1 folds at any batch),
 # by head width (H200, 1k context). R = 1, Llama-3.1-8B shape: the plain decode step 4.856 -> 4.789-4.804
 # ms (2026-12-01). Heads of up to 64 dims (SmolLM2): the 64-node verify step 1.156 -> 0.977 ms of device
-# time (seventeenth session; in its profile the attention kernel took 0.9 us more a layer, the two RoPE
+# time (2026-12-02; in its profile the attention kernel took 0.9 us more a layer, the two RoPE
 # launches it replaces 6.6 us). Wider heads (8B's 128): the 64-node verify step 5.46-5.49 -> 5.83 ms, 1.27x
-# -> 1.36x its plain step (eighteenth session; in the profile the attention kernel took 25.7 us a layer
+# -> 1.36x its plain step (2026-12-02; in the profile the attention kernel took 25.7 us a layer
 # with the rotation against 9.8 without, the RoPE launches 6.1 us), the 8-node one folded 4.46 ms either
 # way; a one-launch kernel benchmark at the same shape saw only +3.3 us. The rotating kernel spills
 # registers at that tile (ptxas: 2292 bytes a thread against 316 without RoPE); a half-by-half rotation
 # that spilled 440 brought the folded step to 5.455 ms, still no faster than unfolded (5.430 in the same
-# run; nineteenth session), so it went. Not measured at batch > 1 with R > 1 (those fold up to the same
+# run, 2026-12-02), so it went. Not measured at batch > 1 with R > 1 (those fold up to the same
 # rows in all).
 MAX_ROWS = 64  # heads of up to NARROW_HEAD_DIM dims
 MAX_ROWS_WIDE_HEADS = 8
