@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -58,10 +57,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from common import LLAMA_8B, SMOLLM2, TINY, copy_bandwidth, run_settings, set_inductor_options  # first: sys.path (common.py)
 import specgraph  # noqa: E402
 from specgraph import config  # noqa: E402
-from generate import copy_bandwidth, run_settings, set_inductor_options  # noqa: E402  (benchmarks/generate.py)
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
 from specgraph.models import load_default_draft  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
@@ -69,14 +67,6 @@ from specgraph.trees import parse_tree  # noqa: E402
 warnings.filterwarnings("ignore", message="synthetic_accept")
 SECTIONS = ("floor", "cublas", "plain", "verify", "synthetic", "batch", "profile", "profile_verify",
             "profile_draft")
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-                tie_word_embeddings=False)
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
-               tie_word_embeddings=True, rms_norm_eps=1e-5)  # SmolLM2-135M's config, random weights
-TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=1024)
 SHAPES = {"llama8b": ("Llama-3.1-8B", LLAMA_8B), "smollm2": ("SmolLM2-135M", SMOLLM2), "tiny": ("tiny", TINY)}
 BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16)}
 
