@@ -12,8 +12,6 @@ Every figure is measured in this run, on the same model:
   plain      specgraph.compile(model, None, backend="inductor"), whole step, CUDA graphs:
              ms per decoded token (steady state: the difference of two generation lengths), and
              replay_ms_per_token: the recorded step graph replayed back to back (device time, no host)
-  trees      the same step under torch.compile's own CUDA graphs (SPECGRAPH_CUDA_GRAPHS=trees,
-             reduce-overhead) instead of specgraph's hand-recorded one: what the host work costs
   verify     the same engine verifying N = 8 and N = 64 nodes per step (NGram draft, chain,
              synthetic_accept=1 so each step emits one token): ms per step, and / plain; and the
              recorded step graph replayed back to back (device time), and / plain's replay
@@ -42,19 +40,15 @@ the script, not for numbers).
 triton.enable_pdl=1), recorded in the JSON.
 Sections run in order until --budget-s is spent; what ran is written to DIR/e2e-DATE.json.
 SPECGRAPH_SKIP_PASSES=fold_rotary (any speed-up pass) runs the same sections without it, for an A/B
-(SPECGRAPH_ARGMAX_CHUNK=0:
-the greedy argmax in one stage, not two of 2048; SPECGRAPH_SKIP_FAST_PATHS=topk,fuse_projections:
-the draft-side fast paths off, specgraph/fast_paths.py; SPECGRAPH_FOLD_ROTARY_ROWS:
-the most rows a step may have for fold_rotary); the JSON records them.
+(SPECGRAPH_SKIP_FAST_PATHS=topk,fuse_projections: the draft-side fast paths off, specgraph/fast_paths.py);
+the JSON records them, with the argmax's chunk and fold_rotary's row limits.
 synthetic_accept output is NOT the model's (benchmarks only).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -63,25 +57,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from common import LLAMA_8B, SMOLLM2, TINY, copy_bandwidth, run_settings, set_inductor_options  # first: sys.path (common.py)
 import specgraph  # noqa: E402
-from generate import copy_bandwidth, run_settings, set_inductor_options  # noqa: E402  (benchmarks/generate.py)
+from specgraph import config  # noqa: E402
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
 from specgraph.models import load_default_draft  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
-os.environ.setdefault("SPECGRAPH_CUDA_GRAPHS", "1")
 warnings.filterwarnings("ignore", message="synthetic_accept")
-SECTIONS = ("floor", "cublas", "plain", "trees", "verify", "synthetic", "batch", "profile", "profile_verify",
+SECTIONS = ("floor", "cublas", "plain", "verify", "synthetic", "batch", "profile", "profile_verify",
             "profile_draft")
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-                tie_word_embeddings=False)
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
-               tie_word_embeddings=True, rms_norm_eps=1e-5)  # SmolLM2-135M's config, random weights
-TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=1024)
 SHAPES = {"llama8b": ("Llama-3.1-8B", LLAMA_8B), "smollm2": ("SmolLM2-135M", SMOLLM2), "tiny": ("tiny", TINY)}
 BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16)}
 
@@ -284,7 +269,7 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
     res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                torch=torch.__version__, shape=shape_name, prompt=args.prompt,
-               cuda_graphs=os.environ["SPECGRAPH_CUDA_GRAPHS"], inductor=inductor, **run_settings())
+               cuda_graphs="1" if config.cuda_graphs else "0", inductor=inductor, **run_settings())
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"e2e-{res['date']}.json"
 
@@ -312,14 +297,6 @@ def main() -> None:
             save("cublas", chain_ms=cublas_chain_ms(model), fused_chain_ms=cublas_chain_ms(model, fused=True))
         elif section == "plain":
             save("plain", **decode_figures(spec_for(None, None), prompt, args, device, res))
-        elif section == "trees":
-            os.environ["SPECGRAPH_CUDA_GRAPHS"] = "trees"
-            try:
-                ms, _ = step_ms(spec_for(None, None), prompt, args.short, args.long, device)
-            finally:
-                os.environ["SPECGRAPH_CUDA_GRAPHS"] = res["cuda_graphs"]
-            extra = {"x_plain": ms / res["plain"]["ms_per_token"]} if "plain" in res else {}
-            save("trees", ms_per_token=ms, **extra)
         elif section == "verify":
             out = {}
             for n in (8, 64):

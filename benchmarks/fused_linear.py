@@ -26,21 +26,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from common import LLAMA_8B, SMOLLM2, copy_bandwidth, graphed_ms, layer_products  # first: sys.path (common.py)
 import specgraph.kernels  # noqa: E402,F401
-from kernels import copy_bandwidth, graphed_ms  # noqa: E402
 from specgraph.kernels import fused_linear as fl  # noqa: E402
 
-SHAPES = {  # layers, hidden, q/k/v rows, intermediate: the decoder layers' products
-    "smollm2": (30, 576, 960, 1536), "llama8b": (32, 4096, 6144, 14336),
-}
+# layers, hidden, q/k/v rows, intermediate: the decoder layers' products
+SHAPES = {"smollm2": layer_products(SMOLLM2), "llama8b": layer_products(LLAMA_8B)}
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M 1: one row on the CUDA cores (M = 1 only), 16: tl.dot
 DOT_TILES = [(16, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
 ROW_TILES = [(1, bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))]

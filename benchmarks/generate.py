@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -50,12 +48,9 @@ import torch
 from tqdm import tqdm
 from transformers import StaticCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import copy_bandwidth, run_settings, set_inductor_options  # first: sys.path (common.py)
 import specgraph  # noqa: E402
-from specgraph.fast_paths import skipped_fast_paths  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
-from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit  # noqa: E402
-from specgraph.runtime.step import argmax_chunk  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
 METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree",
@@ -92,49 +87,6 @@ def specgraph_method(model, method: str, eagle3: str | None = None):
 
 
 NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitudes
-
-
-def run_settings() -> dict:
-    """The environment settings a result depends on (passes skipped or added, the argmax's chunk, the draft
-    fast paths skipped, fold_rotary's row limits at 64- and 128-dim heads), for the results JSON of every benchmark."""
-    return dict(skip_passes=os.environ.get("SPECGRAPH_SKIP_PASSES", ""),
-                argmax_chunk=argmax_chunk(), skip_fast_paths=skipped_fast_paths(),
-                fold_rotary_rows=dict(head_dim_64=fold_rotary_limit(64), head_dim_128=fold_rotary_limit(128)))
-
-
-def set_inductor_options(pairs: list[str]) -> dict:
-    """``--inductor KEY=VALUE ...``: torch._inductor.config values for an experiment (e.g.
-    ``combo_kernels=1``: independent kernels fused into one launch; ``triton.enable_pdl=1``:
-    programmatic dependent launch on Hopper). Returns what was set, for the results JSON."""
-    import torch._inductor.config as config
-
-    chosen = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        *path, leaf = key.split(".")
-        owner = config
-        for part in path:
-            owner = getattr(owner, part, None)
-        if not sep or owner is None or not hasattr(owner, leaf):
-            raise SystemExit(f"--inductor {pair!r}: want KEY=VALUE with KEY a torch._inductor.config name")
-        old = getattr(owner, leaf)
-        value = text.lower() in ("1", "true", "yes") if isinstance(old, bool) else type(old)(text)
-        setattr(owner, leaf, value)
-        chosen[key] = value
-    return chosen
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (time.perf_counter() - start)  # read + write bytes per second
 
 
 def prompts(tokenizer, n: int, prompt_set: str = "mt-bench") -> list[list[int]]:

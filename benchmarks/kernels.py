@@ -1,5 +1,5 @@
-"""Kernel benchmark (GPU): tree_attention against its peers, and the verify /
-compact ops against their torch references, all measured in one run.
+"""Kernel benchmark (GPU): tree_attention against its peers, and the compact_kv
+op against its torch reference, all measured in one run.
 
     python benchmarks/kernels.py [--quick] [--decode] [--topk] [--out DIR]
 
@@ -25,44 +25,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import LLAMA_8B, SMOLLM2, attention_shape, copy_bandwidth, graphed_ms, median_ms  # first: sys.path (common.py)
 import specgraph.kernels  # noqa: E402,F401
 from specgraph.kernels.bitmask import ancestor_masks  # noqa: E402
 from specgraph.kernels.compact_kv import compact_kv_reference  # noqa: E402
-from specgraph.kernels.verify import verify_greedy  # noqa: E402
 from specgraph.trees import random_parents as random_tree_parents  # noqa: E402
 
-SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # H, H_kv, D
+SHAPES = {"llama8b": attention_shape(LLAMA_8B), "smollm2": attention_shape(SMOLLM2)}  # H, H_kv, D
 BATCHES, PREFIXES, NODES = (1, 8, 32, 64), (1024, 4096, 32768), (1, 8, 16, 64)
-
-
-def median_ms(fn) -> float:
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
-def graphed_ms(fn) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph: GPU time without Python
-    or launch overhead, the way the step graph runs it. Falls back to eager
-    timing if ``fn`` cannot be captured."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception:  # noqa: BLE001
-        return median_ms(fn)
-    return median_ms(graph.replay)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, read + write counted."""
-    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
 def random_tree_masks(b: int, n: int, seed: int) -> torch.Tensor:
@@ -149,16 +120,9 @@ def bench_attention(shape: str, b: int, prefix: int, n: int, bandwidth: float, w
 
 
 def bench_ops() -> list[dict]:
-    """verify_greedy and compact_kv: Triton op vs the torch reference."""
+    """compact_kv: the Triton op vs the torch reference (the greedy verdict is plain torch in the step:
+    kernels/verify.py)."""
     rows = []
-    for b, n in [(1, 8), (1, 64), (32, 8), (32, 64)]:
-        parents = random_parents(b, n, seed=n).cuda()
-        masks = ancestor_masks(parents)[0]
-        tokens = torch.randint(0, 3, (b, n), device="cuda")
-        target = torch.randint(0, 3, (b, n), device="cuda")
-        ref = lambda: verify_greedy(tokens, parents, masks, target, n - 1)  # noqa: E731
-        op = lambda: torch.ops.specgraph.verify_greedy(tokens, parents, masks, target, n - 1)  # noqa: E731
-        rows.append(dict(op="verify_greedy", B=b, N=n, triton_ms=graphed_ms(op), torch_ms=graphed_ms(ref)))
     for b, layers in [(1, 30), (32, 32)]:
         kv = torch.randn(2 * layers, b, 8, 4096 + 64, 128, device="cuda", dtype=torch.bfloat16)
         cache_len = torch.full((b,), 4000, device="cuda")

@@ -15,14 +15,11 @@ max_batch=B)`` then a sampled generate (T = 0.8), as ``python -m specgraph.train
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from e2e import SMOLLM2  # noqa: E402  (benchmarks/e2e.py)
+from common import SMOLLM2  # first: sys.path (common.py)
 from specgraph.train.eagle3 import eagle3_loss, new_eagle3_for  # noqa: E402
 from specgraph.train.loop import collate  # noqa: E402
 

@@ -25,14 +25,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from . import kernels  # noqa: F401  (registers the specgraph ops)
+from . import config, kernels  # noqa: F401  (kernels registers the specgraph ops)
 from .errors import CompileError
 from .kernels.bitmask import MAX_NODES
 from .passes.fuse_projections import pack_projections
@@ -172,7 +171,7 @@ def no_stack_traces():
     import torch.fx.config as fx_config
 
     before = getattr(fx_config, "do_not_emit_stack_traces", None)
-    if before is None or os.environ.get("SPECGRAPH_DEBUG") == "1":
+    if before is None or config.debug:
         yield
         return
     fx_config.do_not_emit_stack_traces = True

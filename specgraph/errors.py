@@ -1,7 +1,5 @@
-"""Errors specgraph raises on purpose, and the checked reading of its whole-number settings."""
+"""Errors specgraph raises on purpose."""
 from __future__ import annotations
-
-import os
 
 
 class CompileError(Exception):
@@ -16,14 +14,3 @@ class CompileError(Exception):
         lines = "\n".join(f"  - {b}" for b in self.blockers)
         super().__init__(f"{what}: {len(self.blockers)} blocker(s)\n{lines}")
 
-
-def env_whole_number(name: str, default: int, meaning: str, low: int = 0, high: int | None = None) -> int:
-    """The environment variable ``name`` as a whole number in low..high (``default`` when unset or empty);
-    anything else is refused naming the variable, what it means and the range."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    if not value.isdigit() or int(value) < low or (high is not None and int(value) > high):
-        bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name}={value!r}: give {meaning}, a whole number {bound} (default {default})")
-    return int(value)

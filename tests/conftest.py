@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -41,3 +42,22 @@ def aot_eager_compile(monkeypatch):
         return real(model, **kwargs) if model is not None else real(**kwargs)
 
     monkeypatch.setattr(torch, "compile", compile_aot_eager)
+
+
+@pytest.fixture
+def settings():
+    """``settings(debug=True, ...)``: ``specgraph.config.patch`` for the rest of the test (the
+    environment is read once, so tests change settings through the config, never the environment)."""
+    from specgraph import config
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(config.patch(**overrides))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def check_graph_after_every_pass():
+    """Every test's captures check the graph invariants after every pass (passes/invariants.py)."""
+    from specgraph import config
+
+    with config.patch(check_graph=True):
+        yield

@@ -97,8 +97,8 @@ def test_while_plain_leads_the_speculating_modes_are_refreshed_and_win_back(tmp_
     assert chosen[-10:] == ["tree"] * 10
 
 
-def test_cost_policy_is_lossless_and_persists_across_spec_models(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECGRAPH_CACHE", str(tmp_path))
+def test_cost_policy_is_lossless_and_persists_across_spec_models(tmp_path, settings):
+    settings(cache=tmp_path)
     from specgraph.models import cache_root
 
     model = tiny_model("llama")

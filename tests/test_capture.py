@@ -128,30 +128,24 @@ def test_single_row_step_rotates_in_attention_and_matches_hf(driver):
 
 def test_multi_row_fold_is_exact_when_allowed(driver, monkeypatch):
     """The fold is correct at any R (MAX_ROWS is a measured speed limit, not a correctness one): a 12-node
-    tree for 3 sequences folds (the limit raised to 64 rows for every head width) and every node still
-    matches HF on its root path; with the limit lowered (SPECGRAPH_FOLD_ROTARY_ROWS) the RoPE stays apart,
-    counted; a limit that is not a number is refused."""
-    monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "64")
+    tree for 3 sequences folds (both row limits raised to 64, whatever the head width) and every node
+    still matches HF on its root path; with the limits lowered the RoPE stays apart, counted."""
+    for name in ("MAX_ROWS", "MAX_ROWS_WIDE_HEADS"):
+        monkeypatch.setattr(FOLD_ROTARY, name, 64)
     _assert_rope_folded(driver.capture.step(driver.batch, 12), driver.model)
     check_tree_against_hf(driver, nodes=12, tol=TOL)
-    monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "8")
+    for name in ("MAX_ROWS", "MAX_ROWS_WIDE_HEADS"):
+        monkeypatch.setattr(FOLD_ROTARY, name, 8)
     above = driver.capture.step(1, 9)  # above the limit: apart, counted
     assert dict(above.pass_results)["fold_rotary"].counters == {"rotary_folded": 0,
                                                                 "rotary_unfolded": above.info.num_layers}
-    monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "many")
-    with pytest.raises(ValueError, match="SPECGRAPH_FOLD_ROTARY_ROWS='many'"):
-        driver.capture.step(1, 10)
 
 
 def test_wide_heads_fold_fewer_rows(driver, monkeypatch):
     """The row limit follows the head width: heads wider than NARROW_HEAD_DIM fold steps of up to
-    MAX_ROWS_WIDE_HEADS (8) rows (measured slower at 64 rows on the 8B shape), narrower ones up to MAX_ROWS;
-    the environment's limit overrides both."""
+    MAX_ROWS_WIDE_HEADS (8) rows (measured slower at 64 rows on the 8B shape), narrower ones up to MAX_ROWS."""
     assert FOLD_ROTARY.max_rows(64) == FOLD_ROTARY.MAX_ROWS == 64
     assert FOLD_ROTARY.max_rows(128) == FOLD_ROTARY.MAX_ROWS_WIDE_HEADS == 8
-    monkeypatch.setenv("SPECGRAPH_FOLD_ROTARY_ROWS", "16")
-    assert FOLD_ROTARY.max_rows(64) == FOLD_ROTARY.max_rows(256) == 16
-    monkeypatch.delenv("SPECGRAPH_FOLD_ROTARY_ROWS")
     monkeypatch.setattr(FOLD_ROTARY, "NARROW_HEAD_DIM", driver.capture.step(1, 1).info.head_dim - 1)
     wide = driver.capture.step(1, 13)  # 13 > 8 rows of (now) wide heads: apart, counted
     assert dict(wide.pass_results)["fold_rotary"].counters == {"rotary_folded": 0,
@@ -231,8 +225,8 @@ def _path(parents, i):
     return root_path(parents, i)
 
 
-def test_skipping_speed_up_passes_keeps_logits_and_cache(monkeypatch):
-    """SPECGRAPH_SKIP_PASSES (A/B measurements): without the folds the step computes the same logits and
+def test_skipping_speed_up_passes_keeps_logits_and_cache(settings):
+    """config.skip_passes (A/B measurements): without the folds the step computes the same logits and
     writes the same cache; a pass the graph needs cannot be skipped."""
     from specgraph.capture import Capture
 
@@ -245,7 +239,7 @@ def test_skipping_speed_up_passes_keeps_logits_and_cache(monkeypatch):
     full = Capture(model, 64).step(2, 1)
     assert [name for name, _ in full.pass_results][-2:] == ["fold_norms", "fold_norms_rows"]
     _assert_rope_folded(full, model)
-    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_rotary, fold_cache_writes, fold_norms, fold_norms_rows")
+    settings(skip_passes="fold_rotary, fold_cache_writes, fold_norms, fold_norms_rows")
     bare = Capture(model, 64).step(2, 1)
     assert [name for name, _ in bare.pass_results][-1] == "inplace_cache_writes"
     graph = bare.program.graph_module.graph
@@ -256,22 +250,22 @@ def test_skipping_speed_up_passes_keeps_logits_and_cache(monkeypatch):
         torch.testing.assert_close(full(ids, positions, cache_len, chain), bare(ids, positions, cache_len, chain),
                                    atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(full.kv, bare.kv, atol=1e-6, rtol=1e-6)
-    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "replace_attention")
+    settings(skip_passes="replace_attention")
     with pytest.raises(ValueError, match="only speed-up passes may be skipped"):
         Capture(model, 64).step(2, 1)
 
 
-@pytest.mark.parametrize("debug", ["0", "1"])
-def test_export_skips_stack_traces_unless_debugging(debug, monkeypatch):
+@pytest.mark.parametrize("debug", [False, True])
+def test_export_skips_stack_traces_unless_debugging(debug, settings):
     """Exports trace without torch.fx's per-node stack traces (a fifth of the time, read by nothing);
-    SPECGRAPH_DEBUG=1 keeps them. The global flag is restored either way."""
+    config.debug keeps them. The global flag is restored either way."""
     import torch.fx.config as fx_config
 
     from specgraph.capture import export_tree_step
 
-    monkeypatch.setenv("SPECGRAPH_DEBUG", debug)
+    settings(debug=debug)
     before = fx_config.do_not_emit_stack_traces
     program, _ = export_tree_step(tiny_model("llama"), batch=1, nodes=2, max_length=32)
     traced = [n for n in program.graph.nodes if n.op == "call_function" and n.meta.get("stack_trace")]
-    assert bool(traced) == (debug == "1")
+    assert bool(traced) == debug
     assert fx_config.do_not_emit_stack_traces == before

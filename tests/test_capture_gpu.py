@@ -19,7 +19,7 @@ from capture_harness import Driver
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 
 
-def test_captured_smollm2_triton_as_close_to_fp32_as_reference_path(monkeypatch):
+def test_captured_smollm2_triton_as_close_to_fp32_as_reference_path(settings):
     from specgraph.models import load_gguf
 
     try:
@@ -31,9 +31,9 @@ def test_captured_smollm2_triton_as_close_to_fp32_as_reference_path(monkeypatch)
     models = {torch.float32: model, torch.bfloat16: copy.deepcopy(model).to(torch.bfloat16)}
     prompts = [tokenizer(t).input_ids for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
     results = {}
-    for name, dtype, reference in (("truth", torch.float32, "1"), ("triton", torch.bfloat16, "0"),
-                                   ("reference", torch.bfloat16, "1")):
-        monkeypatch.setenv("SPECGRAPH_REFERENCE_KERNELS", reference)
+    for name, dtype, reference in (("truth", torch.float32, True), ("triton", torch.bfloat16, False),
+                                   ("reference", torch.bfloat16, True)):
+        settings(reference_kernels=reference)
         driver = Driver(models[dtype], batch=3, max_length=256, seed=0)  # same seed: same trees
         driver.prefill(prompts)
         tokens, parents, mask, depth = driver.random_tree(nodes=16, good_path=False)

@@ -1,18 +1,19 @@
 """The draft fast paths (specgraph/fast_paths.py) on by default, token-exact with HF greedy, and
-SPECGRAPH_SKIP_FAST_PATHS switching them off."""
+config.skip_fast_paths switching them off."""
 import pytest
 import torch
 
 import specgraph
+from specgraph import config
 from test_capture import tiny_model
 from test_generate import generated_rows, hf_greedy, left_pad, prompts
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_draft_fast_paths_are_token_exact(monkeypatch, backend):
+def test_draft_fast_paths_are_token_exact(monkeypatch, settings, backend):
     """The draft fast paths (default): EAGLE-2's top-k and ranking through specgraph::topk, the draft
     layer's q/k/v and gate/up as one product each, eager and compiled: HF greedy's tokens.
-    SPECGRAPH_SKIP_FAST_PATHS switches them off at the next compile; an unknown name is refused."""
+    config.skip_fast_paths switches them off at the next compile; an unknown name is refused."""
     from specgraph.drafts import Eagle3
     from specgraph.kernels import topk as topk_module
 
@@ -20,7 +21,7 @@ def test_draft_fast_paths_are_token_exact(monkeypatch, backend):
     for name in ("topk_reference", "topk_packed"):  # the op's decomposition; on the CPU, its implementation
         spy = lambda x, k, f=getattr(topk_module, name): calls.append(k) or f(x, k)  # noqa: E731
         monkeypatch.setattr(topk_module, name, spy)
-    monkeypatch.delenv("SPECGRAPH_SKIP_FAST_PATHS", raising=False)
+    settings(skip_fast_paths="")
     model = tiny_model("llama")
     torch.manual_seed(0)
     draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
@@ -35,13 +36,13 @@ def test_draft_fast_paths_are_token_exact(monkeypatch, backend):
     for row, got in zip(rows, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)
     assert set(calls) == {3, 7}  # the op ran: each level's top 3 tokens and lanes, the 7 nodes kept
-    monkeypatch.setenv("SPECGRAPH_SKIP_FAST_PATHS", "topk,fuse_projections")
+    settings(skip_fast_paths="topk,fuse_projections")
     calls.clear()
     specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_length=128)
     assert attn.fused_qkv is None and draft.midlayer.fused_gate_up is None  # off at the next compile
     specgraph.trees.top_k(torch.randn(2, 50), 3)
     assert not calls  # torch.topk
-    monkeypatch.setenv("SPECGRAPH_SKIP_FAST_PATHS", "topk,cub")
+    settings(skip_fast_paths="topk,cub")
     with pytest.raises(ValueError, match=r"SPECGRAPH_SKIP_FAST_PATHS names \['cub'\]"):
         specgraph.trees.top_k(torch.randn(2, 50), 3)
 
@@ -59,8 +60,7 @@ def test_fast_paths_leave_the_shipped_heads_proposals_alone():
                                                   tokenize=False, add_generation_prompt=True)).input_ids
     accepted = {}
     for skip in ("", "topk,fuse_projections"):
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("SPECGRAPH_SKIP_FAST_PATHS", skip)
+        with config.patch(skip_fast_paths=skip):
             spec = specgraph.compile(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_length=256)
             out = spec.generate(torch.tensor([row]), max_new_tokens=32, eos_token_id=None, return_dict_in_generate=True)
         accepted[skip] = [lens[0] for lens in out["accept_lens"]]

@@ -111,15 +111,15 @@ def test_what_was_measured_slower_is_left_alone(rows):
 
 @pytest.mark.parametrize("name, layers_folded, gated", [("llama", True, True), ("qwen3", True, True),
                                                         ("phi3", True, False), ("gemma3", False, False)])
-def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, monkeypatch):
+def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, settings):
     model = tiny_model(name)
     gen = torch.Generator().manual_seed(5)
     b, r = 1, 1  # decode at batch 1: the one case folded
     ids = torch.randint(3, 101, (b, r), generator=gen)
-    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_norms")
+    settings(skip_passes="fold_norms")
     plain = Capture(model, 64).step(b, r)
     assert "fold_norms" not in dict(plain.pass_results)
-    monkeypatch.delenv("SPECGRAPH_SKIP_PASSES")
+    settings(skip_passes="")
     step = Capture(model, 64).step(b, r)  # the default pipeline folds
     counters = dict(step.pass_results)["fold_norms"].counters
     layers = model.config.num_hidden_layers

@@ -6,6 +6,7 @@ its root path, and steps outside 2..16 rows are left alone."""
 import pytest
 import torch
 
+from specgraph import config
 from specgraph.capture import Capture
 from capture_harness import Driver, check_tree_against_hf
 from test_capture import TOL, tiny_model
@@ -15,22 +16,19 @@ NORM_OUT = torch.ops.specgraph.fused_linear_norm_out.default
 FUSED = torch.ops.specgraph.fused_linear.default
 
 
-def _step(model, rows, monkeypatch, folded: bool):
-    if folded:
-        monkeypatch.delenv("SPECGRAPH_SKIP_PASSES", raising=False)
-    else:
-        monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", "fold_norms_rows")
-    return Capture(model, 64).step(1, rows)
+def _step(model, rows, folded: bool):
+    with config.patch(skip_passes="" if folded else "fold_norms_rows"):
+        return Capture(model, 64).step(1, rows)
 
 
 @pytest.mark.parametrize("name, silu", [("llama", True), ("qwen3", True), ("phi3", False), ("gemma3", None)])
-def test_multi_row_step_matches_the_unfolded_one(name, silu, monkeypatch):
+def test_multi_row_step_matches_the_unfolded_one(name, silu):
     """8 rows: every norm but the first layer's (its input is the embedding) and the final one (read through
     prune_logits' alias) folds; SiLU·mul where fuse_projections split the packed gate/up (Phi-3 chunks its
     own); Gemma-3's (1 + weight) norms sit between each product and its residual add: nothing."""
     model = tiny_model(name)
     layers = model.config.num_hidden_layers
-    plain, step = _step(model, 8, monkeypatch, False), _step(model, 8, monkeypatch, True)
+    plain, step = _step(model, 8, False), _step(model, 8, True)
     counters = dict(step.pass_results)["fold_norms_rows"].counters
     if silu is None:
         assert counters == {"norms_folded": 0, "silu_mul_folded": 0, "rows_out_of_range": 0}
@@ -48,9 +46,8 @@ def test_multi_row_step_matches_the_unfolded_one(name, silu, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["llama", "phi3"])
-def test_every_node_matches_hf_with_the_fold(name, monkeypatch):
+def test_every_node_matches_hf_with_the_fold(name):
     """Three sequences, a 5-node tree each (15 rows): each node's logits equal HF eager's on its root path."""
-    monkeypatch.delenv("SPECGRAPH_SKIP_PASSES", raising=False)
     d = Driver(tiny_model(name), batch=3, max_length=96, seed=3)
     d.prefill([[d.rng.randrange(3, 101) for _ in range(length)] for length in (6, 29, 17)])
     counters = dict(d.capture.step(3, 5).pass_results)["fold_norms_rows"].counters
@@ -59,10 +56,10 @@ def test_every_node_matches_hf_with_the_fold(name, monkeypatch):
 
 
 @pytest.mark.parametrize("rows, out_of_range", [(1, 0), (17, 5)])
-def test_rows_outside_the_kernels_range_are_left_alone(rows, out_of_range, monkeypatch):
+def test_rows_outside_the_kernels_range_are_left_alone(rows, out_of_range):
     """One row is fold_norms' (already folded: nothing left to match); 17 rows exceed fused_linear's 16:
     counted, the graph keeps its norms and SiLU·mul."""
-    step = _step(tiny_model("llama"), rows, monkeypatch, True)
+    step = _step(tiny_model("llama"), rows, True)
     assert dict(step.pass_results)["fold_norms_rows"].counters == {"norms_folded": 0, "silu_mul_folded": 0,
                                                                    "rows_out_of_range": out_of_range}
     assert not step.program.graph_module.graph.find_nodes(op="call_function", target=NORM_OUT)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import specgraph
+from specgraph.runtime import step as step_module
 from specgraph.runtime.graphed import GraphedCall
 from specgraph import Chain, CompileError
 from specgraph.drafts import Medusa, NGram
@@ -77,14 +78,14 @@ def test_eos_inside_an_accepted_chunk_and_rows_finishing_apart():
     assert out.shape[1] == ids.shape[1] + width  # as long as the longest row, like model.generate
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", [5, 8, 9])
-def test_rows_finishing_apart_fit_an_exact_cache(seed, overlap, monkeypatch):
+def test_rows_finishing_apart_fit_an_exact_cache(seed, overlap, settings):
     """max_length exactly prompt + max_new_tokens + tree: a row that finished (its cache_len ran
     ahead by the tokens it accepted but did not need) keeps riding along while another row decodes;
     its tree once went past the cache's end (an out-of-bounds scatter). With the next step launched
-    before the last is read (SPECGRAPH_OVERLAP=1, the CUDA default), the same tokens."""
-    monkeypatch.setenv("SPECGRAPH_OVERLAP", overlap)
+    before the last is read (config.overlap, on by default on CUDA), the same tokens."""
+    settings(overlap=overlap)
     model = tiny_model("llama")
     rep, rand = prompts(seed, [30, 9])[1], prompts(seed, [30, 9])[0]
     rows = [rep * 3, rand[:7]]  # the long repetitive row accepts long chunks and finishes first
@@ -263,18 +264,18 @@ def assert_one_compile_across_lengths(spec, model, batches, max_new_tokens: int 
         graphs = now
 
 
-@pytest.mark.parametrize("kind,whole_step", [("ngram", "1"), ("eagle3", "1"), ("medusa", "1"), ("eagle3", "0")])
-def test_inductor_backend_is_token_exact(kind, whole_step, monkeypatch, request):
+@pytest.mark.parametrize("kind,whole_step", [("ngram", True), ("eagle3", True), ("medusa", True), ("eagle3", False)])
+def test_inductor_backend_is_token_exact(kind, whole_step, settings, request):
     """backend="inductor": the decode step (verify, compact, commit, and for EAGLE-3 the next EAGLE-2
     tree) compiles as one graph (fullgraph=True: a graph break or host sync would raise); same tokens.
-    SPECGRAPH_WHOLE_STEP=0 (the fallback) compiles the target bucket alone. The n-gram case runs dynamo
+    config.whole_step=False (the fallback) compiles the target bucket alone. The n-gram case runs dynamo
     and AOTAutograd without inductor's CPU codegen (aot_eager_compile: its verify, compact and commit are
     the other cases' under inductor; the n-gram step under inductor is test_graphed's, on the GPU)."""
     from specgraph.drafts import Eagle3
 
     if kind == "ngram":
         request.getfixturevalue("aot_eager_compile")
-    monkeypatch.setenv("SPECGRAPH_WHOLE_STEP", whole_step)
+    settings(whole_step=whole_step)
 
     def compiled():  # a new tiny Llama and draft, the same each time (seeded)
         model = tiny_model("llama")
@@ -368,12 +369,11 @@ def test_plain_decoding_on_the_same_engine():
         specgraph.compile(model, None, tree=Chain(3))
 
 
-@pytest.mark.parametrize("chunk", ["16", "0"])
+@pytest.mark.parametrize("chunk", [16, 0])
 def test_argmax_in_chunks_is_token_exact(monkeypatch, chunk):
-    """SPECGRAPH_ARGMAX_CHUNK: the greedy argmax of every step in two stages, chunks of 16 of the 101 logits
-    (the last one partial), or in one (0): the same tokens as HF greedy; a value that is not a count is
-    refused by name."""
-    monkeypatch.setenv("SPECGRAPH_ARGMAX_CHUNK", chunk)
+    """step.ARGMAX_CHUNK: the greedy argmax of every step in two stages, chunks of 16 of the 101 logits
+    (the last one partial), or in one (0): the same tokens as HF greedy."""
+    monkeypatch.setattr(step_module, "ARGMAX_CHUNK", chunk)
     model = tiny_model("llama")
     spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=2, max_length=128)
     rows = prompts(6, [9, 30])
@@ -381,10 +381,6 @@ def test_argmax_in_chunks_is_token_exact(monkeypatch, chunk):
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=25, eos_token_id=None)
     for row, got in zip(rows, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=25, eos_token_id=None)
-    monkeypatch.setenv("SPECGRAPH_ARGMAX_CHUNK", "big")
-    with pytest.raises(ValueError, match="SPECGRAPH_ARGMAX_CHUNK='big'"):
-        specgraph.compile(model, NGram(), tree=Chain(4), max_batch=2, max_length=128).generate(ids, attention_mask=mask,
-                                                                                          max_new_tokens=2)
 
 
 def test_synthetic_acceptance_is_forced_and_labelled():

@@ -32,11 +32,10 @@ def chat(tokenizer, text: str) -> list[int]:
                                          tokenize=True, return_dict=True)["input_ids"]
 
 
-@pytest.mark.parametrize("batch,kind,cuda_graphs", [(1, "eagle3", "1"), (2, "eagle3", "1"), (2, "ngram", "1"),
-                                                    (1, "ngram", "0")])  # CUDA graphs are the default
-def test_whole_step_is_token_exact(smollm2, kind, batch, cuda_graphs, monkeypatch):
-    monkeypatch.setenv("SPECGRAPH_WHOLE_STEP", "1")
-    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", cuda_graphs)
+@pytest.mark.parametrize("batch,kind,cuda_graphs", [(1, "eagle3", True), (2, "eagle3", True), (2, "ngram", True),
+                                                    (1, "ngram", False)])  # CUDA graphs are the default
+def test_whole_step_is_token_exact(smollm2, kind, batch, cuda_graphs, settings):
+    settings(whole_step=True, cuda_graphs=cuda_graphs)
     model, tokenizer = smollm2
     torch.manual_seed(0)
     if kind == "ngram":

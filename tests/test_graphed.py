@@ -91,14 +91,6 @@ def test_a_graphed_call_runs_on_its_static_buffers():
     assert passes_none(None, torch.ones(2)).tolist() == [2.0, 2.0] and passes_none(None, torch.zeros(2)).sum() == 0
 
 
-def test_an_unknown_cuda_graphs_setting_is_refused(monkeypatch):
-    from specgraph.runtime.generate import cuda_graph_mode
-
-    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="SPECGRAPH_CUDA_GRAPHS='yes'"):
-        cuda_graph_mode(torch.device("cpu"))
-
-
 def _graphed_steps(spec):
     return [bucket.run for bucket in spec.capture.decode_steps.values() if isinstance(bucket.run, StaticStep)]
 
@@ -128,13 +120,11 @@ def _assert_matches_hf(model, spec, rows, new_tokens):
 @pytest.mark.parametrize("kind,batch,skip,skip_fast", [
     ("eagle3", 1, "", ""), ("eagle3", 2, "", ""), ("eagle3", 2, "", "topk,fuse_projections"), ("ngram", 2, "", ""),
     ("ngram", 2, "fold_norms_rows", "")])
-def test_recorded_step_is_token_exact_on_cuda(kind, batch, skip, skip_fast, monkeypatch):
+def test_recorded_step_is_token_exact_on_cuda(kind, batch, skip, skip_fast, settings):
     """Greedy generate through the recorded step graph equals HF's greedy on the GPU (ngram: the verify step
     of 2 x 5 rows takes fold_norms_rows' kernels; with skip, without them; EAGLE-3 with the draft fast paths,
     specgraph::topk's kernel and the fused draft products inside the graph, and without them)."""
-    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
-    monkeypatch.setenv("SPECGRAPH_SKIP_PASSES", skip)
-    monkeypatch.setenv("SPECGRAPH_SKIP_FAST_PATHS", skip_fast)
+    settings(cuda_graphs=True, skip_passes=skip, skip_fast_paths=skip_fast)
     model, spec = _compile_on_cuda(kind, 4, (4, 3, 10), batch, 160)
     rows = prompts(3, [11, 30][:batch])
     for call in range(2):  # the second call reuses the recorded graph with new prompts copied in
@@ -148,10 +138,10 @@ def test_recorded_step_is_token_exact_on_cuda(kind, batch, skip, skip_fast, monk
 
 
 @pytest.mark.gpu
-def test_recorded_sampling_draws_afresh_each_replay(monkeypatch):
+def test_recorded_sampling_draws_afresh_each_replay(settings):
     """The graph's random draws follow the generator: the same seed repeats a sample, another seed
     draws anew (a graph that baked its recording's random state in would repeat it)."""
-    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
+    settings(cuda_graphs=True)
     model = tiny_model("llama").cuda()
     spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=1, max_length=200, backend="inductor")
     ids = torch.tensor([prompts(5, [12])[0]], device="cuda")
@@ -168,11 +158,11 @@ def test_recorded_sampling_draws_afresh_each_replay(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["eagle3", "ngram"])
-def test_recorded_prefill_is_token_exact_on_cuda(kind, monkeypatch):
+def test_recorded_prefill_is_token_exact_on_cuda(kind, settings):
     """What a call runs before its first step, as CUDA graphs: the prefill bucket, the draft's pass
     over the prompt and the first propose. Prompts of several chunks and new lengths replay one
     recording each (the session state they read is written in place), token-exact."""
-    monkeypatch.setenv("SPECGRAPH_CUDA_GRAPHS", "1")
+    settings(cuda_graphs=True)
     model, spec = _compile_on_cuda(kind, 3, (3, 2, 6), 2, 320)
     for seed, lengths in enumerate(([150, 70], [40, 201], [131, 131])):  # 1 to 4 chunks of 64
         _assert_matches_hf(model, spec, prompts(30 + seed, lengths), 16)

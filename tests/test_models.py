@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specgraph import StaticTree, Tree
+from specgraph import config
 from specgraph.kernels.verify import verify_greedy
 from specgraph.models import default_gguf, load_gguf
 
@@ -32,19 +33,19 @@ def test_default_model_is_smollm2(smollm2):
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
 
 
-def test_the_converted_cache_is_the_gguf_model_bit_for_bit(smollm2, tmp_path, monkeypatch):
+def test_the_converted_cache_is_the_gguf_model_bit_for_bit(smollm2, tmp_path):
     """load_gguf keeps the dequantized model as a plain checkpoint; loading that must give what
     transformers' own reading of the GGUF file gives (the oracle, without load_gguf's one-parse reader):
     the same weights, config, generation config and tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("SPECGRAPH_CACHE", str(tmp_path))
-    ours, direct_tok = load_gguf()  # reads the GGUF (one parse) and writes the converted copy under tmp_path
-    assert list((tmp_path / "converted").iterdir())
-    cached, cached_tok = load_gguf()
+    with config.patch(cache=tmp_path):
+        ours, direct_tok = load_gguf()  # reads the GGUF (one parse) and writes the converted copy under tmp_path
+        assert list((tmp_path / "converted").iterdir())
+        cached, cached_tok = load_gguf()
     path = default_gguf()  # the tokenizer's metadata through a reused reader: test_one_gguf_parse_serves_every_read
     direct = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
-    plain = lambda config: {k: v for k, v in config.to_diff_dict().items() if k != "quantization_config"}  # noqa: E731
+    plain = lambda cfg: {k: v for k, v in cfg.to_diff_dict().items() if k != "quantization_config"}  # noqa: E731
     for a, b in ((direct, ours), (direct, cached), (smollm2[0], cached)):
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

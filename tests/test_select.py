@@ -7,16 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specgraph.trees as trees
-from specgraph import Chain, DynamicTree, Tree, select_tree
+from specgraph import Chain, DynamicTree, Tree, config, select_tree
 from specgraph.trees import expand_frontier, seed_frontier
 from oracles import dfs_order_ok, select_oracle
 
 @pytest.fixture(scope="module", params=["", "topk"], autouse=True)
 def skip_fast_paths(request):
     """Every test twice: candidates ranked by specgraph::topk (the default), and by stable sorts
-    (SPECGRAPH_SKIP_FAST_PATHS=topk)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SPECGRAPH_SKIP_FAST_PATHS", request.param)
+    (config.skip_fast_paths={"topk"})."""
+    with config.patch(skip_fast_paths=request.param):
         yield request.param
 
 

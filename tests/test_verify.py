@@ -1,11 +1,10 @@
 """Greedy, typical and sampling-parameter parts of reference verification."""
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from specgraph import Chain, StaticTree, Tree
-import specgraph.kernels  # registers the ops
 from specgraph.kernels.verify import (greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample,
                                       verify_typical)
 from oracles import longest_accepted_path
@@ -144,45 +143,6 @@ def test_typical_acceptance_is_greedy_at_temperature_zero_and_lossy_above():
     typical = verify_typical(*_args(tree), sampling_probs(logits, 1.0), tree.max_depth)
     assert typical.path.tolist() == [[0, 1, 2]]  # accepts the non-argmax draft: lossy by design
     assert typical.accept_len.tolist() == [3]
-
-
-# ----------------------------------------------------------------------------- the greedy op
-@settings(max_examples=100)  # each example launches the kernel (0.15 s in CI's Triton interpreter)
-@given(tree_and_targets())
-def test_greedy_op_and_triton_kernel_match_the_reference(case):
-    import os
-
-    from specgraph.kernels.verify import verify_greedy_triton
-
-    parents, tokens, targets = case
-    b, n = tokens.shape
-    tree = Tree.from_parents(tokens, torch.tensor(parents).expand(b, n))
-    want = verify_greedy(*_args(tree), targets, tree.max_depth)
-    got = torch.ops.specgraph.verify_greedy(*_args(tree), targets, tree.max_depth)
-    for w, g in zip(want, got):
-        assert torch.equal(w, g)
-    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
-        device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-        move = lambda x: x.to(device)  # noqa: E731
-        got = verify_greedy_triton(move(tree.tokens), move(tree.parents), move(tree.mask), move(targets), tree.max_depth)
-        for name, w, g in zip(want._fields, want, got):
-            assert torch.equal(w, g.cpu()), name
-
-
-def test_greedy_op_through_export_and_decomposition():
-    class Verify(torch.nn.Module):
-        def forward(self, tokens, parents, mask, logits):
-            return torch.ops.specgraph.verify_greedy(tokens, parents, mask, logits.argmax(-1), 3)
-
-    g = torch.Generator().manual_seed(0)
-    tree = Tree.from_spec(StaticTree([[0], [1], [0, 0], [0, 0, 0]]), torch.randint(0, 3, (2, 5), generator=g))
-    args = (tree.tokens, tree.parents, tree.mask, torch.randn(2, 5, 3, generator=g))
-    want = Verify()(*args)
-    ep = torch.export.export(Verify(), args)
-    decomposed = ep.run_decompositions(specgraph.kernels.DECOMPOSITIONS)
-    assert not any("specgraph" in str(n.target) for n in decomposed.graph.nodes)
-    for w, got in zip(want, decomposed.module()(*args)):
-        assert torch.equal(w, got)
 
 
 @given(tree_and_targets(), st.integers(1, 8))

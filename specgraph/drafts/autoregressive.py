@@ -92,10 +92,6 @@ class ARSession(DraftSession):
                 self.levels.append((t(expanding), t([parents[i] for i in expanding]), t(children),
                                     t([expanding.index(parents[i]) for i in children]), t([ranks[i] for i in children])))
 
-    def caches(self) -> list[torch.Tensor]:
-        """The tensors this session mutates in place (the draft KV cache)."""
-        return list(self.kv) if isinstance(self.kv, (list, tuple)) else [self.kv]
-
     def _run(self, tokens, features, from_target, cache_len, slots, mask, depth):
         """One call; positions follow depth in the window: cache_len + depth."""
         positions = cache_len.view(-1, 1) + depth

@@ -25,10 +25,6 @@ class DraftSession(ABC):
     taps: HiddenTaps | None = None  # the target states the draft reads (None: none)
 
     @abstractmethod
-    def caches(self) -> list[torch.Tensor]:
-        """The tensors the step mutates in place (their addresses must stay fixed under CUDA graphs)."""
-
-    @abstractmethod
     def prefill(self, prompts: list[list[int]], features: torch.Tensor | None) -> None:
         """Take a call's prompts and their tapped features ``[B, T-1, F]`` (None without taps), in place."""
 

@@ -223,9 +223,6 @@ class MedusaSession(DraftSession):
         self.draft, self.tree = draft, tree
         self.hidden = torch.zeros(batch, draft.hidden_size, dtype=next(draft.parameters()).dtype, device=device)
 
-    def caches(self) -> list:
-        return []
-
     def prefill(self, prompts, features) -> None:
         for row, prompt in enumerate(prompts):
             if len(prompt) > 1:  # a 1-token prompt has nothing prefilled: its first tree is a guess

@@ -86,9 +86,6 @@ class NGramSession(DraftSession):
         self.seq = torch.zeros(batch, max_length + 64, dtype=torch.int64, device=device)
         self.length = torch.zeros(batch, dtype=torch.int64, device=device)
 
-    def caches(self) -> list:
-        return [self.seq]
-
     def prefill(self, prompts, features) -> None:
         for row, prompt in enumerate(prompts):
             self.seq[row, : len(prompt)] = torch.tensor(prompt, device=self.device)

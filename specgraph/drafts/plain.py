@@ -24,9 +24,6 @@ class Plain(Draft):
 class PlainSession(DraftSession):
     """Stateless: the root is the whole tree."""
 
-    def caches(self) -> list[torch.Tensor]:
-        return []
-
     def prefill(self, prompts, features) -> None:
         pass
 

@@ -1,6 +1,6 @@
 """specgraph's ops: one module per op (Triton kernel, registration, plain-torch reference).
 
-Imports nothing else of specgraph. Importing this package registers the
+Imports nothing else of specgraph but its settings (``specgraph.config``). Importing this package registers the
 ``torch.ops.specgraph.*`` ops. ``DECOMPOSITIONS`` maps each op to standard
 aten ops (``ExportedProgram.run_decompositions(DECOMPOSITIONS)``: what ONNX
 and TensorRT export lower to).
@@ -16,12 +16,10 @@ from . import kv_write as _kv_write  # noqa: F401  (export traces it as its refe
 from . import topk as _topk
 from . import tree_attention as _tree_attention
 from . import tree_attention_write as _tree_attention_write  # noqa: F401  (export traces its reference)
-from . import verify as _verify
 
 DECOMPOSITIONS = {
     torch.ops.specgraph.tree_attention.default: _tree_attention.tree_attention_reference,
     torch.ops.specgraph.tree_attention_mask.default: lambda *a: _tree_attention.allowed_keys(*a).unsqueeze(1),
-    torch.ops.specgraph.verify_greedy.default: _verify.verify_greedy_decomposition,
     torch.ops.specgraph.fused_linear.default: _fused_linear.fused_linear_reference,
     torch.ops.specgraph.fused_linear_norm_out.default: _fused_linear.fused_linear_norm_out_reference,
     torch.ops.specgraph.topk.default: _topk.topk_reference,

@@ -24,8 +24,8 @@ Contract:
 product with the residual add, plus ``next_gamma * out`` and out's float32 sums of squares per 16 columns
 ([..., ceil(N / 16)]), written by the same programs (``norm_out_reference``). The pass fold_norms_rows
 uses the pair and ``silu_mul`` for steps of 2..16 rows, where a prologue in front of ``tl.dot`` lost to
-cuBLAS and the bare 16-row tiles matched it (fourteenth session; the 8B verify step of 8 nodes 1.136x ->
-1.046x its plain step, fifteenth).
+cuBLAS and the bare 16-row tiles matched it (H200, 2026-12-01, docs/benchmarks.md; the 8B verify step of 8
+nodes went from 1.136x to 1.046x its plain step).
 
 Why: at batch 1 a small model's step is bound by launches, not bytes (SmolLM2-135M: ~250 launches a
 decode step at ~3 us each, 14x its bytes floor, docs/benchmarks.md). A decoder layer launches a
@@ -40,22 +40,21 @@ tiles: 8B q/k/v at 8 rows 30.6 against 23.4 us). One row runs on the CUDA cores 
 FMAs over [BLOCK_N, BLOCK_K], one reduction after the K loop), more rows through ``tl.dot`` with the
 rows padded to 16. M <= MAX_ROWS only; more rows take the reference (the norm, a cuBLAS product, the add).
 
-Measured (``benchmarks/fused_linear.py``, H200, docs/benchmarks.md, thirteenth session), one row, each
+Measured (``benchmarks/fused_linear.py``, H200, 2026-12-01, docs/benchmarks.md), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
 SmolLM2 2.6-3.9 us against 3.8-5.4; Llama-3.1-8B q/k/v + norm 15.6 against 16.2, o + add 11.5 against
 13.5, gate/up + norm 56.9 against 57.3, down + SiLU·mul + add 30.6 against 32.2. Layers without attention
 (each product in its best tile): SmolLM2 21.9 -> 12.2 us, 8B 126.8 -> 113.0. At 8 rows only o wins, by
-1.2 us (12.3 against 13.5); the rest lose, the norm and gated products badly (q/k/v 23.4 against 15.5,
-twelfth session; the prologue in front of ``tl.dot``). The pass fold_norms uses it only where it won.
+1.2 us (12.3 against 13.5); the rest lose, the norm and gated products badly (q/k/v 23.4 against 15.5:
+the prologue in front of ``tl.dot``). The pass fold_norms uses it only where it won.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import config
 from .tree_attention import _dot
 
 MAX_ROWS = 16  # one 16-row tile of x per program
@@ -164,8 +163,8 @@ TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = No
 def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
                 silu_mul: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight (silu_mul: N output
-    columns of a [2N, K] weight), from the sweeps of ``benchmarks/fused_linear.py`` (H200, docs/benchmarks.md,
-    thirteenth and fifteenth sessions): one row on the CUDA cores in 8-row slices of the weight; small weights
+    columns of a [2N, K] weight), from the sweeps of ``benchmarks/fused_linear.py`` (H200, 2026-12-01,
+    docs/benchmarks.md): one row on the CUDA cores in 8-row slices of the weight; small weights
     the whole of K per step (up to 2048) in 8 warps, 8B-sized ones 1024 columns a step in 4 warps with the
     norm, 512 in 8 without; more rows, 16-row tl.dot tiles (the 8B gate/up with silu_mul: 64 x 128 in 3
     stages, 57.6 us at 8 rows against 61.4 in the others' 32 x 256 in 4, cuBLAS 55.9)."""
@@ -192,7 +191,9 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         rows = rows.contiguous()
     m, k = rows.shape[0], weight.shape[1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    assert m <= MAX_ROWS and weight.stride(-1) == 1, "fused_linear_triton: M <= 16 rows, weight rows contiguous"
+    if m > MAX_ROWS or weight.stride(-1) != 1:
+        raise ValueError(f"fused_linear_triton: {m} rows and weight stride {weight.stride()}: the kernel takes at "
+                         f"most {MAX_ROWS} rows and contiguous weight rows (the op falls back to the reference)")
     res = residual.reshape(m, n) if residual is not None else None
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
@@ -205,7 +206,8 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     if next_gamma is not None:
         block_n = max(block_n, SQUARE_COLS)  # whole chunks of 16 columns per program
         block_k = min(block_k, 512) if block_m == 1 else block_k  # one row's [BN, BK] lanes stay in registers
-        assert block_n % SQUARE_COLS == 0, f"fused_linear_triton: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}"
+        if block_n % SQUARE_COLS:
+            raise ValueError(f"fused_linear_triton: tiles={tiles}: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}")
         scaled = torch.empty_like(out)
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
     _fused_linear_kernel[(triton.cdiv(n, block_n),)](
@@ -293,7 +295,7 @@ def _check(x, weight, gamma, eps, residual, gated, silu_mul=False, row_squares=N
 
 def _use_kernel(x, weight) -> bool:
     m = x.numel() // x.shape[-1]
-    return os.environ.get("SPECGRAPH_REFERENCE_KERNELS") != "1" and m <= MAX_ROWS and weight.stride(-1) == 1
+    return not config.reference_kernels and m <= MAX_ROWS and weight.stride(-1) == 1
 
 
 @torch.library.custom_op("specgraph::fused_linear", mutates_args=())

@@ -33,12 +33,12 @@ them (``new_kv``); with ``rope`` the kernel also rotates q and the new keys.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import config
 from .bitmask import bit_or, mask_to_matrix, node_bits, popcount64
 
 WINDOW_SLOTS = 64
@@ -319,7 +319,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
     else:
         part_o = part_lse = out  # unused
     new_k, new_v = new_kv if new_kv is not None else (k_cache, v_cache)  # unused without WRITE_NEW
-    assert rope is None or new_kv is not None, "rope rotates the step's new keys: pass new_kv too"
+    if rope is not None and new_kv is None:
+        raise ValueError("rope rotates the step's new keys: pass new_kv too")
     cos, sin = rope if rope is not None else (q, q)  # unused without ROPE
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -426,8 +427,8 @@ def _tree_attention_mask_fake(cache_len, tree_mask, s_max, window):
 
 
 def reference_only(q: torch.Tensor) -> bool:
-    """The CUDA impls take the reference: SPECGRAPH_REFERENCE_KERNELS=1, or a head_dim the kernel has no tile for."""
-    return os.environ.get("SPECGRAPH_REFERENCE_KERNELS") == "1" or q.shape[-1] not in (16, 32, 64, 128, 256)
+    """The CUDA impls take the reference: ``config.reference_kernels``, or a head_dim the kernel has no tile for."""
+    return config.reference_kernels or q.shape[-1] not in (16, 32, 64, 128, 256)
 
 
 @torch.library.custom_op("specgraph::tree_attention", mutates_args=())

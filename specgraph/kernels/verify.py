@@ -1,10 +1,9 @@
 """Tree verification: the reference implementations (plain torch, batched).
 
-These are the CPU path and the test oracle. ``verify_greedy`` is also the
-``specgraph::verify_greedy`` custom op with a Triton kernel on CUDA; sampling
-(``verify_sample``) and Medusa's lossy ``verify_typical`` stay plain torch
-(``verify_typical`` runs only on ``compile(..., verify="typical")``, when sampling: its output
-is not the target's distribution).
+The decode step (runtime/step.py) calls these plain-torch functions on every
+device, compiled with the rest of the step; no custom op wraps them.
+Medusa's lossy ``verify_typical`` runs only on ``compile(..., verify="typical")``, when sampling:
+its output is not the target's distribution.
 
 The tree (shared by every verifier), B rows of N nodes:
   tokens:  [B, N] int64   drafted token of each node (node 0 = the root)
@@ -23,20 +22,14 @@ Widths: path arrays are D+1 wide, node arrays N wide; never mix the two.
 Greedy and deterministic-draft sampling are loop-free; recursive rejection
 sampling with draft distributions walks at most N-1 candidates per row.
 No function here synchronises with the host.
-
-``torch.ops.specgraph.verify_greedy`` is the greedy verdict as one op: a
-Triton kernel on CUDA (one program per row, everything in registers), the
-reference elsewhere and as its decomposition.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
-from .bitmask import bit_or, first_child_next_sibling, mask_to_matrix, popcount64
+from .bitmask import first_child_next_sibling, mask_to_matrix
 
 
 class Acceptance(NamedTuple):
@@ -44,83 +37,6 @@ class Acceptance(NamedTuple):
     accept_len: torch.Tensor  # [B]
     bonus: torch.Tensor  # [B]
     emitted: torch.Tensor  # [B, D+1]
-
-
-# ----------------------------------------------------------------------------- greedy: Triton kernel and op
-@triton.jit
-def _verify_greedy_kernel(Tokens, Parents, Mask, Target, Path, AcceptLen, Bonus, Emitted,
-                          N, MAX_DEPTH: tl.constexpr, NODES: tl.constexpr):
-    """One row: accepted = every edge on the root path drafted the parent's
-    target; the deepest accepted node wins, ties to the lowest index."""
-    row = tl.program_id(0).to(tl.int64)
-    nodes = tl.arange(0, NODES)
-    ok = nodes < N
-    tokens = tl.load(Tokens + row * N + nodes, mask=ok, other=-1)
-    parents = tl.load(Parents + row * N + nodes, mask=ok, other=0)
-    mask = tl.load(Mask + row * N + nodes, mask=ok, other=0)
-    target = tl.load(Target + row * N + nodes, mask=ok, other=-1)
-    target_at_parent = tl.load(Target + row * N + tl.maximum(parents, 0), mask=ok, other=-2)
-    one = tl.full([NODES], 1, tl.int64)
-    edge_ok = ((tokens == target_at_parent) | (nodes == 0)) & ok
-    good = tl.reduce(tl.where(edge_ok, one << nodes.to(tl.int64), 0), 0, bit_or)
-    accepted = ((mask & ~good) == 0) & ok
-    depth = popcount64(mask) - 1
-    key = tl.where(accepted, depth * NODES + (NODES - 1 - nodes), -1)
-    best_key = tl.max(key, 0)
-    best = NODES - 1 - best_key % NODES
-    best_depth = best_key // NODES
-    best_mask = tl.sum(tl.where(nodes == best, mask, 0), 0)
-    on_path = (((best_mask >> nodes.to(tl.int64)) & 1) != 0) & ok
-    bonus = tl.sum(tl.where(nodes == best, target, 0), 0)
-    # [slot, node] tables in registers: the path node at depth `slot`, and the token it emits
-    at_depth = on_path[None, :] & (depth[None, :] == nodes[:, None])
-    path = tl.sum(tl.where(at_depth, nodes[None, :] + 1, 0), 1) - 1
-    drafted = tl.sum(tl.where(on_path[None, :] & (depth[None, :] == nodes[:, None] + 1), tokens[None, :] + 1, 0), 1) - 1
-    emitted = tl.where(nodes == best_depth, bonus, tl.where(nodes < best_depth, drafted, -1))
-    width = MAX_DEPTH + 1
-    tl.store(Path + row * width + nodes, path.to(tl.int64), mask=nodes < width)
-    tl.store(Emitted + row * width + nodes, emitted.to(tl.int64), mask=nodes < width)
-    tl.store(AcceptLen + row, (best_depth + 1).to(tl.int64))
-    tl.store(Bonus + row, bonus)
-
-
-def verify_greedy_triton(tokens, parents, mask, target_tokens, max_depth: int) -> Acceptance:
-    b, n = tokens.shape
-    as_i64 = lambda x: x.to(torch.int64).contiguous()  # noqa: E731
-    tokens, parents, mask, target_tokens = map(as_i64, (tokens, parents, mask, target_tokens))
-    path = torch.empty((b, max_depth + 1), dtype=torch.int64, device=tokens.device)
-    emitted = torch.empty_like(path)
-    accept_len = torch.empty(b, dtype=torch.int64, device=tokens.device)
-    bonus = torch.empty_like(accept_len)
-    _verify_greedy_kernel[(b,)](tokens, parents, mask, target_tokens, path, accept_len, bonus, emitted,
-                                n, MAX_DEPTH=max_depth, NODES=max(16, triton.next_power_of_2(n)))
-    return Acceptance(path, accept_len, bonus, emitted)
-
-
-@torch.library.custom_op("specgraph::verify_greedy", mutates_args=())
-def verify_greedy_op(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor, target_tokens: torch.Tensor,
-                     max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``verify_greedy`` as one op; CPU: the reference."""
-    return tuple(t.contiguous() for t in verify_greedy(tokens, parents, mask, target_tokens, max_depth))
-
-
-@verify_greedy_op.register_kernel("cuda")
-def _verify_greedy_cuda(tokens, parents, mask, target_tokens, max_depth):
-    _check_tree(tokens, parents, mask, max_depth)
-    return tuple(verify_greedy_triton(tokens, parents, mask, target_tokens, max_depth))
-
-
-@verify_greedy_op.register_fake
-def _verify_greedy_fake(tokens, parents, mask, target_tokens, max_depth):
-    _check_tree(tokens, parents, mask, max_depth)
-    b = tokens.shape[0]
-    wide = tokens.new_empty((b, max_depth + 1), dtype=torch.int64)
-    flat = tokens.new_empty((b,), dtype=torch.int64)
-    return wide, flat, flat.clone(), wide.clone()
-
-
-def verify_greedy_decomposition(tokens, parents, mask, target_tokens, max_depth):
-    return tuple(verify_greedy(tokens, parents, mask, target_tokens, max_depth))
 
 
 # ----------------------------------------------------------------------------- references
@@ -213,8 +129,8 @@ def greedy_tokens(logits: torch.Tensor, chunk: int = 0) -> torch.Tensor:
     maximum), bit for bit. With ``chunk`` > 0 and V > 2 * chunk, in two stages: the maximum and its first
     index in each chunk of ``chunk`` entries (the last padded with -inf), then the first chunk holding the
     overall maximum. Inductor never splits an arg reduction across programs, so a step's few rows of a
-    128k vocabulary reduce in as many programs (29 us a step on the H200 at one row, fourteenth session's
-    profile); chunks give it rows * V / chunk programs."""
+    128k vocabulary reduce in as many programs (29 us a step on the H200 at one row, in a profile of
+    2026-12-01, docs/benchmarks.md); chunks give it rows * V / chunk programs."""
     vocab = logits.shape[-1]
     if chunk <= 0 or vocab <= 2 * chunk:
         return logits.argmax(-1)

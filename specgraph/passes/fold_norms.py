@@ -17,7 +17,7 @@ Ensures: in a one-row step: (1) every bias-free ``linear(n, W)`` whose input n i
   was left alone: too_many_rows.
 Why: a decoder layer launches a norm kernel (the residual add fused in) before q/k/v and again before
   gate/up, and a SiLU·mul kernel before down; folded, those three go: 8 launches a layer become 5.
-  Measured on the H200 (``benchmarks/fused_linear.py``, docs/benchmarks.md, thirteenth session), one
+  Measured on the H200 (``benchmarks/fused_linear.py``, docs/benchmarks.md, 2026-12-01), one
   row: SmolLM2's layers without attention 21.9 us (norms + cuBLAS) -> 12.2 folded, the 8B shape's
   126.8 -> 113.0 (every product beats cuBLAS with its prologue and epilogue: q/k/v with the norm 15.6
   against 16.2 + a norm kernel, gate/up 56.9 against 57.3 + a norm kernel). At 8 rows the padded
@@ -31,7 +31,7 @@ import operator
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, drop_dead_code
+from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass
 from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
 
@@ -114,7 +114,7 @@ def _gated_source(node):
 
 
 def _why_not(rows_node) -> str | None:
-    """None when folding pays, measured (docs/benchmarks.md, thirteenth session): one row (decode at
+    """None when folding pays, measured (H200, 2026-12-01, docs/benchmarks.md): one row (decode at
     batch 1); else the counter to bump. More rows ran slower as fused_linear (the padded 16-row tiles'
     prologue is compute-bound)."""
     val = _val(rows_node)
@@ -148,6 +148,7 @@ def residual_product(add):
     return None
 
 
+@graph_pass(after=("fuse_projections",))  # norms fold into the fused projections
 def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = adds = gated = 0
@@ -206,9 +207,11 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     gm.recompile()
 
     # Postconditions: no folded norm survives; every fused_linear is a norm (gamma) or an add (residual).
-    assert all(node._erased for chain in chains for node in chain[:-1]), "fold_norms left a folded norm alive"
+    ensure(all(node._erased for chain in chains for node in chain[:-1]), "fold_norms", "a folded norm is left alive")
     fused = graph.find_nodes(op="call_function", target=FUSED_LINEAR)
-    assert len(fused) >= norms + adds and sum(n.args[5:6] == (True,) for n in fused) == gated
-    assert all(n.args[2] is not None or n.args[4] is not None or n.args[5:6] == (True,) for n in fused)
+    ensure(len(fused) >= norms + adds and sum(n.args[5:6] == (True,) for n in fused) == gated, "fold_norms",
+           f"{len(fused)} fused_linear nodes for {norms} norms and {adds} adds folded, {gated} gated expected")
+    ensure(all(n.args[2] is not None or n.args[4] is not None or n.args[5:6] == (True,) for n in fused), "fold_norms",
+           "a fused_linear with neither a norm, a residual nor a gate: nothing folded into it")
     return PassResult(gm, bool(norms or adds or gated),
                       {"norms_folded": norms, "adds_folded": adds, "gated_folded": gated, **skipped})

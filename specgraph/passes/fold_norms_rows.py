@@ -1,8 +1,8 @@
 """fold_norms_rows: in steps of 2..16 rows, each RMSNorm whose input is a residual add of a
 product moves into that product's epilogue and its readers' row scaling, and the gated MLP's SiLU·mul into
 the packed gate/up product's epilogue -- so no multi-row product has anything between its load of x and
-``tl.dot`` (with a prologue there, the 16-row tiles lost to cuBLAS; without, they matched it: fourteenth
-session, docs/benchmarks.md).
+``tl.dot`` (with a prologue there, the 16-row tiles lost to cuBLAS; without, they matched it: H200,
+2026-12-01, docs/benchmarks.md).
 
 Requires: fold_norms has run (it folds one-row steps; it leaves steps of more rows untouched).
 Ensures: in a step of 2..MAX_ROWS rows: (1) a norm ``n`` = HF's LlamaRMSNorm of ``h = add(r, linear(y, W))``
@@ -18,7 +18,7 @@ Ensures: in a step of 2..MAX_ROWS rows: (1) a norm ``n`` = HF's LlamaRMSNorm of 
 Numerics: the readers scale the product of ``gamma * h`` (rounded to h's dtype) by the rstd, where HF
   rounds the normalized row first; the rstd sums h ** 2 in float32 per 16 columns, then over the row. Within
   the bf16 tolerance of fused_linear's tests, not bit for bit.
-Measured (H200, fifteenth session, docs/benchmarks.md): the 8B verify step of 8 nodes 4.786 -> 4.388 ms
+Measured (H200, 2026-12-01, docs/benchmarks.md): the 8B verify step of 8 nodes 4.786 -> 4.388 ms
   (1.136x -> 1.046x its plain step, same run); the layer's products at 8 rows 125.6 -> 120.9 us (8B) and
   21.4 -> 19.6 us (SmolLM2) against norm + cuBLAS + SiLU·mul + add.
 """
@@ -32,7 +32,7 @@ import torch
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
 from ..kernels.fused_linear import MAX_ROWS, SQUARE_COLS
 from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears, residual_product
-from .pass_result import GraphContext, PassResult, drop_dead_code
+from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass
 from .pass_result import is_call as _call, val as _val
 
 aten = torch.ops.aten
@@ -49,6 +49,8 @@ def _fake_like(val, shape, dtype):
         return torch.empty(shape, dtype=dtype, device=val.device)
 
 
+# norms fold into the fused projections, and fold_norms takes the one-row steps first
+@graph_pass(after=("fuse_projections", "fold_norms"))
 def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = silu_muls = out_of_range = 0
@@ -110,11 +112,14 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     gm.recompile()
 
     # Postconditions: no folded norm survives; each producer feeds readers that scale by its squares.
-    assert all(n._erased for chain in chains for n in chain[:-1]), "fold_norms_rows left a folded norm alive"
-    assert all(n._erased for n in bypassed), "fold_norms_rows left a folded SiLU·mul alive"
-    assert len(graph.find_nodes(op="call_function", target=NORM_OUT)) == producers_before + norms
+    ensure(all(n._erased for chain in chains for n in chain[:-1]), "fold_norms_rows", "a folded norm is left alive")
+    ensure(all(n._erased for n in bypassed), "fold_norms_rows", "a folded SiLU·mul is left alive")
+    producers = len(graph.find_nodes(op="call_function", target=NORM_OUT))
+    ensure(producers == producers_before + norms, "fold_norms_rows",
+           f"{producers} fused_linear_norm_out nodes; {producers_before} before + {norms} folded norms expected")
     scaled_readers = [n for n in graph.find_nodes(op="call_function", target=FUSED_LINEAR)
                       if len(n.args) > 7 and n.args[7] is not None]
-    assert all(_call(n.args[7], operator.getitem) and n.args[7].args[0].target == NORM_OUT for n in scaled_readers)
+    ensure(all(_call(n.args[7], operator.getitem) and n.args[7].args[0].target == NORM_OUT for n in scaled_readers),
+           "fold_norms_rows", "a reader scales its rows by squares that no fused_linear_norm_out produced")
     return PassResult(gm, bool(norms or silu_muls),
                       {"norms_folded": norms, "silu_mul_folded": silu_muls, "rows_out_of_range": out_of_range})

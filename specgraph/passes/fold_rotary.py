@@ -13,35 +13,35 @@ Ensures: such a layer becomes ``tree_attention_write(q0, kv, l, k0, value, cache
   Any other layer (partial rotary, another convention, no RoPE, more rows) keeps its rotated inputs,
   counted, not refused: this is a speed-up. The same tree_attention_write nodes remain, one per folded layer.
 Why: inductor ran each layer's RoPE as launches of its own (q and k: 3.4 + 2.5 us per layer of the 8B
-  step in the seventh session's profile); in the kernel it is a second load of q and of the new keys.
+  step in a profile of 2026-11-30, docs/results/); in the kernel it is a second load of q and of the new keys.
   Folded, the 8B plain decode step measured 0.05-0.07 ms (1.1-1.4%) faster on the H200, the 64-node
   SmolLM2 verify step 0.18 ms (15%); the 64-node 8B one 0.34 ms slower (so wide heads stop at 8 rows).
 """
 from __future__ import annotations
 
-import os
+import logging
 
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from ..errors import env_whole_number
-from .pass_result import GraphContext, PassResult, drop_dead_code, walk_back
+from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass, walk_back
 from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
 
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 TREE_ATTENTION_WRITE = torch.ops.specgraph.tree_attention_write.default
 # Rows of a step (B x R) up to which the fold is measured faster when R > 1 (R = 1 folds at any batch),
 # by head width (H200, 1k context). R = 1, Llama-3.1-8B shape: the plain decode step 4.856 -> 4.789-4.804
 # ms (2026-12-01). Heads of up to 64 dims (SmolLM2): the 64-node verify step 1.156 -> 0.977 ms of device
-# time (seventeenth session; in its profile the attention kernel took 0.9 us more a layer, the two RoPE
+# time (2026-12-02; in its profile the attention kernel took 0.9 us more a layer, the two RoPE
 # launches it replaces 6.6 us). Wider heads (8B's 128): the 64-node verify step 5.46-5.49 -> 5.83 ms, 1.27x
-# -> 1.36x its plain step (eighteenth session; in the profile the attention kernel took 25.7 us a layer
+# -> 1.36x its plain step (2026-12-02; in the profile the attention kernel took 25.7 us a layer
 # with the rotation against 9.8 without, the RoPE launches 6.1 us), the 8-node one folded 4.46 ms either
 # way; a one-launch kernel benchmark at the same shape saw only +3.3 us. The rotating kernel spills
 # registers at that tile (ptxas: 2292 bytes a thread against 316 without RoPE); a half-by-half rotation
 # that spilled 440 brought the folded step to 5.455 ms, still no faster than unfolded (5.430 in the same
-# run; nineteenth session), so it went. Not measured at batch > 1 with R > 1 (those fold up to the same
+# run, 2026-12-02), so it went. Not measured at batch > 1 with R > 1 (those fold up to the same
 # rows in all).
 MAX_ROWS = 64  # heads of up to NARROW_HEAD_DIM dims
 MAX_ROWS_WIDE_HEADS = 8
@@ -50,9 +50,8 @@ NARROW_HEAD_DIM = 64
 
 def max_rows(head_dim: int) -> int:
     """The most rows a step of ``head_dim``-wide heads may have for its RoPE to fold (MAX_ROWS or
-    MAX_ROWS_WIDE_HEADS), or ``SPECGRAPH_FOLD_ROTARY_ROWS`` (a whole number, any head width) for A/B runs."""
-    default = MAX_ROWS if head_dim <= NARROW_HEAD_DIM else MAX_ROWS_WIDE_HEADS
-    return env_whole_number("SPECGRAPH_FOLD_ROTARY_ROWS", default, "the largest step (rows in all) whose RoPE folds")
+    MAX_ROWS_WIDE_HEADS): measured speed limits, not correctness ones."""
+    return MAX_ROWS if head_dim <= NARROW_HEAD_DIM else MAX_ROWS_WIDE_HEADS
 
 
 def _no_op_cast(node) -> bool:
@@ -118,6 +117,7 @@ def _rope_parts(node):
     return None
 
 
+@graph_pass(after=("fold_cache_writes",))  # it folds the RoPE into tree_attention_write
 def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     writes = list(graph.find_nodes(op="call_function", target=TREE_ATTENTION_WRITE))
@@ -135,7 +135,7 @@ def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if rows > 1 and batch * rows > limit:
             unfolded.append(f"layer {layer}: {batch} x {rows} rows; the fold is measured faster at one row per "
                             f"sequence, or up to {limit} rows in all at head_dim {head_dim} "
-                            f"(MAX_ROWS, MAX_ROWS_WIDE_HEADS, SPECGRAPH_FOLD_ROTARY_ROWS)")
+                            f"(MAX_ROWS, MAX_ROWS_WIDE_HEADS)")
             continue
         q_parts, k_parts = _rope_parts(q), _rope_parts(key)
         if q_parts is None or k_parts is None:
@@ -155,11 +155,11 @@ def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
 
     # Postconditions: the same attention nodes, each folded one holding two [B, R, D] tables.
     after = graph.find_nodes(op="call_function", target=TREE_ATTENTION_WRITE)
-    assert after == writes, "fold_rotary must not add, drop or reorder attention nodes"
+    ensure(after == writes, "fold_rotary", "attention nodes added, dropped or reordered")
     with_rope = [n for n in after if len(n.args) == 11]
-    assert len(with_rope) == folded
-    assert all(tuple(_val(n.args[9]).shape) == (*_val(n.args[0]).shape[:1], *_val(n.args[0]).shape[2:])
-               for n in with_rope)
-    if unfolded and os.environ.get("SPECGRAPH_DEBUG") == "1":
-        print("[specgraph] fold_rotary left these layers' RoPE apart:\n  " + "\n  ".join(unfolded))
+    ensure(len(with_rope) == folded, "fold_rotary", f"{len(with_rope)} attention nodes hold cos/sin, {folded} folded")
+    ensure(all(tuple(_val(n.args[9]).shape) == (*_val(n.args[0]).shape[:1], *_val(n.args[0]).shape[2:])
+               for n in with_rope), "fold_rotary", "a cos/sin table is not [B, R, D]")
+    if unfolded:
+        log.debug("fold_rotary left these layers' RoPE apart:\n  %s", "\n  ".join(unfolded))
     return PassResult(gm, folded > 0, {"rotary_folded": folded, "rotary_unfolded": len(unfolded)})

@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-from .pass_result import GraphContext, PassResult, val
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, val
 
 LINEAR = torch.ops.aten.linear.default
 SPLIT = torch.ops.aten.split_with_sizes.default
@@ -100,6 +100,8 @@ def projection_groups(model: torch.nn.Module):
                 yield linears
 
 
+# the taps and the LM-head slice find their nodes through module paths
+@graph_pass(after=("tap_hidden_states", "prune_logits"))
 def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     params = ctx.params or {}
@@ -164,6 +166,7 @@ def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             left[(node.args[0], len(node.args) > 2)].append(params[node.args[1].name])
     for weights in left.values():
         weights.sort(key=torch.Tensor.storage_offset)
-        assert not any(_back_to_back([a, b]) for a, b in zip(weights, weights[1:])), "fusable linears left"
+        ensure(not any(_back_to_back([a, b]) for a, b in zip(weights, weights[1:])), "fuse_projections",
+               "fusable linears left")
     return PassResult(gm, fused > 0, {"groups_fused": fused, "linears_fused": linears_fused,
                                       "linears_unfused": unfused})

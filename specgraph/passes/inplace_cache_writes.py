@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult
+from .pass_result import GraphContext, PassResult, ensure, graph_pass
 
 aten = torch.ops.aten
 SCATTER = aten.scatter_.src
@@ -35,6 +35,7 @@ def _cache_index(node: torch.fx.Node, kv: torch.fx.Node) -> int | None:
     return None
 
 
+@graph_pass(after=("replace_attention",))  # which finds each layer's K/V through its scatter_ writes
 def inplace_cache_writes(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     kv = ctx.placeholder(gm, "kv")
@@ -43,16 +44,21 @@ def inplace_cache_writes(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassRes
     for node in graph.find_nodes(op="call_function", target=SCATTER):
         c = _cache_index(node, kv)
         if c is not None:
-            assert c not in writes, f"cache {c} written twice"
+            ensure(c not in writes, "inplace_cache_writes",
+                   f"cache {c} written twice")
             writes[c] = node
-    assert sorted(writes) == list(range(2 * layers)), f"cache writes {sorted(writes)}, expected 0 .. {2 * layers - 1}"
+    ensure(sorted(writes) == list(range(2 * layers)), "inplace_cache_writes",
+           f"cache writes {sorted(writes)}, expected 0 .. {2 * layers - 1}")
     order = {node: i for i, node in enumerate(graph.nodes)}
     for layer in range(layers):
         k_write, v_write = writes[2 * layer], writes[2 * layer + 1]
-        assert k_write.args[2] is v_write.args[2], f"layer {layer}: K and V written at different slots"
-        assert order[k_write] < order[v_write], f"layer {layer}: V written before K"
+        ensure(k_write.args[2] is v_write.args[2], "inplace_cache_writes",
+               f"layer {layer}: K and V written at different slots")
+        ensure(order[k_write] < order[v_write], "inplace_cache_writes",
+               f"layer {layer}: V written before K")
         early = [u.name for w in (k_write, v_write) for u in w.users if order[u] < order[v_write]]
-        assert not early, f"layer {layer}: {early} read a cache write before the layer's V write"
+        ensure(not early, "inplace_cache_writes",
+               f"layer {layer}: {early} read a cache write before the layer's V write")
         with graph.inserting_after(v_write):
             op = graph.call_function(KV_WRITE, (kv, layer, k_write.args[2], k_write.args[3], v_write.args[3]))
         op.meta["val"] = None
@@ -69,13 +75,15 @@ def inplace_cache_writes(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassRes
     gm.recompile()
 
     # Postconditions.
-    assert not [n for n in graph.find_nodes(op="call_function", target=SCATTER) if _cache_index(n, kv) is not None], \
-        "a scatter_ into kv is left"
+    ensure(not [n for n in graph.find_nodes(op="call_function", target=SCATTER) if _cache_index(n, kv) is not None],
+           "inplace_cache_writes", "a scatter_ into kv is left")
     ops = graph.find_nodes(op="call_function", target=KV_WRITE)
-    assert sorted(int(n.args[1]) for n in ops) == list(range(layers)), "not one kv_write per layer"
+    ensure(sorted(int(n.args[1]) for n in ops) == list(range(layers)), "inplace_cache_writes",
+           "not one kv_write per layer")
     position = {node: i for i, node in enumerate(graph.nodes)}
     written_at = {int(n.args[1]): position[n] for n in ops}
     for read in graph.find_nodes(op="call_function", target=SELECT):
         if read.args[0] is kv and read.users:
-            assert position[read] > written_at[int(read.args[2]) // 2], f"{read.name} reads before its write"
+            ensure(position[read] > written_at[int(read.args[2]) // 2], "inplace_cache_writes",
+                   f"{read.name} reads before its write")
     return PassResult(gm, True, {"kv_writes": len(ops), "scatters_replaced": 2 * layers})

@@ -1,4 +1,4 @@
-"""What every pass returns, and what it is given."""
+"""What every pass returns, what it is given, and how it declares its order and states its contract."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,6 +7,48 @@ import torch
 
 
 ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+class PassContractError(RuntimeError):
+    """A pass broke its own postcondition, or the graph broke an invariant of passes/README.md after a
+    pass: a specgraph bug (the model is not at fault). Raised, never asserted, so ``python -O`` keeps it."""
+
+
+class PipelineOrderError(ValueError):
+    """A pipeline lists a pass before one it must follow (its ``after``)."""
+
+
+def ensure(ok: bool, pass_name: str, what: str) -> None:
+    """A pass's postcondition: raise ``PassContractError`` naming the pass and ``what`` broke unless ``ok``."""
+    if not ok:
+        raise PassContractError(f"{pass_name}: {what}")
+
+
+def graph_pass(*, after: tuple[str, ...] = ()):
+    """Declare a pass and the passes it must follow when both run (their names): ``build_pipeline`` refuses
+    an order that breaks it. Skipping an earlier pass is allowed; running it later is not."""
+    def mark(fn):
+        fn.after = tuple(after)
+        return fn
+    return mark
+
+
+def check_order(passes) -> tuple:
+    """``passes`` as a tuple, once every pass's ``after`` names are known passes listed before it (or absent)."""
+    names = [p.__name__ for p in passes]
+    problems = []
+    for i, p in enumerate(passes):
+        after = getattr(p, "after", None)  # set by @graph_pass
+        if after is None:
+            problems.append(f"{p.__name__} is not declared with @graph_pass(after=...)")
+        for earlier in after or ():
+            if earlier in names[i + 1:]:
+                problems.append(f"{p.__name__} must run after {earlier}; move {earlier} before it")
+    if len(set(names)) != len(names):
+        problems.append(f"a pass is listed twice: {names}")
+    if problems:
+        raise PipelineOrderError("pipeline order refused: " + "; ".join(problems))
+    return tuple(passes)
 
 
 def val(node):

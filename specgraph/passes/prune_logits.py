@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from .pass_result import GraphContext, PassResult, lm_head_nodes
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, lm_head_nodes
 
 
+# the taps find layer boundaries by module path, before the LM head reads a slice
+@graph_pass(after=("tap_hidden_states",))
 def prune_logits(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     if ctx.logits_rows is None:
         return PassResult(gm, False, {"rows": -1})
     start, stop = ctx.logits_rows
     heads = lm_head_nodes(gm)
-    assert len(heads) == 1, f"{len(heads)} LM-head linear nodes"
+    ensure(len(heads) == 1, "prune_logits",
+           f"{len(heads)} LM-head linear nodes")
     head = heads[0]
     hidden = head.args[0]
     n = hidden.meta["val"].shape[1]
@@ -31,5 +34,5 @@ def prune_logits(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     head.replace_input_with(hidden, rows)
     gm.graph.lint()
     gm.recompile()
-    assert head.args[0] is rows
+    ensure(head.args[0] is rows, "prune_logits", "the LM head does not read the row slice")
     return PassResult(gm, True, {"rows": stop - start, "rows_pruned": n - (stop - start)})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, walk_back
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, walk_back
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -61,6 +61,7 @@ def _sdpa_args(node: torch.fx.Node) -> dict:
     return args
 
 
+@graph_pass()
 def replace_attention(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     info = ctx.info
@@ -131,12 +132,16 @@ def replace_attention(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
     gm.recompile()
 
     # Postconditions.
-    assert not graph.find_nodes(op="call_function", target=SDPA), "SDPA left after replace_attention"
+    ensure(not graph.find_nodes(op="call_function", target=SDPA), "replace_attention",
+           "SDPA left after replace_attention")
     rewritten = graph.find_nodes(op="call_function", target=TREE_ATTENTION)
-    assert len(rewritten) == info.num_layers, f"{len(rewritten)} tree_attention nodes for {info.num_layers} layers"
+    ensure(len(rewritten) == info.num_layers, "replace_attention",
+           f"{len(rewritten)} tree_attention nodes for {info.num_layers} layers")
     writes = graph.find_nodes(op="call_function", target=CACHE_WRITE)
-    assert len(writes) == 2 * info.num_layers, f"{len(writes)} cache writes kept, expected {2 * info.num_layers}"
-    assert not graph.find_nodes(op="call_function", target=TREE_MASK), "a dense tree mask is still used"
+    ensure(len(writes) == 2 * info.num_layers, "replace_attention",
+           f"{len(writes)} cache writes kept, expected {2 * info.num_layers}")
+    ensure(not graph.find_nodes(op="call_function", target=TREE_MASK), "replace_attention",
+           "a dense tree mask is still used")
     return PassResult(gm, True, {
         "sdpa_replaced": len(plans),
         "sliding_window_layers": sum(1 for p in plans if p[6] > 0),

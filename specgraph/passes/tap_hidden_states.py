@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from .pass_result import GraphContext, PassResult, lm_head_nodes
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, lm_head_nodes
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
@@ -56,6 +56,7 @@ def layer_boundaries(gm: torch.fx.GraphModule, hidden: int, num_layers: int):
     return inputs, outputs, lm_input, problems
 
 
+@graph_pass()
 def tap_hidden_states(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     taps = ctx.taps
     if taps is None or (not taps.layer_ids and not taps.final):
@@ -84,6 +85,8 @@ def tap_hidden_states(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
     results = tuple(output.args[0])
     output.args = (results + tuple(chosen),)
     gm.recompile()
-    assert len(next(iter(gm.graph.find_nodes(op="output"))).args[0]) == len(results) + len(chosen)
+    outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
+    ensure(outputs == len(results) + len(chosen), "tap_hidden_states",
+           f"{outputs} outputs; {len(results)} before + {len(chosen)} taps expected")
     return PassResult(gm, True, {"taps": len(chosen), "outputs": len(results) + len(chosen)})
 

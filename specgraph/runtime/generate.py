@@ -12,13 +12,13 @@ row yields the first new token).
 from __future__ import annotations
 
 import logging
-import os
 import types
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from .. import config
 from .graphed import GraphedCall, StaticStep
 from .step import DecodeStep, features_of
 
@@ -94,7 +94,7 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
     if graphed:
         key = (b, chunk, taps)
         if key not in capture.prefills:
-            capture.prefills[key] = GraphedCall(step, cuda_graph_mode(device) == "manual",
+            capture.prefills[key] = GraphedCall(step, cuda_graphs_on(device),
                                                 f"the prefill bucket (B={b}, {chunk} rows)")
         step = capture.prefills[key]
     # contiguous inputs: the graphed call's static buffers are, and the compiled bucket guards on strides
@@ -138,13 +138,13 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     ``capture``: later calls with the same batch, tree and sampling reuse them (``session.prefill``
     resets the per-call state), so a bucket compiles and records its CUDA graph once."""
     device = capture.kv_device
-    # The whole step compiles as one graph; SPECGRAPH_WHOLE_STEP=0 compiles the target bucket alone
+    # The whole step compiles as one graph; config.whole_step=False compiles the target bucket alone
     # (the rest of the step then runs eagerly: a fallback for inductor bugs).
-    whole_step = compiled and os.environ.get("SPECGRAPH_WHOLE_STEP", "1") == "1"
-    mode = cuda_graph_mode(device) if whole_step else "off"
+    whole_step = compiled and config.whole_step
+    graphed = whole_step and cuda_graphs_on(device)
     # sampling's values are not in the key: the step reads them from tensors (DecodeStep.set_sampling)
     verify = None if sampling is None else sampling.typical is not None  # greedy, exact or typical sampling
-    key = (id(draft), batch, repr(tree), max_length, verify, compiled, whole_step, mode, synthetic_accept)
+    key = (id(draft), batch, repr(tree), max_length, verify, compiled, whole_step, graphed, synthetic_accept)
     if key in capture.decode_steps:
         bucket = capture.decode_steps[key]
         if sampling is not None:
@@ -157,19 +157,14 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     if whole_step:  # host-side per-call work (the EAGLE drafts' pass over the prompt; a no-op for others),
         # compiled, over static inputs, and on CUDA recorded as a graph like the target's prefill chunks
         session.compile_host_work(lambda method: GraphedCall(
-            torch.compile(own_code(method), fullgraph=True, dynamic=False), mode == "manual",
+            torch.compile(own_code(method), fullgraph=True, dynamic=False), graphed,
             f"the draft's pass over the prompt (B={batch})"))
     step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step,
                       synthetic_accept=synthetic_accept)
     run = step
     if whole_step:
-        if mode == "trees":  # the caches are mutated in place: fixed addresses let the replay own them
-            for cache in (step.kv, *session.caches()):
-                torch._dynamo.mark_static_address(cache)
-        compiled_step = torch.compile(own_code(step.__call__), fullgraph=True, dynamic=False,
-                                      mode="reduce-overhead" if mode == "trees" else None)
-        run = _trees_step(compiled_step, session) if mode == "trees" else \
-            StaticStep(compiled_step, session, cuda_graph=mode == "manual")
+        compiled_step = torch.compile(own_code(step.__call__), fullgraph=True, dynamic=False)
+        run = StaticStep(compiled_step, session, cuda_graph=graphed)
     # The first tree of a call: the session's propose, compiled like the step (eagerly it
     # is thousands of small launches: an EAGLE-2 tree of 8 draft steps is ~4,300 aten ops), over a static
     # roots buffer and on CUDA recorded as a graph: it reads the session's state at fixed addresses (each
@@ -177,7 +172,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     propose = session.propose
     if whole_step:
         propose = GraphedCall(torch.compile(own_code(session.propose), fullgraph=True, dynamic=False),
-                              mode == "manual", f"the first propose (B={batch})")
+                              graphed, f"the first propose (B={batch})")
     capture.decode_steps[key] = Bucket(session, run, propose, step)
     return capture.decode_steps[key]
 
@@ -192,31 +187,10 @@ class Bucket(NamedTuple):
     step: object
 
 
-def cuda_graph_mode(device: torch.device) -> str:
-    """How a compiled whole step replays: "manual" (the default on CUDA: ``StaticStep`` records it
-    by hand), "trees" (``SPECGRAPH_CUDA_GRAPHS=trees``: torch.compile's reduce-overhead mode, kept
-    for comparison) or "off" (CPU, or ``SPECGRAPH_CUDA_GRAPHS=0``)."""
-    flag = os.environ.get("SPECGRAPH_CUDA_GRAPHS", "1")
-    if flag not in ("0", "1", "trees"):
-        raise ValueError(f"SPECGRAPH_CUDA_GRAPHS={flag!r}: use 1 (hand-recorded CUDA graphs, the default), "
-                         "trees (torch.compile's reduce-overhead) or 0 (none)")
-    if device.type != "cuda" or flag == "0":
-        return "off"
-    return "trees" if flag == "trees" else "manual"
-
-
-def _trees_step(compiled_step, session):
-    """The step under torch.compile's CUDA-graph trees: its outputs, and the session state it
-    reassigned, live in the graph's pool and the next replay overwrites them, so they are cloned."""
-    def run(*args):
-        torch.compiler.cudagraph_mark_step_begin()
-        before = {name: id(value) for name, value in vars(session).items()}
-        out = compiled_step(*args)
-        for name, value in vars(session).items():
-            if torch.is_tensor(value) and id(value) != before.get(name):
-                setattr(session, name, value.clone())
-        return _clone_tensors(out)
-    return run
+def cuda_graphs_on(device: torch.device) -> bool:
+    """Compiled steps and prefill chunks replay as hand-recorded CUDA graphs (``StaticStep``,
+    ``GraphedCall``): on CUDA unless ``config.cuda_graphs`` is off."""
+    return device.type == "cuda" and config.cuda_graphs
 
 
 def own_code(method):
@@ -228,16 +202,6 @@ def own_code(method):
     f = method.__func__
     clone = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     return types.MethodType(clone, method.__self__)
-
-
-def _clone_tensors(value):
-    if torch.is_tensor(value):
-        return value.clone()
-    if isinstance(value, tuple):
-        return type(value)(*map(_clone_tensors, value)) if hasattr(value, "_fields") else tuple(map(_clone_tensors, value))
-    if hasattr(value, "__dataclass_fields__"):
-        return type(value)(**{f: _clone_tensors(getattr(value, f)) for f in value.__dataclass_fields__})
-    return value
 
 
 class _Readback:
@@ -284,13 +248,13 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     ``commit`` sees the acceptance and the step's features. One iteration's
     device work is ``DecodeStep`` (``compiled``: through
     ``torch.compile(fullgraph=True)``, one graph, replayed as a CUDA graph
-    on CUDA unless SPECGRAPH_CUDA_GRAPHS=0; see ``decode_step``);
+    on CUDA unless ``config.cuda_graphs`` is off; see ``decode_step``);
     the host reads the emitted
     tokens and accept lengths, applies eos / ``max_new_tokens`` /
     ``stopping_criteria`` (transformers' StoppingCriteriaList, asked after
     every accepted token with scores None) and feeds ``streamer`` each row-0
     token as it is accepted. On CUDA the next step is launched before this one
-    is read, while every row has room for it (``SPECGRAPH_OVERLAP``), so that
+    is read, while every row has room for it (``config.overlap``), so that
     host work overlaps the device; outputs are the same.
     """
     device = capture.kv_device
@@ -309,8 +273,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     if (b, width) not in capture.readbacks:  # kept: pinning host memory is slow
         capture.readbacks[b, width] = _Readback(device, b, width)
     readback = capture.readbacks[b, width]
-    ahead = os.environ.get("SPECGRAPH_OVERLAP", "auto")
-    ahead = device.type == "cuda" if ahead == "auto" else ahead == "1"
+    ahead = device.type == "cuda" if config.overlap is None else config.overlap
     # a step writes the tree at cache_len .. cache_len + n - 1 and advances cache_len by at most D + 1:
     # a step launched before the previous one is read needs room for both
     room = lambda seq: len(seq) - 1 + tree.max_depth + 1 + n <= max_length  # noqa: E731
@@ -342,7 +305,9 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
         if all(done):
             break
         # cache_len = prompt - 1 + generated tokens: checked from host state, without a second device read
-        assert all(d or len(seq) - 1 + n <= max_length for d, seq in zip(done, sequences)), "cache overflow"
+        if not all(d or len(seq) - 1 + n <= max_length for d, seq in zip(done, sequences)):
+            raise RuntimeError(f"a row's next tree of {n} nodes would run past max_length={max_length}: the room "
+                               "check missed it (a specgraph bug)")
         if pending is None:
             topology = out.next_tree
             pending = readback.start(run(topology, out.cache_len, active))

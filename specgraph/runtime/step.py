@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import env_whole_number
 from ..kernels.verify import greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample, verify_typical
 from ..trees import Tree
 
@@ -27,15 +26,10 @@ class StepOut(NamedTuple):
     next_tree: Tree | None  # the draft's next tree (None only from test stand-ins of the step)
 
 
-DEFAULT_ARGMAX_CHUNK = 2048
-
-
-def argmax_chunk() -> int:
-    """``SPECGRAPH_ARGMAX_CHUNK``: the greedy argmax in two stages over chunks of this many logits
-    (``greedy_tokens``; default 2048: 23-26 us less a step at the 8B shape's 128k vocabulary, sixteenth
-    session); 0: one ``argmax``."""
-    return env_whole_number("SPECGRAPH_ARGMAX_CHUNK", DEFAULT_ARGMAX_CHUNK,
-                            "the logits per chunk of the two-stage argmax (0: one argmax)")
+# The greedy argmax runs in two stages over chunks of this many logits (``greedy_tokens``; 0 would be one
+# ``argmax``): inductor runs one program per row for an arg reduction, so the 8B shape's 128k-vocabulary
+# one-stage argmax took 29 us a step; two stages of 2048 took 23-26 us less (H200, docs/benchmarks.md).
+ARGMAX_CHUNK = 2048
 
 
 def features_of(taps: list[torch.Tensor]) -> torch.Tensor:
@@ -64,7 +58,7 @@ class DecodeStep:
                               ("min_p", torch.float32))}
             self.set_sampling(sampling)
         self.synthetic_accept = synthetic_accept
-        self.argmax_chunk = argmax_chunk()
+        self.argmax_chunk = ARGMAX_CHUNK
         self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
         self.target_fn = self.target.run if compiled_target else self.target.graph
         self.kv = capture.kv(batch)

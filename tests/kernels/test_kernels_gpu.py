@@ -7,6 +7,7 @@ import specgraph.kernels  # noqa: F401
 from specgraph.kernels.compact_kv import compact_kv_reference
 from specgraph.kernels.tree_attention import tree_attention_reference, tree_attention_triton
 from specgraph.kernels.tree_attention_write import tree_attention_write_reference
+from specgraph.kernels.verify import verify_greedy
 from attention_cases import Case, make_case, oracle
 from test_tree_attention_write import rope_tables
 
@@ -100,7 +101,7 @@ def test_step_ops_replay_in_a_cuda_graph():
 
     def step():
         out = torch.ops.specgraph.tree_attention(*case.args())
-        path, accept_len, bonus, emitted = torch.ops.specgraph.verify_greedy(tokens, parents, case.mask, target, 7)
+        path, accept_len, bonus, emitted = verify_greedy(tokens, parents, case.mask, target, 7)
         torch.ops.specgraph.compact_kv(kv, case.cache_len, path, accept_len)
         return out, path, accept_len
 
@@ -201,7 +202,7 @@ def test_fused_linear_epilogues_at_real_shapes_replayed_in_a_cuda_graph(hidden, 
 @pytest.mark.parametrize("rows", [1, 8, 64])
 @pytest.mark.parametrize("vocab", [49152, 128256])
 def test_greedy_tokens_in_chunks_compiled_on_cuda(rows, vocab):
-    """The two-stage greedy argmax (the default; SPECGRAPH_ARGMAX_CHUNK) compiled by inductor for CUDA at real vocabulary
+    """The two-stage greedy argmax (the default; runtime.step.ARGMAX_CHUNK) compiled by inductor for CUDA at real vocabulary
     widths (128256: a partial last chunk): eager argmax's indices, ties across chunks to the first."""
     from specgraph.kernels.verify import greedy_tokens
 

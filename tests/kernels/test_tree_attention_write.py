@@ -200,7 +200,7 @@ def test_op_under_compile_writes_the_buffer_in_place():
 def test_rotating_kernel_spills_more_at_wide_heads(tmp_path):
     """benchmarks/kernel_spills.py (ptxas on the CPU, sm_90a): at the 8B 64-row tile (D = 128, 4 warps) the
     rotating kernel spills more registers than the unrotated one -- why fold_rotary keeps 128-dim heads'
-    64-row steps apart (fold_rotary.MAX_ROWS_WIDE_HEADS; docs/benchmarks.md, eighteenth session)."""
+    64-row steps apart (fold_rotary.MAX_ROWS_WIDE_HEADS; docs/benchmarks.md, 2026-12-02)."""
     import json
     import subprocess
     import sys

@@ -4,7 +4,7 @@
 # steps, and the CPU-oracle tests of the folds on the GPU machine (not the real-model one: the model
 # package is not there). Logs in DIR, a summary line each.
 #
-#   bash benchmarks/gpu_tests.sh [DIR] [SECONDS_PER_GROUP]
+#   bash .ci/gpu_tests.sh [DIR] [SECONDS_PER_GROUP]   (from the repository root)
 set -uo pipefail
 dir=${1:-gpu-tests}
 limit=${2:-600}

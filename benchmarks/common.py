@@ -1,0 +1,107 @@
+"""What the benchmark scripts share: the model shapes, the copy bandwidth, the timing helpers and the
+settings a result depends on.
+
+Scripts run as ``python benchmarks/x.py`` from the repository root, so Python puts ``benchmarks/`` on
+``sys.path`` (``from common import ...`` works) but not the root: the root goes first here, so that
+``import specgraph`` after importing this module finds this checkout, not whichever one an environment
+has installed. Each script imports ``common`` before ``specgraph``.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path[:1]:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+# Llama-shaped configs of the benchmarked targets (random weights): LlamaConfig(**shape)
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+                tie_word_embeddings=False)
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+               tie_word_embeddings=True, rms_norm_eps=1e-5)  # SmolLM2-135M's config, random weights
+TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1024)
+
+
+def attention_shape(shape: dict) -> tuple[int, int, int]:
+    """(H, H_kv, D) of a shape's attention."""
+    heads = shape["num_attention_heads"]
+    return heads, shape["num_key_value_heads"], shape["hidden_size"] // heads
+
+
+def layer_products(shape: dict) -> tuple[int, int, int, int]:
+    """(layers, hidden, q/k/v rows, intermediate): the sizes of a decoder layer's products."""
+    h, h_kv, d = attention_shape(shape)
+    return shape["num_hidden_layers"], shape["hidden_size"], (h + 2 * h_kv) * d, shape["intermediate_size"]
+
+
+def median_ms(fn) -> float:
+    """Median ms of ``fn`` (triton's do_bench: warm-up, L2 flushed between runs)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def graphed_ms(fn) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph: GPU time without Python
+    or launch overhead, the way the step graph runs it. Falls back to eager
+    timing if ``fn`` cannot be captured."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001
+        return median_ms(fn)
+    return median_ms(graph.replay)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, read + write counted: the floor every figure is held to."""
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def run_settings() -> dict:
+    """The settings a result depends on (passes skipped, the argmax's chunk, the draft fast paths skipped,
+    fold_rotary's row limits at 64- and 128-dim heads), for the results JSON of every benchmark."""
+    # imported here, not above: transformers probes for a package named "kernels" while specgraph
+    # imports it, which finds benchmarks/kernels.py, which imports this module (it must be complete)
+    from specgraph import config
+    from specgraph.fast_paths import skipped_fast_paths
+    from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit
+    from specgraph.runtime.step import ARGMAX_CHUNK
+
+    return dict(skip_passes=",".join(sorted(config.skip_passes)),
+                argmax_chunk=ARGMAX_CHUNK, skip_fast_paths=skipped_fast_paths(),
+                fold_rotary_rows=dict(head_dim_64=fold_rotary_limit(64), head_dim_128=fold_rotary_limit(128)))
+
+
+def set_inductor_options(pairs: list[str]) -> dict:
+    """``--inductor KEY=VALUE ...``: torch._inductor.config values for an experiment (e.g.
+    ``combo_kernels=1``: independent kernels fused into one launch; ``triton.enable_pdl=1``:
+    programmatic dependent launch on Hopper). Returns what was set, for the results JSON."""
+    import torch._inductor.config as inductor_config
+
+    chosen = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        *path, leaf = key.split(".")
+        owner = inductor_config
+        for part in path:
+            owner = getattr(owner, part, None)
+        if not sep or owner is None or not hasattr(owner, leaf):
+            raise SystemExit(f"--inductor {pair!r}: want KEY=VALUE with KEY a torch._inductor.config name")
+        old = getattr(owner, leaf)
+        value = text.lower() in ("1", "true", "yes") if isinstance(old, bool) else type(old)(text)
+        setattr(owner, leaf, value)
+        chosen[key] = value
+    return chosen
