@@ -376,6 +376,39 @@ class SpecModel:
             return SpecGenerateOutput(sequences=sequences, accept_lens=result.accept_lens, acceptance=self.last_stats)
         return sequences
 
+    def warmup(self, batch_sizes=(1,), sampling: bool = False) -> dict:
+        """Compile now what ``generate`` would compile on first use: every mode ``generate`` may run
+        (the tree; with a policy, the chain and plain decoding too), greedy (and sampled with
+        ``sampling=True``), at each of ``batch_sizes``. Under ``policy="cost"`` it also times each
+        mode's step where the cost table lacks it. Prompts of other lengths may still compile their
+        prefill. Returns {(batch, mode): seconds of its first call}."""
+        bad = [b for b in batch_sizes if not isinstance(b, int) or not 1 <= b <= self.config.max_batch]
+        if bad:
+            raise ValueError(f"batch_sizes={list(batch_sizes)}: ints in 1 .. max_batch={self.config.max_batch}")
+        typical = self.config.typical if self.config.verify == "typical" else None
+        samplings = [None] + ([Sampling(1.0, typical=typical)] if sampling else [])
+        prompt = [1] * 8
+        first = {}
+        with self.capture.lock:
+            for b in batch_sizes:
+                for mode, (draft, tree) in self.modes.items():
+                    for s in samplings:
+                        start = time.perf_counter()
+                        speculative_generate(self.capture, draft, tree, [prompt] * b, 4, set(), self.config.max_length,
+                                             s, None, None, compiled=self.config.backend == "inductor")
+                        first.setdefault((b, mode), time.perf_counter() - start)
+                    if isinstance(self.policy, CostPolicy) and self.policy.table.get(b, mode) is None:
+                        start = time.perf_counter()
+                        result = speculative_generate(self.capture, draft, tree, [prompt] * b, 16, set(),
+                                                      self.config.max_length, None, None, None,
+                                                      compiled=self.config.backend == "inductor")
+                        self.policy.table.put(b, mode, (time.perf_counter() - start) / max(len(result.accept_lens), 1))
+                    if self.policy is not None:  # compiled now: the policy's next call of it is a measurement
+                        runs = self.policy.runs if isinstance(self.policy, CostPolicy) else self.policy.calls
+                        runs[b, mode] = max(runs.get((b, mode), 0), 1)
+        log.info("warmed up %s", ", ".join(f"batch {b} {m}: {s:.1f} s" for (b, m), s in first.items()))
+        return first
+
     def export(self, path, format: str = "onnx", batch: int = 1):
         """Write the verify step of the (``batch``, tree nodes) bucket with explicit KV caches
         (see specgraph/export.py for its inputs and outputs). ``format``: "onnx" (opset 20, standard

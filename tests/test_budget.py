@@ -2,6 +2,7 @@
 lossless whatever it chooses."""
 import json
 
+import pytest
 import torch
 
 import specgraph
@@ -115,3 +116,24 @@ def test_cost_policy_is_lossless_and_persists_across_spec_models(tmp_path, setti
     assert again.policy.table.get(1, "tree") == next(iter(saved.values()))["1/tree"] > 0
     out = again.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
     assert out[0, len(row):].tolist() == want
+
+
+def test_warmup_compiles_every_mode_and_fills_the_cost_table(tmp_path, settings):
+    """After warmup the calls compile no decode step of their own, and the cost policy knows every
+    mode's step cost before the first user call; output stays token-exact."""
+    settings(cache=tmp_path)
+    model = tiny_model("llama")
+    row = prompts(2, [10, 24])[1]
+    want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, max_batch=2, policy="cost")
+    first = spec.warmup(batch_sizes=(1, 2), sampling=True)
+    assert set(first) == {(b, m) for b in (1, 2) for m in ("tree", "plain")}
+    assert all(spec.policy.table.get(b, m) > 0 for b, m in first)
+    steps = set(spec.capture.decode_steps)
+    assert len(steps) == 2 * 2 * 2  # batch sizes x modes x (greedy, sampled)
+    for _ in range(3):
+        out = spec.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want
+    assert set(spec.capture.decode_steps) == steps
+    with pytest.raises(ValueError, match="batch_sizes"):
+        spec.warmup(batch_sizes=(3,))

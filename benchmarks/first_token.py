@@ -1,0 +1,93 @@
+"""Time to first token in a fresh process, cold and warm (issue: a fast start).
+
+    python3 benchmarks/first_token.py [--tiny] [--backend auto] [--runs 2] [--warmup] [--out FILE.json]
+
+Each run is a new Python process that imports specgraph, loads the target (the embedded SmolLM2 in bf16
+on CUDA, or with ``--tiny`` a 4-layer random Llama on the CPU), compiles it with the default draft and
+settings (``specgraph.compile(model, load_default_draft())``: backend "auto"; NGram with ``--tiny``)
+and generates one token of an MT-bench prompt; it reports the seconds from process start to that token
+and how many of inductor's FX-graph and AOTAutograd cache lookups hit. The first run uses an empty
+inductor cache folder (cold); the later ones reuse it (warm: what a second process on the same machine
+sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time
+start = float(sys.argv[1]); tiny = sys.argv[2] == "1"; warm = sys.argv[3] == "1"; backend = sys.argv[4]
+import torch
+import specgraph
+from torch._dynamo.utils import counters
+marks = {"import": time.time() - start}
+if tiny:
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    model, draft, ids = transformers.LlamaForCausalLM(config).eval(), specgraph.drafts.NGram(), [[1, 2, 3, 4] * 8]
+else:
+    from specgraph.models import load_default_draft, load_gguf
+    from specgraph.train.evaluate import prompt_set
+    model, tok = load_gguf()
+    model = model.to("cuda", torch.bfloat16)
+    draft = load_default_draft()
+    text = tok.apply_chat_template([{"role": "user", "content": prompt_set("mt-bench", 1)[0]}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt").input_ids.tolist()
+marks["load"] = time.time() - start
+spec = specgraph.compile(model, draft, backend=backend)
+if warm:
+    spec.warmup()
+marks["compile"] = time.time() - start
+out = spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
+marks["first_token"] = time.time() - start
+print(json.dumps({"marks": marks, "backend": spec.config.backend, "inductor": dict(counters["inductor"]),
+                  "aot_autograd": dict(counters["aot_autograd"])}))
+"""
+
+
+def run_once(cache: str, tiny: bool, warmup: bool, backend: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend],
+                          env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (checks the script)")
+    parser.add_argument("--runs", type=int, default=2, help="processes: the first cold, the rest warm")
+    parser.add_argument("--warmup", action="store_true", help="call spec.warmup() before the first generate")
+    parser.add_argument("--backend", default="auto", choices=["auto", "eager", "inductor"],
+                        help="compile's backend (auto, the default: inductor on CUDA, eager on the CPU)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="inductor-cache-") as cache:
+        for i in range(args.runs):
+            r = run_once(cache, args.tiny, args.warmup, args.backend)
+            r["run"] = "cold" if i == 0 else "warm"
+            rows.append(r)
+            m = r["marks"]
+            hits = r["inductor"].get("fxgraph_cache_hit", 0)
+            misses = r["inductor"].get("fxgraph_cache_miss", 0)
+            print(f"{r['run']:>5} ({r['backend']}): first token {m['first_token']:6.1f} s  (import {m['import']:.1f}, "
+                  f"load {m['load'] - m['import']:.1f}, compile {m['compile'] - m['load']:.1f}, generate "
+                  f"{m['first_token'] - m['compile']:.1f}); FX-graph cache {hits} hits / {misses} misses", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
