@@ -4,7 +4,7 @@
 # with the fast paths switched off one by one (SPECGRAPH_SKIP_FAST_PATHS), and a 64-node verify-only step
 # for the draft's share (a chain's top 1 is a max either way). Logs and JSON in DIR.
 #
-#   bash benchmarks/draft_ab.sh [DIR [STEP...]]
+#   bash benchmarks/investigations/draft_ab.sh [DIR [STEP...]]
 #
 # STEP is tests, topk, or what to skip: all-on (nothing), topk, topk,fuse_projections, ... (default:
 # tests topk topk,fuse_projections topk all-on). Each profile compiles its step (~2 minutes on a fresh
