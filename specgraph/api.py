@@ -26,8 +26,9 @@ log = logging.getLogger("specgraph")
 _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
 # use_cache is accepted and ignored: speculation always keeps its cache
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
-                 "do_sample", "temperature", "top_k", "top_p", "min_p", "generation_config", "return_dict_in_generate",
-                 "stopping_criteria", "stop_strings", "tokenizer", "streamer", "use_cache"}
+                 "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "generation_config",
+                 "return_dict_in_generate", "output_scores", "output_logits", "stopping_criteria", "stop_strings",
+                 "tokenizer", "streamer", "use_cache"}
 
 
 # generation_config fields that change what generate returns and that the speculative path does not
@@ -36,15 +37,15 @@ UNSUPPORTED_CONFIG = ("bad_words_ids", "begin_suppress_tokens", "constraints", "
                       "epsilon_cutoff", "eta_cutoff", "exponential_decay_length_penalty", "force_words_ids",
                       "forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "max_time", "min_length",
                       "min_new_tokens", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
-                      "num_return_sequences", "output_attentions", "output_hidden_states", "output_logits",
-                      "output_scores", "penalty_alpha", "renormalize_logits", "repetition_penalty", "sequence_bias",
+                      "num_return_sequences", "output_attentions", "output_hidden_states",
+                      "penalty_alpha", "renormalize_logits", "sequence_bias",
                       "suppress_tokens", "token_healing", "top_h", "typical_p", "watermarking_config",
                       "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "remove_invalid_values")
 
 
 # the value of a numeric setting that means "off" (0 for the rest)
-_OFF = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
-        "encoder_repetition_penalty": 1.0, "typical_p": 1.0, "guidance_scale": 1.0}
+_OFF = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "encoder_repetition_penalty": 1.0,
+        "typical_p": 1.0, "guidance_scale": 1.0}
 
 
 def _is_off(name: str, value) -> bool:
@@ -210,8 +211,9 @@ def _storage(*modules) -> tuple:
 @dataclass
 class SpecGenerateOutput(GenerateDecoderOnlyOutput):
     """What ``generate(..., return_dict_in_generate=True)`` returns: transformers' output
-    (``out.sequences``, ``out["sequences"]``) plus ``accept_lens`` [steps][B] and ``acceptance``
-    (``AcceptanceStats``: τ, per-position rates)."""
+    (``out.sequences``, ``out["sequences"]``; ``scores`` / ``logits`` with ``output_scores`` /
+    ``output_logits``) plus ``accept_lens`` [steps][B] and ``acceptance`` (``AcceptanceStats``: tau,
+    per-position rates)."""
 
     accept_lens: list | None = None
     acceptance: AcceptanceStats | None = None
@@ -241,10 +243,11 @@ class SpecModel:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
         ``[B, T]`` (left padding; B <= max_batch); ``max_new_tokens`` / ``max_length``,
-        ``eos_token_id``, ``pad_token_id``, ``do_sample`` + ``temperature`` / ``top_k`` / ``top_p``,
-        ``generation_config``, ``stopping_criteria``, ``streamer`` (batch 1). Returns ``[B, T + new]``
-        (rows that stop early are padded with ``pad_token_id``), or with ``return_dict_in_generate``
-        a ``GenerateDecoderOnlyOutput`` with ``sequences`` and ``accept_lens`` (per step, per row:
+        ``eos_token_id``, ``pad_token_id``, ``do_sample`` + ``temperature`` / ``top_k`` / ``top_p`` /
+        ``min_p``, ``repetition_penalty``, ``generation_config``, ``stopping_criteria``, ``streamer``
+        (batch 1). Returns ``[B, T + new]`` (rows that stop early are padded with ``pad_token_id``), or
+        with ``return_dict_in_generate`` a ``GenerateDecoderOnlyOutput`` with ``sequences``, ``scores`` /
+        ``logits`` (with ``output_scores`` / ``output_logits``) and ``accept_lens`` (per step, per row:
         tokens committed). Any other setting that would change the output raises TypeError."""
         if _storage(self.model, self.draft) != self._storage:
             raise RuntimeError("the model's or the draft's parameters were moved or replaced since specgraph.compile "
@@ -256,6 +259,10 @@ class SpecModel:
             raise TypeError(f"SpecModel.generate does not support {unknown} yet; they would change the result, "
                             f"so they are refused rather than ignored")
         sampling = _sampling(kwargs, gen)
+        penalty = _repetition_penalty(kwargs, gen)
+        as_dict = kwargs.get("return_dict_in_generate")
+        # scores / logits only come back in a dict (as in model.generate): only then are they gathered
+        keep = tuple(bool(as_dict and _setting(kwargs, gen, name)) for name in ("output_scores", "output_logits"))
         if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise TypeError(f"input_ids: a [B, T] tensor of integer token ids (e.g. tokenizer(..., return_tensors='pt')"
                             f".input_ids); got {type(input_ids).__name__}"
@@ -308,7 +315,8 @@ class SpecModel:
                                           self.config.max_length, sampling, stopping, streamer,
                                           compiled=self.config.backend == "inductor",
                                           synthetic_accept=self.config.synthetic_accept,
-                                          padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)])
+                                          padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)],
+                                          penalty=penalty, keep=keep)
             if self.policy:  # every row's tokens were read back: the device work is done
                 self.policy.record(b, mode, time.perf_counter() - start, sum(map(len, result.sequences)))
             self.last_stats = AcceptanceStats.of(result, tree.max_depth)
@@ -317,8 +325,9 @@ class SpecModel:
         for row, tokens in enumerate(result.sequences):
             new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
         sequences = torch.cat([input_ids, new], 1)
-        if kwargs.get("return_dict_in_generate"):
-            return SpecGenerateOutput(sequences=sequences, accept_lens=result.accept_lens, acceptance=self.last_stats)
+        if as_dict:
+            return SpecGenerateOutput(sequences=sequences, scores=result.scores, logits=result.logits,
+                                      accept_lens=result.accept_lens, acceptance=self.last_stats)
         return sequences
 
     def export(self, path, format: str = "onnx", batch: int = 1):
@@ -349,6 +358,22 @@ def _stopping_criteria(kwargs: dict, gen):
     from transformers import StoppingCriteriaList, StopStringCriteria
 
     return StoppingCriteriaList([*(criteria or []), StopStringCriteria(tokenizer, stop_strings)])
+
+
+def _setting(kwargs: dict, gen, name: str):
+    """A generate argument, else the generation config's value (None: neither sets it)."""
+    return kwargs[name] if kwargs.get(name) is not None else getattr(gen, name, None)
+
+
+def _repetition_penalty(kwargs: dict, gen) -> float | None:
+    """The call's repetition penalty (None: off, as 1.0 is), checked as transformers checks it."""
+    penalty = _setting(kwargs, gen, "repetition_penalty")
+    if penalty is None or (penalty == 1.0 and not isinstance(penalty, bool)):
+        return None
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < math.inf:
+        raise ValueError(f"repetition_penalty={penalty!r}: a finite number > 0 (1.0: no penalty; above 1 "
+                         f"discourages repeats, below 1 encourages them)")
+    return float(penalty)
 
 
 def _sampling(kwargs: dict, gen) -> Sampling | None:

@@ -6,8 +6,8 @@
     out = model.generate(**inputs, max_new_tokens=64)    # token-exact with the original
     specgraph.detach(model)                               # the original method is back
 
-A call the speculative path cannot honour exactly (beam search, repetition penalty, scores in
-the output, a batch over ``max_batch``, a prompt too long for ``max_length``, ...) runs the
+A call the speculative path cannot honour exactly (beam search, ``no_repeat_ngram_size``,
+attentions in the output, a batch over ``max_batch``, a prompt too long for ``max_length``, ...) runs the
 original ``generate`` instead, with a warning naming what made it fall back (once per reason),
 never a silently different result.
 """

@@ -135,9 +135,11 @@ def test_generation_settings_that_would_change_the_output_are_named():
     off = GenerationConfig(repetition_penalty=1.0, num_beams=1, output_scores=False, no_repeat_ngram_size=0,
                            suppress_tokens=[], max_new_tokens=9, top_k=5, do_sample=True)
     assert unsupported_arguments({"max_new_tokens": 3, "eos_token_id": 2}, off) == []
-    on = GenerationConfig(repetition_penalty=1.2, forced_bos_token_id=0, suppress_tokens=[7])
+    on = GenerationConfig(no_repeat_ngram_size=3, forced_bos_token_id=0, suppress_tokens=[7])
     assert unsupported_arguments({"num_beams": 2, "logits_processor": []}, on) == [
-        "logits_processor=[]", "forced_bos_token_id=0", "num_beams=2", "repetition_penalty=1.2", "suppress_tokens=[7]"]
+        "logits_processor=[]", "forced_bos_token_id=0", "no_repeat_ngram_size=3", "num_beams=2", "suppress_tokens=[7]"]
+    # supported now: a repetition penalty, scores and logits in the output
+    assert unsupported_arguments({"repetition_penalty": 1.2, "output_scores": True, "output_logits": True}, off) == []
 
 
 def _tiny(cls_name: str, config_name: str, **fields):
