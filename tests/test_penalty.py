@@ -184,3 +184,21 @@ def test_smollm2_greedy_with_a_penalty_is_token_exact():
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                               repetition_penalty=1.3)
         assert torch.equal(out.sequences, want), text
+
+
+def test_the_compiled_step_takes_a_new_penalty_and_hands_back_scores(aot_eager_compile):
+    """The whole step through torch.compile (fullgraph, aot_eager): the seen buffer updated in place, the
+    penalty read from a tensor (a new value compiles nothing), the scores gathered at the accepted path."""
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_length=128)
+    row = prompts(5, [6, 13])[1]
+    ids = torch.tensor([row])
+    for penalty in (1.3, 0.7):
+        out = spec.generate(ids, max_new_tokens=16, eos_token_id=None, repetition_penalty=penalty,
+                            return_dict_in_generate=True, output_scores=True)
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                              max_new_tokens=16, eos_token_id=None, repetition_penalty=penalty,
+                              return_dict_in_generate=True, output_scores=True)
+        assert torch.equal(out.sequences, want.sequences), penalty
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(out.scores, want.scores))
+    assert len(spec.capture.decode_steps) == 1
