@@ -112,9 +112,35 @@ class SpecConfig:
     tree: Chain | StaticTree | DynamicTree
     backend: str
     max_batch: int
-    max_length: int
+    max_cache_len: int  # KV cache slots per row (transformers' StaticCache spelling)
     synthetic_accept: int | None = None  # benchmarks only: forced accepted length, NOT lossless
     policy: str = "fixed"  # "fixed": always the tree; "measured": per batch size, the tree or plain decoding
+
+    @property
+    def max_length(self) -> int:
+        """Deprecated spelling of ``max_cache_len`` (``generate(max_length=)`` keeps transformers' meaning)."""
+        warnings.warn(MAX_LENGTH_RENAMED.format(where="SpecConfig.max_length", new="max_cache_len"), FutureWarning,
+                      stacklevel=2)
+        return self.max_cache_len
+
+
+MAX_LENGTH_RENAMED = ("{where} is now {new} (KV cache slots per row, transformers' StaticCache spelling), so that "
+                      "max_length keeps generate's meaning (prompt + new tokens); the old spelling goes after 0.1")
+
+
+def cache_len_argument(max_cache_len: int, max_length: int | None, where: str) -> int:
+    """``compile``/``attach``'s cache size from ``max_cache_len``, or from the deprecated ``max_length``
+    (a FutureWarning); both given is refused."""
+    if max_length is None:
+        return max_cache_len
+    if max_cache_len != DEFAULT_CACHE_LEN:
+        raise TypeError(f"{where}: max_length= is the old spelling of max_cache_len=; pass max_cache_len only")
+    warnings.warn(MAX_LENGTH_RENAMED.format(where=f"{where}(max_length=)", new="max_cache_len="), FutureWarning,
+                  stacklevel=3)
+    return max_length
+
+
+DEFAULT_CACHE_LEN = 2048
 
 
 def resolve_backend(backend: str, model) -> str:
@@ -129,9 +155,13 @@ def resolve_backend(backend: str, model) -> str:
     return chosen
 
 
-def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, max_length: int = 2048,
-            synthetic_accept: int | None = None, policy: str = "fixed") -> "SpecModel":
+def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
+            max_cache_len: int = DEFAULT_CACHE_LEN, synthetic_accept: int | None = None, policy: str = "fixed", *,
+            max_length: int | None = None) -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
+
+    ``max_cache_len``: KV cache slots per row; ``generate`` needs prompt + max_new_tokens + tree
+    nodes to fit. ``max_length=`` is its old spelling (a FutureWarning; it goes after 0.1).
 
     ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
     graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"`` or ``"inductor"``.
@@ -147,6 +177,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     shrinks or switches itself off. ``"fixed"`` (default): always the tree.
     Everything that cannot be supported is refused here, all blockers at once.
     """
+    max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")
     blockers = []
     if isinstance(tree, str):  # a command-line spelling: "chain4", "dynamic:8,8,64", "eagle1", "medusa"
         from .trees import parse_tree
@@ -189,8 +220,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
         blockers.append("policy='measured' with synthetic_accept: a benchmark of forced acceptance must run its tree")
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
-    if not isinstance(max_length, int) or max_length <= tree.num_nodes:
-        blockers.append(f"max_length={max_length!r}: an int larger than the tree ({tree.num_nodes} nodes)")
+    if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
+        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
     try:
         blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
                      for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
@@ -200,7 +231,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
     model.config._attn_implementation = "sdpa"
     backend = resolve_backend(backend, model)
-    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept, policy))
+    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy))
 
 
 def _storage(*modules) -> tuple:
@@ -226,7 +257,7 @@ class SpecModel:
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
-        self.capture = Capture.shared(model.eval(), config.max_length, config.backend)  # reused across compiles
+        self.capture = Capture.shared(model.eval(), config.max_cache_len, config.backend)  # reused across compiles
         fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
         self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
         # what generate may run per call: the tree; with policy="measured" also a chain as deep as the
@@ -290,10 +321,10 @@ class SpecModel:
         eos = set(eos_list)
         pad = given_pad[0] if given_pad else eos_list[0] if eos_list else 0  # model.generate pads with eos[0]
         n = self.config.tree.num_nodes
-        too_long = [i for i, p in enumerate(prompts) if len(p) + max_new + n > self.config.max_length]
+        too_long = [i for i, p in enumerate(prompts) if len(p) + max_new + n > self.config.max_cache_len]
         if too_long:
             raise ValueError(f"rows {too_long}: prompt + max_new_tokens ({max_new}) + tree ({n} nodes) exceeds "
-                             f"max_length={self.config.max_length} given to specgraph.compile; raise it there")
+                             f"max_cache_len={self.config.max_cache_len} given to specgraph.compile; raise it there")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a row of input_ids is all padding (attention_mask has no 1)")
         streamer = kwargs.get("streamer")
@@ -312,7 +343,7 @@ class SpecModel:
             draft, tree = self.modes[mode]
             start = time.perf_counter()
             result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
-                                          self.config.max_length, sampling, stopping, streamer,
+                                          self.config.max_cache_len, sampling, stopping, streamer,
                                           compiled=self.config.backend == "inductor",
                                           synthetic_accept=self.config.synthetic_accept,
                                           padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)],

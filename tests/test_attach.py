@@ -26,7 +26,7 @@ def test_generate_speculates_unchanged_and_falls_back_by_name(smollm2):
             "penalty": model.generate(**single, max_new_tokens=8, do_sample=False, repetition_penalty=1.3),
             "ngram": model.generate(**single, max_new_tokens=8, do_sample=False, no_repeat_ngram_size=2)}
     spec = specgraph.attach(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_batch=4,
-                            max_length=256)
+                            max_cache_len=256)
     try:
         assert model.generate is not type(model).generate
         assert torch.equal(model.generate(**single, max_new_tokens=12, do_sample=False), want["one"])

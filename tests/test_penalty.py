@@ -109,7 +109,7 @@ def test_greedy_with_a_penalty_is_token_exact(kind, penalty):
     draft, tree = {"ngram-chain3": lambda: (NGram(), Chain(3)),
                    "eagle3-dynamic": lambda: (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), DynamicTree(3, 3, 8)),
                    "eagle3-chain2": lambda: (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), Chain(2))}[kind]()
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_length=128)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_cache_len=128)
     assert _compare_greedy(model, spec, prompts(5, [6, 13, 9]), penalty)
     plain = spec.generate(torch.tensor([prompts(5, [13])[0]]), max_new_tokens=20, eos_token_id=None)
     assert plain[0, 13:].tolist() == hf_greedy(model, prompts(5, [13])[0], max_new_tokens=20, eos_token_id=None)
@@ -120,7 +120,7 @@ def test_greedy_penalises_each_node_by_its_own_path(tree, monkeypatch):
     """A 12-token vocabulary and a draft that reaches unseen tokens: drafted tokens are accepted on
     most steps, so a node's ancestors matter; without them the output leaves model.generate's."""
     model = _small_vocab_model()
-    spec = specgraph.compile(model, Spray(12), tree=tree, max_batch=3, max_length=96)
+    spec = specgraph.compile(model, Spray(12), tree=tree, max_batch=3, max_cache_len=96)
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 12, (int(n),), generator=g).tolist() for n in torch.randint(1, 5, (12,), generator=g)]
     out = spec.generate(torch.tensor([rows[0]]), max_new_tokens=12, eos_token_id=None, repetition_penalty=2.0,
@@ -142,7 +142,7 @@ def _statistics(sequences: torch.Tensor, start: int, positions: int) -> list[tor
 def test_sampling_with_a_penalty_matches_model_generate_in_distribution(monkeypatch):
     model = _small_vocab_model()
     rows, positions, prompt, penalty = 2000, 4, [5, 6], 6.0
-    spec = specgraph.compile(model, Spray(12), tree=SPRAY, max_batch=rows, max_length=72)
+    spec = specgraph.compile(model, Spray(12), tree=SPRAY, max_batch=rows, max_cache_len=72)
     ids = torch.tensor([prompt] * rows)
     kw = dict(do_sample=True, max_new_tokens=positions, eos_token_id=None, top_k=0)
     spec.generate(ids, repetition_penalty=1.5, **kw)  # the bucket is reused below with the penalty set in place
@@ -167,7 +167,7 @@ def test_sampling_with_a_penalty_matches_model_generate_in_distribution(monkeypa
 @pytest.mark.parametrize("bad", [0.0, -1.2, float("nan"), float("inf"), "1.2", True])
 def test_a_penalty_transformers_refuses_is_refused(bad):
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_length=64)
+    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64)
     with pytest.raises(ValueError, match="repetition_penalty=.*a finite number > 0"):
         spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, repetition_penalty=bad)
 
@@ -177,7 +177,7 @@ def test_smollm2_greedy_with_a_penalty_is_token_exact():
     from specgraph.models import load_default_draft, load_gguf
 
     model, tokenizer = load_gguf()
-    spec = specgraph.compile(model, load_default_draft(), tree=DynamicTree(3, 4, 8), max_length=128)
+    spec = specgraph.compile(model, load_default_draft(), tree=DynamicTree(3, 4, 8), max_cache_len=128)
     for text in ("The capital of France is", "List three colours: red,"):
         ids = tokenizer(text, return_tensors="pt").input_ids
         out = spec.generate(ids, max_new_tokens=16, repetition_penalty=1.3, return_dict_in_generate=True)
@@ -190,7 +190,7 @@ def test_the_compiled_step_takes_a_new_penalty_and_hands_back_scores(aot_eager_c
     """The whole step through torch.compile (fullgraph, aot_eager): the seen buffer updated in place, the
     penalty read from a tensor (a new value compiles nothing), the scores gathered at the accepted path."""
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_length=128)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=128)
     row = prompts(5, [6, 13])[1]
     ids = torch.tensor([row])
     for penalty in (1.3, 0.7):

@@ -31,7 +31,7 @@ def _hf(model, ids, mask=None, **kw):
 def test_greedy_scores_and_logits_are_model_generates(model, kind, penalty):
     draft, tree = (NGram(), Chain(3)) if kind == "ngram-chain3" else \
         (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), DynamicTree(3, 3, 8))
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_length=128)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_cache_len=128)
     longest = 1
     for row in prompts(3, [7, 16]):
         ids = torch.tensor([row])
@@ -49,7 +49,7 @@ def test_greedy_scores_and_logits_are_model_generates(model, kind, penalty):
 
 
 def test_batched_rows_hold_their_own_tokens_scores_and_zeros_after_they_finish(model):
-    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=3, max_length=128)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=3, max_cache_len=128)
     rows = prompts(4, [5, 12, 8])
     ids, mask = left_pad(rows)
     free = _hf(model, ids, mask, max_new_tokens=14, do_sample=False)
@@ -73,7 +73,7 @@ def test_batched_rows_hold_their_own_tokens_scores_and_zeros_after_they_finish(m
 
 def test_sampled_scores_are_the_emitted_tokens_processed_distributions(model):
     spec = specgraph.compile(model, Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), tree=DynamicTree(3, 3, 8),
-                             max_batch=2, max_length=128)
+                             max_batch=2, max_cache_len=128)
     rows = prompts(6, [6, 10])
     ids, mask = left_pad(rows)
     settings = dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3)
@@ -98,7 +98,7 @@ def test_sampled_scores_are_the_emitted_tokens_processed_distributions(model):
 
 
 def test_scores_are_gathered_only_when_returned(model):
-    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_length=64)
+    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64)
     ids = torch.tensor([prompts(8, [6])[0]])
     plain = spec.generate(ids, max_new_tokens=5, eos_token_id=None, output_scores=True)  # no dict: as model.generate
     assert torch.is_tensor(plain) and len(spec.capture.decode_steps) == 1
@@ -110,7 +110,7 @@ def test_scores_are_gathered_only_when_returned(model):
 
 
 def test_attach_speculates_with_scores_instead_of_falling_back(model, recwarn):
-    specgraph.attach(model, NGram(), tree=Chain(2), max_length=128)
+    specgraph.attach(model, NGram(), tree=Chain(2), max_cache_len=128)
     try:
         ids = torch.tensor([prompts(9, [7])[0]])
         out = model.generate(ids, max_new_tokens=6, eos_token_id=None, repetition_penalty=1.2, **KEEP)
