@@ -79,7 +79,7 @@ def main() -> None:
         key = (draft, repr(tree))
         if key not in specs:
             specs[key] = specgraph.compile(model, heads[draft], tree=tree, backend=args.backend,
-                                           max_batch=args.batch_size, max_length=tokens + 1024)
+                                           max_batch=args.batch_size, max_cache_len=tokens + 1024)
         report = acceptance(specs[key], tokenizer, prompt_set(args.prompts, questions), tokens, temperature,
                             batch_size=args.batch_size)
         summary["runs"][name] = report

@@ -156,7 +156,7 @@ def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device: str, repe
 def step_graph_ms(spec, steps: int = 64) -> float | None:
     """Device time per decode step with no host loop: the bucket's recorded CUDA graph replayed
     back to back (``replay_ms``): the same kernels and bytes as a step (its token inputs stay the last
-    step's; it writes the next cache slots, and max_length leaves 128 past the longest generate).
+    step's; it writes the next cache slots, and max_cache_len leaves 128 past the longest generate).
     None without a recorded graph."""
     graph = recorded_graph(spec)
     return replay_ms(graph.replay, steps) if graph is not None else None
@@ -265,7 +265,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape_name, shape = SHAPES["tiny" if args.tiny else args.shape]
     model = make_target(shape, device)
-    max_length = args.prompt + args.long + 128
+    cache_len = args.prompt + args.long + 128
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
     res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                torch=torch.__version__, shape=shape_name, prompt=args.prompt,
@@ -282,7 +282,7 @@ def main() -> None:
 
     def spec_for(draft, tree, batch=1, accept=None):
         return specgraph.compile(model, draft, tree=tree, backend="inductor", max_batch=batch,
-                                 max_length=max_length, synthetic_accept=accept)
+                                 max_cache_len=cache_len, synthetic_accept=accept)
 
     for section in tqdm(args.sections, desc="sections"):
         if time.time() - begin > args.budget_s:

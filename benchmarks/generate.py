@@ -230,7 +230,7 @@ def main() -> None:
         else:
             draft, tree, backend = specgraph_method(model, method, args.eagle3)
             policy = "measured" if method == "sg_eagle3_measured" else "fixed"
-            spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_length=1024, policy=policy)
+            spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_cache_len=1024, policy=policy)
             for _ in range(2 * len(spec.modes) if spec.policy else 1):  # warm-up: compile (and measure each mode)
                 run_specgraph(spec, rows[:1], args.max_new_tokens)
             outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens)

@@ -210,7 +210,7 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
     for shape, case_text in itertools.product(shapes, cases):
         context, r = map(int, case_text.split(":"))
         h, h_kv, d = SHAPES[shape]
-        s_max = max(context, 1024) + 272  # as e2e's max_length leaves past the prompt
+        s_max = max(context, 1024) + 272  # as e2e's max_cache_len leaves past the prompt
         g = torch.Generator(device="cuda").manual_seed(0)
         rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
         # as the step graph passes them: q / new k / new v views of one fused projection's [1, R, (H + 2 H_kv) D]

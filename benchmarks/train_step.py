@@ -88,7 +88,7 @@ def sampled_compile(batch: int) -> str:
     import specgraph
 
     model = target(torch.bfloat16)
-    spec = specgraph.compile(model, None, backend="inductor", max_batch=batch, max_length=256)
+    spec = specgraph.compile(model, None, backend="inductor", max_batch=batch, max_cache_len=256)
     ids = torch.randint(0, SMOLLM2["vocab_size"], (batch, 40), device="cuda")
     start = time.perf_counter()
     try:

@@ -35,7 +35,7 @@ def main() -> None:
     before = existing_code(model, tokenizer, args.max_new_tokens)
 
     spec = specgraph.attach(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_batch=4,
-                            max_length=128 + args.max_new_tokens)
+                            max_cache_len=128 + args.max_new_tokens)
     after = existing_code(model, tokenizer, args.max_new_tokens)
     specgraph.detach(model)
 

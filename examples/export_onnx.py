@@ -40,7 +40,7 @@ def main() -> None:
     if args.layers:  # a shorter model of the same kind: export time grows with depth
         model.model.layers = model.model.layers[: args.layers]
         model.config.num_hidden_layers = args.layers
-    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(NODES - 1), max_length=256)
+    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(NODES - 1), max_cache_len=256)
     start = time.perf_counter()
     spec.export(args.out, format="onnx", batch=1)
     print(f"exported {args.out} ({args.out.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - start:.0f} s")

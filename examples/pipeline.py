@@ -29,7 +29,7 @@ def main() -> None:
     without = pipe(messages, **settings)[0]["generated_text"][-1]["content"]
 
     specgraph.attach(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8),
-                     max_length=128 + args.max_new_tokens)
+                     max_cache_len=128 + args.max_new_tokens)
     streamer = transformers.TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = {}
     worker = Thread(target=lambda: result.update(out=pipe(messages, streamer=streamer, **settings)))

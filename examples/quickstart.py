@@ -28,9 +28,9 @@ def main() -> None:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     input_ids = tokenizer(text, return_tensors="pt").input_ids
 
-    # max_length: the per-row KV cache; prompt + new tokens + one tree must fit
+    # max_cache_len: the per-row KV cache; prompt + new tokens + one tree must fit
     spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(args.depth),
-                             max_length=input_ids.shape[1] + args.max_new_tokens + args.depth + 1)
+                             max_cache_len=input_ids.shape[1] + args.max_new_tokens + args.depth + 1)
     start = time.perf_counter()
     out = spec.generate(input_ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
     spec_s = time.perf_counter() - start

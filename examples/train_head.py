@@ -49,7 +49,7 @@ def main() -> None:
           f"saved {sorted(p.name for p in (args.out / 'head').iterdir())}")
 
     head = specgraph.drafts.Eagle3.from_pretrained(args.out / "head")
-    spec = specgraph.compile(model, head, tree=specgraph.DynamicTree(3, 4, 8), max_length=256)
+    spec = specgraph.compile(model, head, tree=specgraph.DynamicTree(3, 4, 8), max_cache_len=256)
     question = [{"role": "user", "content": mt_bench_questions(1)[0]["turns"][0]}]
     ids = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt",
                                         return_dict=True)["input_ids"]

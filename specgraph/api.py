@@ -29,8 +29,9 @@ log = logging.getLogger("specgraph")
 _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
 # use_cache is accepted and ignored: speculation always keeps its cache
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
-                 "do_sample", "temperature", "top_k", "top_p", "min_p", "generation_config", "return_dict_in_generate",
-                 "stopping_criteria", "stop_strings", "tokenizer", "streamer", "use_cache"}
+                 "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "generation_config",
+                 "return_dict_in_generate", "output_scores", "output_logits", "stopping_criteria", "stop_strings",
+                 "tokenizer", "streamer", "use_cache"}
 
 
 # generation_config fields that change what generate returns and that the speculative path does not
@@ -39,15 +40,15 @@ UNSUPPORTED_CONFIG = ("bad_words_ids", "begin_suppress_tokens", "constraints", "
                       "epsilon_cutoff", "eta_cutoff", "exponential_decay_length_penalty", "force_words_ids",
                       "forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "max_time", "min_length",
                       "min_new_tokens", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
-                      "num_return_sequences", "output_attentions", "output_hidden_states", "output_logits",
-                      "output_scores", "penalty_alpha", "renormalize_logits", "repetition_penalty", "sequence_bias",
+                      "num_return_sequences", "output_attentions", "output_hidden_states",
+                      "penalty_alpha", "renormalize_logits", "sequence_bias",
                       "suppress_tokens", "token_healing", "top_h", "typical_p", "watermarking_config",
                       "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "remove_invalid_values")
 
 
 # the value of a numeric setting that means "off" (0 for the rest)
-_OFF = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
-        "encoder_repetition_penalty": 1.0, "typical_p": 1.0, "guidance_scale": 1.0}
+_OFF = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "encoder_repetition_penalty": 1.0,
+        "typical_p": 1.0, "guidance_scale": 1.0}
 
 
 def _is_off(name: str, value) -> bool:
@@ -114,11 +115,37 @@ class SpecConfig:
     tree: Chain | StaticTree | DynamicTree
     backend: str
     max_batch: int
-    max_length: int
+    max_cache_len: int  # KV cache slots per row (transformers' StaticCache spelling)
     synthetic_accept: int | None = None  # benchmarks only: forced accepted length, NOT lossless
     policy: str = "fixed"  # "fixed": always the tree; "measured"/"cost": per batch size, the tree, a chain or plain
     verify: str = "exact"  # "typical": Medusa's typical acceptance when sampling, NOT lossless
     typical: tuple[float, float] | None = None  # (posterior_threshold, posterior_alpha) with verify="typical"
+
+    @property
+    def max_length(self) -> int:
+        """Deprecated spelling of ``max_cache_len`` (``generate(max_length=)`` keeps transformers' meaning)."""
+        warnings.warn(MAX_LENGTH_RENAMED.format(where="SpecConfig.max_length", new="max_cache_len"), FutureWarning,
+                      stacklevel=2)
+        return self.max_cache_len
+
+
+MAX_LENGTH_RENAMED = ("{where} is now {new} (KV cache slots per row, transformers' StaticCache spelling), so that "
+                      "max_length keeps generate's meaning (prompt + new tokens); the old spelling goes after 0.1")
+
+
+def cache_len_argument(max_cache_len: int, max_length: int | None, where: str) -> int:
+    """``compile``/``attach``'s cache size from ``max_cache_len``, or from the deprecated ``max_length``
+    (a FutureWarning); both given is refused."""
+    if max_length is None:
+        return max_cache_len
+    if max_cache_len != DEFAULT_CACHE_LEN:
+        raise TypeError(f"{where}: max_length= is the old spelling of max_cache_len=; pass max_cache_len only")
+    warnings.warn(MAX_LENGTH_RENAMED.format(where=f"{where}(max_length=)", new="max_cache_len="), FutureWarning,
+                  stacklevel=3)
+    return max_length
+
+
+DEFAULT_CACHE_LEN = 2048
 
 
 def resolve_backend(backend: str, model) -> str:
@@ -133,10 +160,14 @@ def resolve_backend(backend: str, model) -> str:
     return chosen
 
 
-def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, max_length: int = 2048,
-            synthetic_accept: int | None = None, policy: str = "fixed", verify: str = "exact",
-            typical: tuple[float, float] | None = None) -> "SpecModel":
+def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
+            max_cache_len: int = DEFAULT_CACHE_LEN, synthetic_accept: int | None = None, policy: str = "fixed",
+            verify: str = "exact", typical: tuple[float, float] | None = None, *,
+            max_length: int | None = None) -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
+
+    ``max_cache_len``: KV cache slots per row; ``generate`` needs prompt + max_new_tokens + tree
+    nodes to fit. ``max_length=`` is its old spelling (a FutureWarning; it goes after 0.1).
 
     ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
     graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"`` or ``"inductor"``.
@@ -160,6 +191,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     ``verify="exact"`` (default): greedy token-exact, sampling exact in distribution.
     Everything that cannot be supported is refused here, all blockers at once.
     """
+    max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")
     blockers = []
     if isinstance(tree, str):  # a command-line spelling: "chain4", "dynamic:8,8,64", "eagle1", "medusa"
         from .trees import parse_tree
@@ -203,8 +235,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     blockers += _verify_problems(verify, typical, synthetic_accept)
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
-    if not isinstance(max_length, int) or max_length <= tree.num_nodes:
-        blockers.append(f"max_length={max_length!r}: an int larger than the tree ({tree.num_nodes} nodes)")
+    if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
+        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
     try:
         blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
                      for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
@@ -219,7 +251,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
         warnings.warn(f"verify='typical' (posterior_threshold, posterior_alpha = {typical}) is LOSSY: sampled output "
                       f"is not distributed as the target's (greedy stays exact); verify='exact' is lossless",
                       stacklevel=2)
-    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_length, synthetic_accept, policy,
+    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy,
                                               verify, typical))
 
 
@@ -250,8 +282,9 @@ def _storage(*modules) -> tuple:
 @dataclass
 class SpecGenerateOutput(GenerateDecoderOnlyOutput):
     """What ``generate(..., return_dict_in_generate=True)`` returns: transformers' output
-    (``out.sequences``, ``out["sequences"]``) plus ``accept_lens`` [steps][B] and ``acceptance``
-    (``AcceptanceStats``: τ, per-position rates)."""
+    (``out.sequences``, ``out["sequences"]``; ``scores`` / ``logits`` with ``output_scores`` /
+    ``output_logits``) plus ``accept_lens`` [steps][B] and ``acceptance`` (``AcceptanceStats``: tau,
+    per-position rates)."""
 
     accept_lens: list | None = None
     acceptance: AcceptanceStats | None = None
@@ -265,7 +298,7 @@ class SpecModel:
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
-        self.capture = Capture.shared(model.eval(), config.max_length, config.backend)  # reused across compiles
+        self.capture = Capture.shared(model.eval(), config.max_cache_len, config.backend)  # reused across compiles
         fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
         self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
         # what generate may run per call: the tree; with a policy also a chain as deep as the
@@ -290,10 +323,11 @@ class SpecModel:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
         ``[B, T]`` (left padding; B <= max_batch); ``max_new_tokens`` / ``max_length``,
-        ``eos_token_id``, ``pad_token_id``, ``do_sample`` + ``temperature`` / ``top_k`` / ``top_p``,
-        ``generation_config``, ``stopping_criteria``, ``streamer`` (batch 1). Returns ``[B, T + new]``
-        (rows that stop early are padded with ``pad_token_id``), or with ``return_dict_in_generate``
-        a ``GenerateDecoderOnlyOutput`` with ``sequences`` and ``accept_lens`` (per step, per row:
+        ``eos_token_id``, ``pad_token_id``, ``do_sample`` + ``temperature`` / ``top_k`` / ``top_p`` /
+        ``min_p``, ``repetition_penalty``, ``generation_config``, ``stopping_criteria``, ``streamer``
+        (batch 1). Returns ``[B, T + new]`` (rows that stop early are padded with ``pad_token_id``), or
+        with ``return_dict_in_generate`` a ``GenerateDecoderOnlyOutput`` with ``sequences``, ``scores`` /
+        ``logits`` (with ``output_scores`` / ``output_logits``) and ``accept_lens`` (per step, per row:
         tokens committed). Any other setting that would change the output raises TypeError."""
         if _storage(self.model, self.draft) != self._storage:
             raise RuntimeError("the model's or the draft's parameters were moved or replaced since specgraph.compile "
@@ -307,6 +341,10 @@ class SpecModel:
         sampling = _sampling(kwargs, gen)
         if sampling is not None and self.config.verify == "typical":  # lossy, opted in at compile
             sampling = replace(sampling, typical=self.config.typical)
+        penalty = _repetition_penalty(kwargs, gen)
+        as_dict = kwargs.get("return_dict_in_generate")
+        # scores / logits only come back in a dict (as in model.generate): only then are they gathered
+        keep = tuple(bool(as_dict and _setting(kwargs, gen, name)) for name in ("output_scores", "output_logits"))
         if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise TypeError(f"input_ids: a [B, T] tensor of integer token ids (e.g. tokenizer(..., return_tensors='pt')"
                             f".input_ids); got {type(input_ids).__name__}"
@@ -334,10 +372,10 @@ class SpecModel:
         eos = set(eos_list)
         pad = given_pad[0] if given_pad else eos_list[0] if eos_list else 0  # model.generate pads with eos[0]
         n = self.config.tree.num_nodes
-        too_long = [i for i, p in enumerate(prompts) if len(p) + max_new + n > self.config.max_length]
+        too_long = [i for i, p in enumerate(prompts) if len(p) + max_new + n > self.config.max_cache_len]
         if too_long:
             raise ValueError(f"rows {too_long}: prompt + max_new_tokens ({max_new}) + tree ({n} nodes) exceeds "
-                             f"max_length={self.config.max_length} given to specgraph.compile; raise it there")
+                             f"max_cache_len={self.config.max_cache_len} given to specgraph.compile; raise it there")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a row of input_ids is all padding (attention_mask has no 1)")
         streamer = kwargs.get("streamer")
@@ -356,10 +394,11 @@ class SpecModel:
             draft, tree = self.modes[mode]
             start = time.perf_counter()
             result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
-                                          self.config.max_length, sampling, stopping, streamer,
+                                          self.config.max_cache_len, sampling, stopping, streamer,
                                           compiled=self.config.backend == "inductor",
                                           synthetic_accept=self.config.synthetic_accept,
-                                          padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)])
+                                          padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)],
+                                          penalty=penalty, keep=keep)
             seconds = time.perf_counter() - start  # every row's tokens were read back: the device work is done
             self.last_stats = AcceptanceStats.of(result, tree.max_depth)
             if isinstance(self.policy, MeasuredPolicy):
@@ -372,8 +411,9 @@ class SpecModel:
         for row, tokens in enumerate(result.sequences):
             new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
         sequences = torch.cat([input_ids, new], 1)
-        if kwargs.get("return_dict_in_generate"):
-            return SpecGenerateOutput(sequences=sequences, accept_lens=result.accept_lens, acceptance=self.last_stats)
+        if as_dict:
+            return SpecGenerateOutput(sequences=sequences, scores=result.scores, logits=result.logits,
+                                      accept_lens=result.accept_lens, acceptance=self.last_stats)
         return sequences
 
     def warmup(self, batch_sizes=(1,), sampling: bool = False) -> dict:
@@ -437,6 +477,22 @@ def _stopping_criteria(kwargs: dict, gen):
     from transformers import StoppingCriteriaList, StopStringCriteria
 
     return StoppingCriteriaList([*(criteria or []), StopStringCriteria(tokenizer, stop_strings)])
+
+
+def _setting(kwargs: dict, gen, name: str):
+    """A generate argument, else the generation config's value (None: neither sets it)."""
+    return kwargs[name] if kwargs.get(name) is not None else getattr(gen, name, None)
+
+
+def _repetition_penalty(kwargs: dict, gen) -> float | None:
+    """The call's repetition penalty (None: off, as 1.0 is), checked as transformers checks it."""
+    penalty = _setting(kwargs, gen, "repetition_penalty")
+    if penalty is None or (penalty == 1.0 and not isinstance(penalty, bool)):
+        return None
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < math.inf:
+        raise ValueError(f"repetition_penalty={penalty!r}: a finite number > 0 (1.0: no penalty; above 1 "
+                         f"discourages repeats, below 1 encourages them)")
+    return float(penalty)
 
 
 def _sampling(kwargs: dict, gen) -> Sampling | None:

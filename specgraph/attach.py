@@ -6,8 +6,8 @@
     out = model.generate(**inputs, max_new_tokens=64)    # token-exact with the original
     specgraph.detach(model)                               # the original method is back
 
-A call the speculative path cannot honour exactly (beam search, repetition penalty, scores in
-the output, a batch over ``max_batch``, a prompt too long for ``max_length``, ...) runs the
+A call the speculative path cannot honour exactly (beam search, ``no_repeat_ngram_size``,
+attentions in the output, a batch over ``max_batch``, a prompt too long for ``max_cache_len``, ...) runs the
 original ``generate`` instead, with a warning naming what made it fall back (once per reason),
 never a silently different result.
 """
@@ -18,18 +18,19 @@ import warnings
 
 import torch
 
-from .api import SpecModel, compile, max_new_tokens, unsupported_arguments
+from .api import DEFAULT_CACHE_LEN, SpecModel, cache_len_argument, compile, max_new_tokens, unsupported_arguments
 
 _ATTR = "_specgraph_original_generate"
 
 
 def attach(model, draft=None, tree=None, backend: str = "auto", max_batch: int = 8,
-           max_length: int = 2048) -> SpecModel:
-    """Compile ``model`` with ``draft`` (arguments as ``specgraph.compile``) and route its own
-    ``generate`` through the result. Returns the SpecModel."""
+           max_cache_len: int = DEFAULT_CACHE_LEN, *, max_length: int | None = None) -> SpecModel:
+    """Compile ``model`` with ``draft`` (arguments as ``specgraph.compile``; ``max_length=`` is the old
+    spelling of ``max_cache_len=``) and route its own ``generate`` through the result. Returns the SpecModel."""
+    max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.attach")
     if hasattr(model, _ATTR):
         raise RuntimeError("specgraph is already attached to this model; call specgraph.detach(model) first")
-    spec = compile(model, draft, tree=tree, backend=backend, max_batch=max_batch, max_length=max_length)
+    spec = compile(model, draft, tree=tree, backend=backend, max_batch=max_batch, max_cache_len=max_cache_len)
     original = model.generate  # the bound method of the model's class
     warned: set[str] = set()
 
@@ -73,6 +74,6 @@ def _fallback_reasons(spec: SpecModel, input_ids, generation_config, kwargs: dic
     b, t = input_ids.shape
     if b > spec.config.max_batch:
         reasons.append(f"batch {b} > max_batch={spec.config.max_batch}")
-    if t + max_new_tokens(kwargs, gen, t) + spec.config.tree.num_nodes > spec.config.max_length:
-        reasons.append(f"prompt + max_new_tokens beyond max_length={spec.config.max_length}")
+    if t + max_new_tokens(kwargs, gen, t) + spec.config.tree.num_nodes > spec.config.max_cache_len:
+        reasons.append(f"prompt + max_new_tokens beyond max_cache_len={spec.config.max_cache_len}")
     return reasons

@@ -181,7 +181,7 @@ def _bench(args: argparse.Namespace) -> int:
              "eagle3": lambda: drafts.Eagle3.from_pretrained(path), "medusa": lambda: drafts.Medusa.from_pretrained(path),
              "mtp": lambda: drafts.MTP.from_target(path)}[kind]()
     tree = args.tree
-    spec = compile(model, draft, tree=tree, backend=args.backend, max_length=args.max_new_tokens + 1024,
+    spec = compile(model, draft, tree=tree, backend=args.backend, max_cache_len=args.max_new_tokens + 1024,
                    max_batch=args.batch_size)
     report = acceptance(spec, tokenizer, prompt_set(args.prompts, args.questions), args.max_new_tokens, args.temperature,
                         batch_size=args.batch_size)
@@ -206,10 +206,10 @@ def _export(args: argparse.Namespace) -> int:
     # the exported step holds no draft and takes the tree as input: a chain as long as the bucket
     # bounds every tree of that many nodes
     draft, tree = (None, None) if args.nodes == 1 else (NGram(), Chain(args.nodes - 1))
-    spec = compile(model, draft, tree=tree, max_batch=args.batch, max_length=args.max_length)
+    spec = compile(model, draft, tree=tree, max_batch=args.batch, max_cache_len=args.max_cache_len)
     path = spec.export(args.out, format=args.format, batch=args.batch)
     print(f"wrote {path}: the verify step for batch {args.batch}, trees of up to {args.nodes} nodes, a cache of "
-          f"{args.max_length} slots (inputs and outputs: specgraph/export.py)")
+          f"{args.max_cache_len} slots (inputs and outputs: specgraph/export.py)")
     return 0
 
 
@@ -251,7 +251,7 @@ def _inspect(args: argparse.Namespace) -> int:
         layer_ids = tuple(int(i) for i in args.taps.split(",")) if args.taps else ()
         taps = HiddenTaps(layer_ids, args.convention, args.final)
     rows = tuple(int(i) for i in args.logits_rows.split(":")) if args.logits_rows else None
-    lines, supported = inspect_model(model, args.batch, args.nodes, args.max_length, taps, rows)
+    lines, supported = inspect_model(model, args.batch, args.nodes, args.max_cache_len, taps, rows)
     print("\n".join(lines))
     return 0 if supported else 2
 
@@ -284,7 +284,7 @@ def _demo(args: argparse.Namespace) -> int:
         tree, draft, label = Chain(args.depth), drafts.NGram(), f"n-gram prompt lookup, Chain({args.depth})"
     # on a GPU the whole decode step compiles into one CUDA graph (a minute, once); a CPU runs it op by op
     backend = args.backend or ("inductor" if device == "cuda" else "eager")
-    spec = compile(model, draft, tree=tree, backend=backend, max_length=ids.shape[1] + args.max_new_tokens + 64)
+    spec = compile(model, draft, tree=tree, backend=backend, max_cache_len=ids.shape[1] + args.max_new_tokens + 64)
     if backend == "inductor":
         print("compiling the decode step into one CUDA graph (once; about a minute) ...", flush=True)
     spec.generate(ids, max_new_tokens=min(args.max_new_tokens, 16))  # compile and record once, outside the timing
@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a .gguf file, a HF model directory or hub id (default: the embedded SmolLM2)")
     inspect.add_argument("--batch", type=whole_number(1), default=1)
     inspect.add_argument("--nodes", type=whole_number(1), default=8, help="tree nodes per step (1..64)")
-    inspect.add_argument("--max-length", type=whole_number(1), default=256)
+    inspect.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", type=whole_number(1), default=256,
+                         help="KV cache slots (--max-length: the old spelling)")
     inspect.add_argument("--taps", default="", help="hidden states to return, e.g. 2,15,26 (EAGLE-3's low/mid/high)")
     inspect.add_argument("--convention", default="layer_input", choices=["layer_input", "layer_output"],
                          help="whether a tap id names the state entering or leaving that layer")
@@ -422,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", default="onnx", choices=["onnx", "tensorrt"])
     export.add_argument("--batch", type=whole_number(1), default=1)
     export.add_argument("--nodes", type=whole_number(1), default=8, help="tree nodes per step (1 = plain decoding)")
-    export.add_argument("--max-length", type=whole_number(1), default=1024, help="KV cache slots")
+    export.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", type=whole_number(1), default=1024,
+                        help="KV cache slots (--max-length: the old spelling)")
     export.set_defaults(func=_export)
     benches = sub.add_parser("bench", help="acceptance of a draft on MT-bench; e2e, generate and kernel benchmarks")
     which = benches.add_subparsers(dest="what", required=True)

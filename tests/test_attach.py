@@ -23,16 +23,20 @@ def test_generate_speculates_unchanged_and_falls_back_by_name(smollm2):
     model, tokenizer = smollm2
     single = tokenizer(["The capital of France is"], return_tensors="pt")
     want = {"one": model.generate(**single, max_new_tokens=12, do_sample=False),
-            "penalty": model.generate(**single, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)}
+            "penalty": model.generate(**single, max_new_tokens=8, do_sample=False, repetition_penalty=1.3),
+            "ngram": model.generate(**single, max_new_tokens=8, do_sample=False, no_repeat_ngram_size=2)}
     spec = specgraph.attach(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_batch=4,
-                            max_length=256)
+                            max_cache_len=256)
     try:
         assert model.generate is not type(model).generate
         assert torch.equal(model.generate(**single, max_new_tokens=12, do_sample=False), want["one"])
         assert spec.capture.decode_steps  # the speculative path did run (its decode step was built)
-        with pytest.warns(UserWarning, match="repetition_penalty=1.3"):
-            got = model.generate(**single, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)
-        assert torch.equal(got, want["penalty"])
+        steps = len(spec.capture.decode_steps)
+        got = model.generate(**single, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)  # speculates
+        assert torch.equal(got, want["penalty"]) and len(spec.capture.decode_steps) == steps + 1
+        with pytest.warns(UserWarning, match="no_repeat_ngram_size=2"):
+            got = model.generate(**single, max_new_tokens=8, do_sample=False, no_repeat_ngram_size=2)
+        assert torch.equal(got, want["ngram"])
         with pytest.raises(RuntimeError, match="already attached"):
             specgraph.attach(model, load_default_draft())
     finally:

@@ -46,7 +46,7 @@ def test_export_command_writes_onnx_that_runs(tmp_path):
     model.save_pretrained(tmp_path / "tiny")
     out = tmp_path / "step.onnx"
     done = subprocess.run([sys.executable, "-m", "specgraph", "export", str(out), "--target", str(tmp_path / "tiny"),
-                           "--nodes", "4", "--batch", "2", "--max-length", "64"], capture_output=True, text=True)
+                           "--nodes", "4", "--batch", "2", "--max-cache-len", "64"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     shapes = {i.name: i.shape for i in session.get_inputs()}

@@ -51,7 +51,7 @@ def test_onnx_verify_step_matches_hf_and_the_reference(arch, nodes, tmp_path):
 
 
 def test_export_refuses_what_it_cannot_do(tmp_path):
-    spec = specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_length=64, max_batch=2)
+    spec = specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_cache_len=64, max_batch=2)
     with pytest.raises(ValueError, match="format='gguf'"):
         spec.export(tmp_path / "x", format="gguf")
     with pytest.raises(ValueError, match="batch=3"):
@@ -68,7 +68,7 @@ def test_export_checks_its_path_and_its_extra_before_any_work(tmp_path, monkeypa
 
     import specgraph.export
 
-    spec = specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_length=64)
+    spec = specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_cache_len=64)
     with pytest.raises(IsADirectoryError, match="is a directory: name the .onnx file"):
         spec.export(tmp_path)
     blocker = tmp_path / "file"

@@ -26,7 +26,7 @@ def test_draft_fast_paths_are_token_exact(monkeypatch, settings, backend):
     torch.manual_seed(0)
     draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
     spec = specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_batch=2,
-                             max_length=128, backend=backend)
+                             max_cache_len=128, backend=backend)
     attn = draft.midlayer.self_attn
     assert attn.fused_qkv is not None and draft.midlayer.fused_gate_up is not None
     assert attn.fused_qkv[0].data_ptr() == attn.q_proj.weight.data_ptr()  # a view of the packed weights
@@ -38,7 +38,7 @@ def test_draft_fast_paths_are_token_exact(monkeypatch, settings, backend):
     assert set(calls) == {3, 7}  # the op ran: each level's top 3 tokens and lanes, the 7 nodes kept
     settings(skip_fast_paths="topk,fuse_projections")
     calls.clear()
-    specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_length=128)
+    specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_cache_len=128)
     assert attn.fused_qkv is None and draft.midlayer.fused_gate_up is None  # off at the next compile
     specgraph.trees.top_k(torch.randn(2, 50), 3)
     assert not calls  # torch.topk
@@ -61,7 +61,8 @@ def test_fast_paths_leave_the_shipped_heads_proposals_alone():
     accepted = {}
     for skip in ("", "topk,fuse_projections"):
         with config.patch(skip_fast_paths=skip):
-            spec = specgraph.compile(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_length=256)
+            spec = specgraph.compile(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8),
+                                     max_cache_len=256)
             out = spec.generate(torch.tensor([row]), max_new_tokens=32, eos_token_id=None, return_dict_in_generate=True)
         accepted[skip] = [lens[0] for lens in out["accept_lens"]]
     assert accepted[""] == accepted["topk,fuse_projections"]

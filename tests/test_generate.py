@@ -49,7 +49,7 @@ def left_pad(rows: list[list[int]]):
 @pytest.mark.parametrize("tree", [Chain(1), Chain(4)], ids=["chain1", "chain4"])
 def test_greedy_is_token_exact(arch, tree):
     model = tiny_model(arch)
-    spec = specgraph.compile(model, NGram(), tree=tree, max_batch=3, max_length=256)
+    spec = specgraph.compile(model, NGram(), tree=tree, max_batch=3, max_cache_len=256)
     rows = prompts(0, [5, 47, 11])  # lengths more than a prefill chunk (32) apart
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=37, eos_token_id=None, return_dict_in_generate=True)
@@ -66,7 +66,7 @@ def test_greedy_is_token_exact(arch, tree):
 
 def test_eos_inside_an_accepted_chunk_and_rows_finishing_apart():
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=3, max_length=256)
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=3, max_cache_len=256)
     rows = prompts(1, [9, 16, 6])
     free = [hf_greedy(model, r, max_new_tokens=40, eos_token_id=None) for r in rows]
     eos = free[1][len(free[1]) // 2]  # a token row 1 emits mid-way: rows stop at different steps
@@ -90,7 +90,7 @@ def test_rows_finishing_apart_fit_an_exact_cache(seed, overlap, settings):
     rep, rand = prompts(seed, [30, 9])[1], prompts(seed, [30, 9])[0]
     rows = [rep * 3, rand[:7]]  # the long repetitive row accepts long chunks and finishes first
     max_new, tree = 20, Chain(4)
-    spec = specgraph.compile(model, NGram(), tree=tree, max_batch=2, max_length=len(rows[0]) + max_new + 5)
+    spec = specgraph.compile(model, NGram(), tree=tree, max_batch=2, max_cache_len=len(rows[0]) + max_new + 5)
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=None,
                         return_dict_in_generate=True)
@@ -102,7 +102,7 @@ def test_rows_finishing_apart_fit_an_exact_cache(seed, overlap, settings):
 @pytest.mark.parametrize("max_new", [1, 2, 7, 13])
 def test_max_new_tokens_cut_mid_chunk(max_new):
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(6), max_batch=1, max_length=128)
+    spec = specgraph.compile(model, NGram(), tree=Chain(6), max_batch=1, max_cache_len=128)
     row = prompts(2, [10, 24])[1]  # repetitive: long accepted chunks
     out = spec.generate(torch.tensor([row]), max_new_tokens=max_new, eos_token_id=None)
     assert out[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=max_new, eos_token_id=None)
@@ -110,7 +110,7 @@ def test_max_new_tokens_cut_mid_chunk(max_new):
 
 def test_bad_input_is_refused_by_name():
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_batch=2, max_length=64)
+    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_batch=2, max_cache_len=64)
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(TypeError, match="num_beams"):
         spec.generate(ids, num_beams=2)
@@ -118,7 +118,7 @@ def test_bad_input_is_refused_by_name():
         spec.generate(ids, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="max_batch=2"):
         spec.generate(torch.zeros(3, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="exceeds max_length=64"):
+    with pytest.raises(ValueError, match="exceeds max_cache_len=64"):
         spec.generate(ids, max_new_tokens=62)
     with pytest.raises(ValueError, match="pad on the left"):
         spec.generate(torch.tensor([[5, 6, 0]]), attention_mask=torch.tensor([[1, 1, 0]]))
@@ -129,9 +129,10 @@ def test_bad_input_is_refused_by_name():
 def test_compile_lists_every_blocker():
     model = tiny_model("llama")
     with pytest.raises(CompileError) as err:
-        specgraph.compile(model, NGram(), tree=specgraph.EAGLE1_MC_SIM_7B_63, backend="tensorrt", max_length=8)
+        specgraph.compile(model, NGram(), tree=specgraph.EAGLE1_MC_SIM_7B_63, backend="tensorrt", max_cache_len=8)
     text = str(err.value)
-    assert "backend='tensorrt'" in text and "NGram draft proposes one continuation" in text and "max_length=8" in text
+    assert "backend='tensorrt'" in text and "NGram draft proposes one continuation" in text
+    assert "max_cache_len=8" in text
     assert len(err.value.blockers) == 3
 
 
@@ -140,13 +141,13 @@ def test_a_model_moved_after_compile_is_refused():
     compile: after model.to(dtype) the old SpecModel raises instead of reading freed memory; a new
     compile serves the moved model."""
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_length=64)
+    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64)
     ids = torch.tensor([[5, 6, 7, 8]])
     spec.generate(ids, max_new_tokens=3)
     model.to(torch.float64)
     with pytest.raises(RuntimeError, match="moved or replaced since specgraph.compile"):
         spec.generate(ids, max_new_tokens=3)
-    again = specgraph.compile(model, NGram(), tree=Chain(2), max_length=64)
+    again = specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64)
     out = again.generate(ids, max_new_tokens=3, eos_token_id=None)
     assert out[0, 4:].tolist() == hf_greedy(model, [5, 6, 7, 8], max_new_tokens=3, eos_token_id=None)
 
@@ -191,7 +192,7 @@ def test_sampling_matches_plain_sampling_in_distribution(params):
     """Per position, speculative and plain sampling give the same token distribution (chi-square)."""
     model = _small_vocab_model()
     rows, positions, prompt = 2000, 4, [3, 4, 5, 3, 4, 5, 3, 4]  # repetitive: the n-gram draft gets accepted
-    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=rows, max_length=64)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=rows, max_cache_len=64)
     ids = torch.tensor([prompt] * rows)
     # the bucket first samples with other parameters: it is reused below, with ``params`` set in place
     spec.generate(ids, do_sample=True, max_new_tokens=2, eos_token_id=None, temperature=3.0, top_k=2, top_p=0.5)
@@ -234,7 +235,7 @@ def test_streamer_and_stopping_criteria_match_model_generate():
             self.calls.append("end")
 
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128)
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128)
     row = prompts(3, [6, 20])[1]
     free = hf_greedy(model, row, max_new_tokens=30, eos_token_id=None)
     stop_token = free[12]
@@ -287,7 +288,7 @@ def test_inductor_backend_is_token_exact(kind, whole_step, settings, request):
         else:
             draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
             tree = specgraph.DynamicTree(steps=3, topk=2, nodes=6)
-        return model, specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=128, backend="inductor")
+        return model, specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=128, backend="inductor")
 
     model, spec = compiled()
     rows = prompts(9, [6, 45])  # 45: the draft's prefill runs two chunks (one of them padded)
@@ -357,7 +358,7 @@ def test_device_ngram_proposes_what_the_host_search_does(rows, k, max_ngram, min
 def test_plain_decoding_on_the_same_engine():
     """draft=None: one node per step (the root), token-exact, every step commits exactly one token."""
     model = tiny_model("qwen3")
-    spec = specgraph.compile(model, None, max_batch=2, max_length=128)
+    spec = specgraph.compile(model, None, max_batch=2, max_cache_len=128)
     assert spec.config.tree == Chain(0)
     rows = prompts(4, [7, 12])
     ids, mask = left_pad(rows)
@@ -375,7 +376,7 @@ def test_argmax_in_chunks_is_token_exact(monkeypatch, chunk):
     (the last one partial), or in one (0): the same tokens as HF greedy."""
     monkeypatch.setattr(step_module, "ARGMAX_CHUNK", chunk)
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=2, max_length=128)
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=2, max_cache_len=128)
     rows = prompts(6, [9, 30])
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=25, eos_token_id=None)
@@ -387,7 +388,7 @@ def test_synthetic_acceptance_is_forced_and_labelled():
     """Benchmarks only: every step commits exactly k tokens (the last may be cut by max_new_tokens),
     with a warning on every call; sampling and out-of-range k are refused."""
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, synthetic_accept=3)
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, synthetic_accept=3)
     with pytest.warns(UserWarning, match="NOT the model's"):
         out = spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=20, eos_token_id=None,
                             return_dict_in_generate=True)
@@ -411,7 +412,7 @@ def test_a_cache_exactly_as_long_as_needed(kind):
     draft, tree = (NGram(), Chain(3)) if kind == "ngram" else (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)),
                                                               specgraph.DynamicTree(steps=3, topk=2, nodes=6))
     rows = prompts(5, [41, 20])
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=41 + 12 + tree.num_nodes)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=41 + 12 + tree.num_nodes)
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
     for row, got in zip(rows, generated_rows(out, ids.shape[1])):
@@ -447,14 +448,15 @@ def test_compiles_of_one_model_share_its_capture():
     import copy
 
     model = tiny_model("llama")
-    first = specgraph.compile(model, NGram(), tree=Chain(3), max_length=64)
-    plain = specgraph.compile(model, None, max_length=64)
+    first = specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64)
+    plain = specgraph.compile(model, None, max_cache_len=64)
     assert plain.capture is first.capture
     ids = torch.tensor([prompts(3, [9])[0]])
     assert plain.generate(ids, max_new_tokens=6, eos_token_id=None)[0, 9:].tolist() == \
         hf_greedy(model, ids[0].tolist(), max_new_tokens=6, eos_token_id=None)
-    assert specgraph.compile(model, None, max_length=96).capture is not first.capture
+    assert specgraph.compile(model, None, max_cache_len=96).capture is not first.capture
     assert copy.deepcopy(model).__dict__["_specgraph_captures"] == {}
     model.to(torch.float64)
-    assert specgraph.compile(model, None, max_length=96).capture.kv_device == torch.device("cpu")
-    assert next(iter(specgraph.compile(model, None, max_length=96).capture.model.parameters())).dtype == torch.float64
+    assert specgraph.compile(model, None, max_cache_len=96).capture.kv_device == torch.device("cpu")
+    captured = specgraph.compile(model, None, max_cache_len=96).capture
+    assert next(iter(captured.model.parameters())).dtype == torch.float64

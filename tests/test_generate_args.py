@@ -22,7 +22,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def spec(model):
-    return specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_batch=2, max_length=128)
+    return specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_batch=2, max_cache_len=128)
 
 
 def test_auto_backend_is_eager_off_cuda(model):
@@ -104,8 +104,8 @@ def test_input_ids_that_are_not_token_ids_are_refused(spec):
 
 def test_two_threads_on_one_model_each_get_their_own_tokens(model):
     """Two SpecModels of one model share its caches: their calls take turns, none corrupts another."""
-    a = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_length=128)
-    b = specgraph.compile(model, NGram(), tree=specgraph.Chain(2), max_length=128)
+    a = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_cache_len=128)
+    b = specgraph.compile(model, NGram(), tree=specgraph.Chain(2), max_cache_len=128)
     rows = prompts(11, [5, 9, 7, 12])
     want = [hf_greedy(model, r, max_new_tokens=16, eos_token_id=None) for r in rows]
     got, errors = {}, []
@@ -129,7 +129,7 @@ def test_two_threads_on_one_model_each_get_their_own_tokens(model):
 
 
 def test_attach_honours_return_dict_in_generate_from_the_generation_config(model):
-    specgraph.attach(model, NGram(), tree=specgraph.Chain(2), max_length=128)
+    specgraph.attach(model, NGram(), tree=specgraph.Chain(2), max_cache_len=128)
     try:
         model.generation_config.return_dict_in_generate = True
         out = model.generate(torch.tensor([prompts(2, [6])[0]]), max_new_tokens=5, eos_token_id=None)
@@ -232,7 +232,7 @@ def test_stop_strings_stop_where_model_generate_stops():
 
     _, tokenizer = load_gguf()
     model = tiny_target_for(tokenizer)
-    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_length=128)
+    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_cache_len=128)
     ids = tokenizer("The list: one, two, three", return_tensors="pt").input_ids
     free = spec.generate(ids, max_new_tokens=24, eos_token_id=None)[0, ids.shape[1]:].tolist()
     stop = tokenizer.decode(free[8:10])  # a string the answer reaches in its 10th token
@@ -291,3 +291,29 @@ def test_every_draft_kind_implements_the_draft_protocol_and_others_are_refused(m
 
     with pytest.raises(specgraph.CompileError, match="draft=Lookalike: not a specgraph draft"):
         specgraph.compile(model, Lookalike(), tree="chain2")
+
+
+def test_compiles_old_max_length_spelling_warns_and_still_sizes_the_cache(model):
+    """compile(max_cache_len=) is the cache; max_length= (its spelling before 0.1) still works with a
+    FutureWarning; generate(max_length=) keeps transformers' meaning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_cache_len=96).config.max_cache_len == 96
+    with pytest.warns(FutureWarning, match=r"specgraph.compile\(max_length=\) is now max_cache_len="):
+        spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_length=96)
+    assert spec.config.max_cache_len == 96 and spec.capture.max_length == 96
+    with pytest.warns(FutureWarning, match="SpecConfig.max_length is now max_cache_len"):
+        assert spec.config.max_length == 96
+    row = prompts(23, [8])[0]
+    out = spec.generate(torch.tensor([row]), max_length=20, eos_token_id=None)  # generate's: prompt + new tokens
+    assert out[0, 8:].tolist() == hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
+    with pytest.raises(ValueError, match="exceeds max_cache_len=96 given to specgraph.compile"):
+        spec.generate(torch.tensor([row]), max_new_tokens=90)
+    with pytest.raises(TypeError, match="max_length= is the old spelling of max_cache_len=; pass max_cache_len only"):
+        specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_cache_len=64, max_length=96)
+    with pytest.warns(FutureWarning, match=r"specgraph.attach\(max_length=\)"):
+        attached = specgraph.attach(model, NGram(), tree=specgraph.Chain(2), max_length=80)
+    specgraph.detach(model)
+    assert attached.config.max_cache_len == 80

@@ -44,7 +44,7 @@ def test_whole_step_is_token_exact(smollm2, kind, batch, cuda_graphs, settings):
         n = model.config.num_hidden_layers
         draft = Eagle3.for_target(model, aux_layer_ids=(1, n // 2 - 1, n - 4)).cuda()
         tree = specgraph.DynamicTree(steps=4, topk=4, nodes=16)
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=batch, max_length=512, backend="inductor")
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=batch, max_cache_len=512, backend="inductor")
     rows = [chat(tokenizer, q) for q in QUESTIONS[:batch]]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device="cuda")

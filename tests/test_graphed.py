@@ -103,7 +103,8 @@ def _compile_on_cuda(kind, chain, dynamic, batch, max_length):
         draft, tree = NGram(), Chain(chain)
     else:
         draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)).cuda(), specgraph.DynamicTree(*dynamic)
-    return model, specgraph.compile(model, draft, tree=tree, max_batch=batch, max_length=max_length, backend="inductor")
+    return model, specgraph.compile(model, draft, tree=tree, max_batch=batch, max_cache_len=max_length,
+                                    backend="inductor")
 
 
 def _assert_matches_hf(model, spec, rows, new_tokens):
@@ -143,7 +144,7 @@ def test_recorded_sampling_draws_afresh_each_replay(settings):
     draws anew (a graph that baked its recording's random state in would repeat it)."""
     settings(cuda_graphs=True)
     model = tiny_model("llama").cuda()
-    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=1, max_length=200, backend="inductor")
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=1, max_cache_len=200, backend="inductor")
     ids = torch.tensor([prompts(5, [12])[0]], device="cuda")
 
     def sample(seed):

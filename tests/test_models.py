@@ -218,7 +218,7 @@ def test_compiled_smollm2_generate_is_token_exact_batched(smollm2, draft_kind):
             "eagle": lambda: (specgraph.drafts.Eagle.for_target(model), specgraph.EAGLE1_MC_SIM_7B_63),
             "medusa": lambda: (specgraph.drafts.Medusa(576, 49152, num_heads=4), specgraph.Chain(4)),
         }[draft_kind]()
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=512)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=512)
     new = 32 if draft_kind == "ngram" else 12
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None, return_dict_in_generate=True)
     for i, row in enumerate(rows):

@@ -66,7 +66,7 @@ def test_measured_policy_offers_a_chain_as_deep_as_the_tree():
     model = tiny_model("llama")
     torch.manual_seed(0)
     head = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
-    spec = specgraph.compile(model, head, tree=specgraph.DynamicTree(steps=3, topk=2, nodes=6), max_length=128,
+    spec = specgraph.compile(model, head, tree=specgraph.DynamicTree(steps=3, topk=2, nodes=6), max_cache_len=128,
                              policy="measured")
     assert list(spec.modes) == ["tree", "chain", "plain"] and spec.modes["chain"][1] == Chain(3)
     row = prompts(4, [20])[0]
@@ -75,13 +75,13 @@ def test_measured_policy_offers_a_chain_as_deep_as_the_tree():
         out = spec.generate(torch.tensor([row]), max_new_tokens=10, eos_token_id=None)
         assert out[0, len(row):].tolist() == want
     assert {mode for _, mode in spec.policy.cost} == {"tree", "chain", "plain"}  # each ran and was measured
-    chained = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="measured")
+    chained = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy="measured")
     assert list(chained.modes) == ["tree", "plain"]  # a chain is its own smaller tree
 
 
 def test_measured_policy_is_lossless_in_both_modes():
     model = tiny_model("llama")
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="measured")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy="measured")
     row = prompts(2, [10, 24])[1]  # repetitive: the tree accepts long chunks
     ids = torch.tensor([row])
     want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
@@ -97,6 +97,6 @@ def test_measured_policy_is_lossless_in_both_modes():
 def test_policy_is_checked_at_compile():
     model = tiny_model("llama")
     with pytest.raises(CompileError, match="policy='sometimes'"):
-        specgraph.compile(model, NGram(), tree=Chain(2), max_length=64, policy="sometimes")
+        specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64, policy="sometimes")
     with pytest.raises(CompileError, match="synthetic_accept"):
-        specgraph.compile(model, NGram(), tree=Chain(2), max_length=64, policy="measured", synthetic_accept=2)
+        specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64, policy="measured", synthetic_accept=2)

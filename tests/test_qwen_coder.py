@@ -73,7 +73,7 @@ def test_greedy_speculation_is_token_exact(qwen, kind):
     rows = [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
             for p in PROMPTS]
     draft, tree = drafts(model)[kind]
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=256)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=256)
     ids, mask = left_pad([list(r) for r in rows])
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None, return_dict_in_generate=True)
     for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):

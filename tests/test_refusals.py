@@ -120,9 +120,9 @@ def test_window_narrower_than_the_tree_is_refused():
         export_tree_step(model, batch=1, nodes=8, max_length=32)
     assert "layer 0: window 4" in str(err.value) and "layer 1: window 4" in str(err.value)
     with pytest.raises(CompileError) as err:  # and compile() says so before anything runs
-        specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(7), max_length=32)
+        specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(7), max_cache_len=32)
     assert "layer 0: sliding window 4 <= tree of 8 nodes" in str(err.value) and "layer 1: sliding" in str(err.value)
-    specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(2), max_length=32)  # 3 nodes fit
+    specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(2), max_cache_len=32)  # 3 nodes fit
 
 
 def test_generation_settings_that_would_change_the_output_are_named():
@@ -135,9 +135,11 @@ def test_generation_settings_that_would_change_the_output_are_named():
     off = GenerationConfig(repetition_penalty=1.0, num_beams=1, output_scores=False, no_repeat_ngram_size=0,
                            suppress_tokens=[], max_new_tokens=9, top_k=5, do_sample=True)
     assert unsupported_arguments({"max_new_tokens": 3, "eos_token_id": 2}, off) == []
-    on = GenerationConfig(repetition_penalty=1.2, forced_bos_token_id=0, suppress_tokens=[7])
+    on = GenerationConfig(no_repeat_ngram_size=3, forced_bos_token_id=0, suppress_tokens=[7])
     assert unsupported_arguments({"num_beams": 2, "logits_processor": []}, on) == [
-        "logits_processor=[]", "forced_bos_token_id=0", "num_beams=2", "repetition_penalty=1.2", "suppress_tokens=[7]"]
+        "logits_processor=[]", "forced_bos_token_id=0", "no_repeat_ngram_size=3", "num_beams=2", "suppress_tokens=[7]"]
+    # supported now: a repetition penalty, scores and logits in the output
+    assert unsupported_arguments({"repetition_penalty": 1.2, "output_scores": True, "output_logits": True}, off) == []
 
 
 def _tiny(cls_name: str, config_name: str, **fields):
@@ -160,7 +162,7 @@ def test_models_the_step_cannot_express_are_refused_at_compile(cls_name, config_
 
     with pytest.raises(CompileError, match=message):
         specgraph.compile(_tiny(cls_name, config_name, **fields), specgraph.drafts.NGram(), tree=specgraph.Chain(2),
-                          max_length=64)
+                          max_cache_len=64)
 
 
 @pytest.mark.parametrize("fields", [dict(multi_query=True, new_decoder_architecture=False),
@@ -172,7 +174,7 @@ def test_falcon_kv_heads_are_read_from_its_own_fields(fields):
     model = _tiny("FalconForCausalLM", "FalconConfig", num_hidden_layers=2, num_attention_heads=4, **fields)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(2), max_length=64)
+    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(2), max_cache_len=64)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6]])
     want = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, max_new_tokens=12, eos_token_id=None), want)

@@ -28,3 +28,20 @@ def test_constraints_pin_a_cpu_torch_and_an_interpreter_that_works():
     assert pins["torch"].startswith("2.13.")
     major, minor = map(int, pins["triton"].split(".")[:2])
     assert (major, minor) >= (3, 7)  # triton <= 3.6's interpreter breaks with numpy >= 2.4
+
+
+def test_library_code_logs_instead_of_printing():
+    """The library speaks through the ``specgraph`` logger (docs/api.md, Logging); ``print`` is for
+    command-line entry points only (``main`` and the CLI module). The passes are checked elsewhere."""
+    import ast
+
+    printing = []
+    for path in sorted((ROOT / "specgraph").rglob("*.py")):
+        if path.name == "cli.py" or "passes" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        mains = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "main"
+                 for n in ast.walk(f)}
+        printing += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree)
+                     if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "print" and id(n) not in mains]
+    assert not printing, printing

@@ -176,6 +176,20 @@ def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> t
     TopK, TopP and MinP logits warpers applied in that order (its generate's
     order). returns float32 [B, N, V].
     """
+    x, greedy = _warp(logits, temperature, top_k, top_p, min_p)
+    probs = x.softmax(-1)
+    one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+def warped_logits(logits, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """The scores ``sampling_probs`` takes the softmax of: fp32 logits / temperature, -inf where
+    top-k, top-p or min-p filter a token (transformers' warpers' output, what ``model.generate``
+    returns as ``scores``). temperature > 0."""
+    return _warp(logits, temperature, top_k, top_p, min_p)[0]
+
+
+def _warp(logits, temperature, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor]:
     b, _, v = logits.shape
 
     def per_row(x, dtype):
@@ -198,9 +212,7 @@ def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> t
     if min_p is not None:  # tokens less likely than min_p times the most likely one go
         probs = x.softmax(-1)
         x = torch.where(probs < per_row(min_p, torch.float32) * probs.amax(-1, keepdim=True), float("-inf"), x)
-    probs = x.softmax(-1)
-    one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy, one_hot, probs)
+    return x, greedy
 
 
 def verify_sample(tokens, parents, mask, target_probs, max_depth: int, draft_probs=None, generator=None) -> Acceptance:

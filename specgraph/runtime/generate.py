@@ -20,6 +20,7 @@ import torch
 
 from .. import config
 from .graphed import GraphedCall, StaticStep
+from .outputs import per_position
 from .step import DecodeStep, features_of
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ PREFILL_NODES = 64
 class GenerateResult:
     sequences: list[list[int]]  # per row: the generated tokens (eos included, nothing after it)
     accept_lens: list[list[int]] = field(default_factory=list)  # per step, per row: tokens committed
+    scores: tuple | None = None  # with keep: per position, [B, V] (transformers' output_scores)
+    logits: tuple | None = None  # with keep: per position, [B, V] raw (transformers' output_logits)
 
 
 @dataclass(frozen=True)
@@ -133,22 +136,29 @@ class Sampling:
 
 
 def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None, compiled: bool,
-                synthetic_accept: int | None = None):
+                synthetic_accept: int | None = None, penalty: float | None = None,
+                keep: tuple[bool, bool] = (False, False)):
     """The bucket's draft session and step function, built (and compiled) on first use and kept on
     ``capture``: later calls with the same batch, tree and sampling reuse them (``session.prefill``
-    resets the per-call state), so a bucket compiles and records its CUDA graph once."""
+    resets the per-call state), so a bucket compiles and records its CUDA graph once. A repetition
+    ``penalty`` (on or off) and ``keep`` (scores, logits handed back) are part of the bucket: steps
+    without them pay nothing for them."""
     device = capture.kv_device
     # The whole step compiles as one graph; config.whole_step=False compiles the target bucket alone
     # (the rest of the step then runs eagerly: a fallback for inductor bugs).
     whole_step = compiled and config.whole_step
     graphed = whole_step and cuda_graphs_on(device)
-    # sampling's values are not in the key: the step reads them from tensors (DecodeStep.set_sampling)
+    # sampling's and the penalty's values are not in the key: the step reads them from tensors
+    # (DecodeStep.set_sampling, set_penalty)
     verify = None if sampling is None else sampling.typical is not None  # greedy, exact or typical sampling
-    key = (id(draft), batch, repr(tree), max_length, verify, compiled, whole_step, graphed, synthetic_accept)
+    key = (id(draft), batch, repr(tree), max_length, verify, compiled, whole_step, graphed, synthetic_accept,
+           penalty is None, tuple(keep))
     if key in capture.decode_steps:
         bucket = capture.decode_steps[key]
         if sampling is not None:
             bucket.step.set_sampling(sampling)
+        if penalty is not None:
+            bucket.step.set_penalty(penalty)
         return bucket
     if compiled:  # the first call of the bucket compiles it: say so, it is the one slow call
         log.info("the decode step for batch %d, %s compiles on its first call (about a minute on a GPU; "
@@ -160,7 +170,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
             torch.compile(own_code(method), fullgraph=True, dynamic=False), graphed,
             f"the draft's pass over the prompt (B={batch})"))
     step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step,
-                      synthetic_accept=synthetic_accept)
+                      synthetic_accept=synthetic_accept, penalty=penalty, keep=keep)
     run = step
     if whole_step:
         compiled_step = torch.compile(own_code(step.__call__), fullgraph=True, dynamic=False)
@@ -236,8 +246,8 @@ class _Readback:
 def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                          eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
                          stopping_criteria=None, streamer=None, compiled: bool = False,
-                         synthetic_accept: int | None = None, padding: list[list[int]] | None = None
-                         ) -> GenerateResult:
+                         synthetic_accept: int | None = None, padding: list[list[int]] | None = None,
+                         penalty: float | None = None, keep: tuple[bool, bool] = (False, False)) -> GenerateResult:
     """Speculative decoding of ``prompts`` over ``tree``: greedy (token-exact), or with
     ``sampling`` exact in distribution (the drafts are deterministic, so each node
     draws its own target sample and a draft is accepted iff it equals its
@@ -256,11 +266,17 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     token as it is accepted. On CUDA the next step is launched before this one
     is read, while every row has room for it (``config.overlap``), so that
     host work overlaps the device; outputs are the same.
+    ``penalty``: transformers' repetition penalty (each row's seen tokens: its prompt without the
+    padding, then what it commits); ``keep`` = (scores, logits): also return them per generated
+    position (``GenerateResult.scores`` / ``logits``), as model.generate's output_scores / output_logits.
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
     padding = padding or [[] for _ in prompts]
-    session, run, propose, _ = decode_step(capture, draft, tree, b, max_length, sampling, compiled, synthetic_accept)
+    session, run, propose, step = decode_step(capture, draft, tree, b, max_length, sampling, compiled,
+                                              synthetic_accept, penalty, keep)
+    if penalty is not None:
+        step.reset_seen(prompts)
     cache_len, features = prefill(capture, prompts, device, session.taps)
     session.prefill(prompts, features)
     sequences = [list(p) for p in prompts]
@@ -277,20 +293,30 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     # a step writes the tree at cache_len .. cache_len + n - 1 and advances cache_len by at most D + 1:
     # a step launched before the previous one is read needs room for both
     room = lambda seq: len(seq) - 1 + tree.max_depth + 1 + n <= max_length  # noqa: E731
-    pending = None if all(done) else readback.start(run(topology, cache_len, active))
+    kept: list[tuple] = []  # with keep: each launched step's (scores, logits), copied before the next launch
+    where: list[list[tuple[int, int]]] = [[] for _ in range(b)]  # per row, per token: (step, slot)
+
+    def launch(tree_now, cache_now):
+        out = run(tree_now, cache_now, active)
+        if any(keep):  # the step's outputs are overwritten by the next launch: copied (on the device) first
+            kept.append(tuple(None if x is None else x.clone() for x in (out.scores, out.logits)))
+        return readback.start(out)
+
+    pending = None if all(done) else launch(topology, cache_len)
     while pending is not None:
         out, ticket = pending
         pending = None
         if ahead and out.next_tree is not None and all(d or room(seq) for d, seq in zip(done, sequences)):
             # step k+1 goes to the device before step k is read, so the host's work below overlaps it
-            pending = readback.start(run(out.next_tree, out.cache_len, active))
+            pending = launch(out.next_tree, out.cache_len)
         host = readback.finish(ticket)  # the one host read per step
         emitted, lens = [row[:-1] for row in host], [0 if d else row[-1] for d, row in zip(done, host)]
         result.accept_lens.append(lens)
         for row in range(b):
             if done[row]:
                 continue
-            for token in emitted[row][: lens[row]]:
+            for slot, token in enumerate(emitted[row][: lens[row]]):
+                where[row].append((len(result.accept_lens) - 1, slot))
                 generated[row].append(token)
                 sequences[row].append(token)
                 if streamer is not None:
@@ -310,7 +336,11 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
                                "check missed it (a specgraph bug)")
         if pending is None:
             topology = out.next_tree
-            pending = readback.start(run(topology, out.cache_len, active))
+            pending = launch(topology, out.cache_len)
     if streamer is not None:
         streamer.end()
+    if keep[0]:
+        result.scores = per_position([k[0] for k in kept], where)
+    if keep[1]:
+        result.logits = per_position([k[1] for k in kept], where)
     return result

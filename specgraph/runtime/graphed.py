@@ -10,7 +10,8 @@ into the next step's inputs:
     replay:  out = step(tree*, cache_len*, active*)                  (* static buffers)
              session.<state>* <- the state the step reassigned        (in place, in the graph)
              cache_len* <- out.cache_len;  tree* <- out.next_tree
-             emitted, accept_len: outputs in the graph's pool, valid until the next replay
+             emitted, accept_len (and scores, logits if kept): outputs in the graph's pool, valid
+             until the next replay
 
 On the host a step is then: copy in whatever input is not already the static buffer (the host
 loop's ``active``; a new call's prefilled session state and first tree), one replay, one read.
@@ -100,7 +101,7 @@ class StaticStep:
             if value is not static:
                 _copy_in(static, value, what)
 
-    def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self) -> tuple[torch.Tensor | None, ...]:
         """One step and the copies that carry it into the next: the part a CUDA graph records."""
         out = self.fn(self.tree, self.cache_len, self.active)
         for name, static in self.state.items():
@@ -113,15 +114,16 @@ class StaticStep:
         if self.next_tree:
             for name in _TREE_TENSORS:
                 getattr(self.tree, name).copy_(getattr(out.next_tree, name))
-        return out.emitted, out.accept_len
+        return out.emitted, out.accept_len, out.scores, out.logits
 
     def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
         first = self.state is None
         if first:
             self._bind(tree, cache_len, active)
         self._load(tree, cache_len, active)
-        emitted, accept_len = _run_recorded(self, self._body, first) if self.cuda_graph else self._body()
-        return StepOut(emitted, accept_len, self.cache_len, self.tree if self.next_tree else None)
+        out = _run_recorded(self, self._body, first) if self.cuda_graph else self._body()
+        emitted, accept_len, scores, logits = out
+        return StepOut(emitted, accept_len, self.cache_len, self.tree if self.next_tree else None, scores, logits)
 
 
 class GraphedCall:

@@ -15,7 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.verify import greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample, verify_typical
+from ..kernels.penalty import mark_seen, penalize, reset_seen, seen_buffer
+from ..kernels.verify import (greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample,
+                              verify_typical, warped_logits)
 from ..trees import Tree
 
 
@@ -24,6 +26,9 @@ class StepOut(NamedTuple):
     accept_len: torch.Tensor  # [B], 0 for rows that were already done
     cache_len: torch.Tensor  # [B] after the step
     next_tree: Tree | None  # the draft's next tree (None only from test stand-ins of the step)
+    # with ``keep``: fp32 [B, D+1, V] at the accepted path's nodes (slot i: what emitted[i] was chosen from)
+    scores: torch.Tensor | None = None  # processed (penalty, then the sampling warpers): HF's ``scores``
+    logits: torch.Tensor | None = None  # the target's raw logits: HF's ``logits``
 
 
 # The greedy argmax runs in two stages over chunks of this many logits (``greedy_tokens``; 0 would be one
@@ -41,10 +46,14 @@ class DecodeStep:
     """``step(tree, cache_len, active) -> StepOut`` for one batch size and tree spec."""
 
     def __init__(self, capture, session, spec, batch: int, sampling=None, compiled_target: bool = False,
-                 synthetic_accept: int | None = None):
+                 synthetic_accept: int | None = None, penalty: float | None = None,
+                 keep: tuple[bool, bool] = (False, False)):
         """``compiled_target``: call the bucket's own compiled graph (the rest of the step stays eager);
         otherwise the raw graph, so that compiling this whole step traces the target into it.
-        ``synthetic_accept``: benchmarks only, not lossless (``verify_forced``)."""
+        ``synthetic_accept``: benchmarks only, not lossless (``verify_forced``).
+        ``penalty``: transformers' repetition penalty at every node (``kernels/penalty.py``), its value
+        in a tensor (``set_penalty``), the seen tokens in ``self.seen`` (``reset_seen`` per call).
+        ``keep``: (scores, logits): also return them at the accepted path's nodes."""
         self.capture, self.session, self.spec = capture, session, spec
         # sampling parameters live in tensors updated in place (``set_sampling``): a compiled step, and
         # its CUDA graph, read the current values, so a new temperature recompiles nothing
@@ -58,6 +67,12 @@ class DecodeStep:
                               ("min_p", torch.float32))}
             self.set_sampling(sampling)
         self.synthetic_accept = synthetic_accept
+        self.penalty = self.seen = None
+        if penalty is not None:
+            self.penalty = torch.zeros((), dtype=torch.float32, device=capture.kv_device)
+            self.seen = seen_buffer(batch, capture.info.vocab_size, capture.kv_device)
+            self.set_penalty(penalty)
+        self.keep_scores, self.keep_logits = keep
         self.argmax_chunk = ARGMAX_CHUNK
         self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
         self.target_fn = self.target.run if compiled_target else self.target.graph
@@ -70,27 +85,47 @@ class DecodeStep:
         for value, setting in zip((self.typical or {}).values(), sampling.typical or ()):
             value.fill_(setting)
 
+    def set_penalty(self, penalty: float) -> None:
+        """Use repetition penalty ``penalty`` from the next step on (in place)."""
+        self.penalty.fill_(penalty)
+
+    def reset_seen(self, rows: list[list[int]]) -> None:
+        """A new call's seen tokens: each row's prompt (its padding left out, as model.generate does)."""
+        reset_seen(self.seen, rows)
+
     def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
         # rows that finished write their (ignored) tree at slot 0: their cache_len ran ahead by the
         # tokens they accepted but did not need, and the tree from there may not fit the cache
         base = torch.where(active, cache_len, 0)
         out = self.target_fn(*self.target._state, tree.tokens, tree.positions(base), base, tree.mask)
-        logits = out[0]
+        raw = logits = out[0]
         features = features_of(list(out[1:])) if self.target.tapped else None
+        if self.penalty is not None:  # node i's seen tokens: the row's committed ones and i's root path
+            logits = penalize(logits, self.seen, tree.tokens, tree.mask, self.penalty)
         if self.synthetic_accept is not None:
             acc = verify_forced(tree.tokens, tree.first_child, greedy_tokens(logits, self.argmax_chunk),
                                 self.synthetic_accept, self.spec.max_depth)
         elif self.sampling is None:
             target_tokens = greedy_tokens(logits, self.argmax_chunk)  # [B, N]
             acc = verify_greedy(tree.tokens, tree.parents, tree.mask, target_tokens, self.spec.max_depth)
-        else:
-            probs = sampling_probs(logits, **self.sampling)
+        else:  # temperature > 0 (generate refuses the rest): the probabilities are the warped scores' softmax
+            warped = warped_logits(logits, **self.sampling) if self.keep_scores else None
+            probs = sampling_probs(logits, **self.sampling) if warped is None else warped.softmax(-1)
             if self.typical is not None:
                 acc = verify_typical(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth, **self.typical)
             else:
                 acc = verify_sample(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth)
         accept_len = torch.where(active, acc.accept_len, 0)
+        if self.seen is not None:
+            mark_seen(self.seen, torch.where(active.unsqueeze(1), acc.emitted, -1))
+        scores = kept = None
+        if self.keep_scores or self.keep_logits:  # the rows each emitted token was chosen from
+            rows = acc.path.clamp(min=0).unsqueeze(-1).expand(-1, -1, raw.shape[-1])
+            at_path = lambda x: x.float().gather(1, rows)  # noqa: E731
+            if self.keep_scores:
+                scores = at_path(logits if self.sampling is None else warped)
+            kept = at_path(raw) if self.keep_logits else None
         torch.ops.specgraph.compact_kv(self.kv, base, acc.path, accept_len)
         self.session.commit(tree, acc, features, accept_len)
         next_tree = self.session.propose(acc.bonus)
-        return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree)
+        return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree, scores, kept)

@@ -125,11 +125,11 @@ class Decoder:
             return self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                        pad_token_id=pad)
         need = ids.shape[1] + max_new_tokens + 2
-        if self.spec is None or self.spec.config.max_length < need or self.spec.config.max_batch < ids.shape[0]:
+        if self.spec is None or self.spec.config.max_cache_len < need or self.spec.config.max_batch < ids.shape[0]:
             import specgraph
 
             self.spec = None  # its caches go before the next engine's arrive
-            self.spec = specgraph.compile(self.model, None, max_batch=max_batch, max_length=-(-need // 256) * 256)
+            self.spec = specgraph.compile(self.model, None, max_batch=max_batch, max_cache_len=-(-need // 256) * 256)
         return self.spec.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                   pad_token_id=pad)
 

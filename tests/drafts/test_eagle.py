@@ -135,7 +135,7 @@ def test_every_proposed_node_is_what_the_draft_picks_on_its_root_path(kind, tree
 @pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
 def test_greedy_with_random_heads_is_token_exact(arch, kind, tree):
     model = tiny_model(arch)
-    spec = specgraph.compile(model, make_draft(kind, model), tree=tree, max_batch=4, max_length=200)
+    spec = specgraph.compile(model, make_draft(kind, model), tree=tree, max_batch=4, max_cache_len=200)
     rows = prompts(4, [5, 17, 11, 8])
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
@@ -151,7 +151,7 @@ def test_reduced_draft_vocabulary_maps_to_target_ids():
     draft = make_draft("eagle3", model, draft_vocab=used)
     assert torch.equal(draft.to_target(torch.arange(len(used))), used)
     assert draft.t2d.sum() == len(used) and bool(draft.t2d[used].all())
-    spec = specgraph.compile(model, draft, tree=DynamicTree(steps=3, topk=2, nodes=6), max_batch=1, max_length=128)
+    spec = specgraph.compile(model, draft, tree=DynamicTree(steps=3, topk=2, nodes=6), max_batch=1, max_cache_len=128)
     row = prompts(5, [9])[0]
     out = spec.generate(torch.tensor([row]), max_new_tokens=20, eos_token_id=None)
     assert out[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
@@ -160,7 +160,7 @@ def test_reduced_draft_vocabulary_maps_to_target_ids():
 def test_eos_and_rows_finishing_apart_with_a_dynamic_tree():
     model = tiny_model("qwen3")
     spec = specgraph.compile(model, make_draft("eagle3", model), tree=DynamicTree(steps=3, topk=2, nodes=6),
-                             max_batch=3, max_length=200)
+                             max_batch=3, max_cache_len=200)
     rows = prompts(6, [8, 15, 4])
     free = [hf_greedy(model, r, max_new_tokens=30, eos_token_id=None) for r in rows]
     eos = free[0][len(free[0]) // 2]
@@ -181,7 +181,7 @@ def test_sampling_with_a_dynamic_tree_matches_plain_sampling(kind):
     model = _small_vocab_model()
     rows, positions, prompt = 1500, 4, [3, 4, 5, 3, 4, 5, 3, 4]
     spec = specgraph.compile(model, make_draft(kind, model), tree=DynamicTree(steps=2, topk=3, nodes=6),
-                             max_batch=rows, max_length=64)
+                             max_batch=rows, max_cache_len=64)
     ids = torch.tensor([prompt] * rows)
     torch.manual_seed(20)
     out = spec.generate(ids, do_sample=True, temperature=0.8, max_new_tokens=positions, eos_token_id=None,
@@ -204,7 +204,7 @@ def test_one_token_prompts_start_from_an_empty_cache(kind):
         draft, tree = specgraph.drafts.Medusa(64, 101, num_heads=3), SMALL_STATIC
     else:
         draft, tree = make_draft(kind, model), DynamicTree(steps=3, topk=2, nodes=6)
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=128)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=128)
     rows = [[7], prompts(8, [12])[0]]
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=15, eos_token_id=None)
@@ -220,7 +220,7 @@ def test_eagle1_compiles_once_across_prompt_lengths(aot_eager_compile):
     chunks) reuse them, token-exact."""
     model = tiny_model("llama")
     spec = specgraph.compile(model, make_draft("eagle", model), tree=DynamicTree(steps=3, topk=2, nodes=6),
-                             max_length=128, backend="inductor")
+                             max_cache_len=128, backend="inductor")
     assert_one_compile_across_lengths(spec, model, [[6], [40], [75]])
 
 

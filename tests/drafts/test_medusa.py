@@ -102,7 +102,7 @@ def test_generate_with_random_heads_is_token_exact(tree):
     model = tiny_model("llama")
     torch.manual_seed(5)
     medusa = Medusa(H, V, K)
-    spec = specgraph.compile(model, medusa, tree=tree, max_batch=2, max_length=160)
+    spec = specgraph.compile(model, medusa, tree=tree, max_batch=2, max_cache_len=160)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])

@@ -255,7 +255,7 @@ def root_path(parents: list[int], tokens: list[int], node: int) -> list[int]:
 @pytest.mark.parametrize("tree", [Chain(3), SMALL_STATIC, DYNAMIC], ids=["chain", "static", "dynamic"])
 def test_greedy_is_token_exact(tree, tmp_path):
     model, draft, _ = mtp_target("deepseek", tmp_path, extras=())  # the target's embedding and LM head
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_length=200)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_cache_len=200)
     rows = prompts(4, [5, 17, 11])
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
@@ -281,7 +281,7 @@ def test_commit_leaves_the_state_of_the_draft_run_over_the_sequence(layout, tmp_
     sessions = []
     make = draft.session
     draft.session = lambda *a: sessions.append(make(*a)) or sessions[-1]
-    spec = specgraph.compile(model, draft, tree=DYNAMIC, max_batch=2, max_length=96)
+    spec = specgraph.compile(model, draft, tree=DYNAMIC, max_batch=2, max_cache_len=96)
     rows = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 9, 3]]
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, return_dict_in_generate=True)
@@ -360,5 +360,5 @@ def test_compiles_once_across_prompt_lengths(tmp_path, aot_eager_compile):
     """backend="inductor" with the MTP module (dynamo's decisions; aot_eager in place of inductor's code
     generation): prompts of new lengths recompile nothing, token-exact."""
     model, draft, _ = mtp_target("deepseek", tmp_path, extras=())
-    spec = specgraph.compile(model, draft, tree=DYNAMIC, max_length=128, backend="inductor")
+    spec = specgraph.compile(model, draft, tree=DYNAMIC, max_cache_len=128, backend="inductor")
     assert_one_compile_across_lengths(spec, model, [[6], [40], [75]])

@@ -69,7 +69,7 @@ def test_eagle3_training_learns_and_the_head_speculates(tmp_path):
     loaded = Eagle3.from_pretrained(tmp_path)
     assert "embed_tokens.weight" not in loaded.state_dict() or loaded.embed_from_target
     assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
-    spec = specgraph.compile(model, loaded, tree=specgraph.DynamicTree(steps=3, topk=2, nodes=6), max_length=128)
+    spec = specgraph.compile(model, loaded, tree=specgraph.DynamicTree(steps=3, topk=2, nodes=6), max_cache_len=128)
     prompt = examples[0]["input_ids"][:6].tolist()
     out = spec.generate(torch.tensor([prompt]), max_new_tokens=30, eos_token_id=None, return_dict_in_generate=True)
     assert out["sequences"][0, 6:].tolist() == examples[0]["input_ids"][6:36].tolist()
@@ -129,7 +129,7 @@ def test_full_vocabulary_head_drafts_through_the_targets_lm_head(tmp_path):
         assert not any(k.startswith(("lm_head", "embed")) for k in f.keys())
     loaded = Eagle3.from_pretrained(tmp_path)
     assert loaded.lm_head_from_target and loaded.d2t is None
-    spec = specgraph.compile(model, loaded, tree=specgraph.DynamicTree(steps=3, topk=2, nodes=6), max_length=128)
+    spec = specgraph.compile(model, loaded, tree=specgraph.DynamicTree(steps=3, topk=2, nodes=6), max_cache_len=128)
     prompt = examples[0]["input_ids"][:6].tolist()
     out = spec.generate(torch.tensor([prompt]), max_new_tokens=30, eos_token_id=None)
     assert out[0, 6:].tolist() == examples[0]["input_ids"][6:36].tolist()

@@ -36,7 +36,7 @@ def test_acceptance_report_is_consistent(tmp_path):
 
     _, tokenizer = load_gguf()
     model = tiny_target_for(tokenizer)
-    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(3), max_length=256, max_batch=2)
+    spec = specgraph.compile(model, specgraph.drafts.NGram(), tree=specgraph.Chain(3), max_cache_len=256, max_batch=2)
     questions = mt_bench_questions(2)
     report = acceptance(spec, tokenizer, questions, max_new_tokens=20)
     assert report["steps"] == sum(report["accepted_hist"])

@@ -42,7 +42,7 @@ def test_medusa_training_learns_saves_and_resumes(tmp_path):
     assert history[-1]["top1_head0"] > history[0]["top1_head0"]
     loaded = Medusa.from_pretrained(tmp_path / "straight")
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in draft.state_dict().items())
-    spec = specgraph.compile(model, loaded, tree=specgraph.Chain(3), max_batch=1, max_length=128)
+    spec = specgraph.compile(model, loaded, tree=specgraph.Chain(3), max_batch=1, max_cache_len=128)
     prompt = examples[0]["input_ids"][:6].tolist()
     out = spec.generate(torch.tensor([prompt]), max_new_tokens=30, eos_token_id=None, return_dict_in_generate=True)
     assert out["sequences"][0, 6:].tolist() == examples[0]["input_ids"][6:36].tolist()  # the target's own greedy
@@ -69,7 +69,7 @@ def test_shared_lm_head_heads_train_alone_and_ship_without_it(tmp_path):
     assert torch.equal(model.get_output_embeddings().weight, head_before)
     loaded = Medusa.from_pretrained(tmp_path / "shared")
     assert loaded.lm_heads is None
-    spec = specgraph.compile(model, loaded, tree=specgraph.Chain(2), max_batch=1, max_length=128)
+    spec = specgraph.compile(model, loaded, tree=specgraph.Chain(2), max_batch=1, max_cache_len=128)
     prompt = examples[0]["input_ids"][:6].tolist()
     out = spec.generate(torch.tensor([prompt]), max_new_tokens=20, eos_token_id=None)
     assert out[0, 6:].tolist() == examples[0]["input_ids"][6:26].tolist()

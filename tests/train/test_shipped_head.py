@@ -31,7 +31,7 @@ def test_shipped_head_acceptance_matches_the_recorded_value():
 
     ref = json.loads((default_draft_path() / "reference.json").read_text())["cpu_regression"]
     model, tokenizer = load_gguf()
-    spec = specgraph.compile(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_length=512,
+    spec = specgraph.compile(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8), max_cache_len=512,
                              max_batch=ref["batch_size"])
     questions = mt_bench_questions(ref["questions"])
     report = acceptance(spec, tokenizer, questions, max_new_tokens=ref["max_new_tokens"], batch_size=ref["batch_size"])
@@ -51,7 +51,7 @@ def test_shipped_medusa_head_loads_and_is_token_exact():
     model, tokenizer = load_gguf()
     head = Medusa.from_pretrained(default_draft_path().parent / "smollm2-135m-instruct-medusa")
     assert head.num_heads == 4
-    spec = specgraph.compile(model, head, tree=specgraph.MEDUSA_MC_SIM_7B_63, max_length=512)
+    spec = specgraph.compile(model, head, tree=specgraph.MEDUSA_MC_SIM_7B_63, max_cache_len=512)
     question = mt_bench_questions(2)[1]["turns"][0]
     ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
                                         add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
