@@ -293,7 +293,9 @@ class SpecModel:
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
         ``[B, T]`` (left padding; B <= max_batch); ``max_new_tokens`` / ``max_length``,
         ``eos_token_id``, ``pad_token_id``, ``do_sample`` + ``temperature`` / ``top_k`` / ``top_p``,
-        ``generation_config``, ``stopping_criteria``, ``streamer`` (batch 1). Returns ``[B, T + new]``
+        ``generation_config``, ``stopping_criteria``, ``streamer`` (batch 1); specgraph's own ``seed``
+        (an int, with do_sample: the tokens plain sampling with that seed emits, any draft or tree,
+        kernels/gumbel.py). Returns ``[B, T + new]``
         (rows that stop early are padded with ``pad_token_id``), or with ``return_dict_in_generate``
         a ``GenerateDecoderOnlyOutput`` with ``sequences`` and ``accept_lens`` (per step, per row:
         tokens committed). Any other setting that would change the output raises TypeError."""

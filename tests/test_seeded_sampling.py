@@ -40,6 +40,14 @@ def test_hash_matches_the_python_integer_reference():
                     assert int(bits[row, p, v]) == uniform_bits_ref(seed, row, int(positions[row, p]), v)
 
 
+def test_inductor_generates_the_same_bits():
+    """The hash under inductor's generated code (C++ here, Triton on CUDA) is the eager one, bit for bit:
+    integer ops only, no overflow (one small graph; the whole step is compiled in the generate tests)."""
+    keys, positions = stream_keys(2**40 + 3, 2), torch.tensor([[0, 5, 2**31 + 1], [7, 8, 9]])
+    compiled = torch.compile(seeded_uniform_bits, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(keys, positions, 1000), seeded_uniform_bits(keys, positions, 1000))
+
+
 PROBS = torch.tensor([0.4, 0.25, 0.0, 0.2, 0.1, 0.05])
 
 
