@@ -17,6 +17,7 @@ from .drafts.layer import fuse_projections as fuse_draft_projections
 from .drafts.ngram import NGram
 from .drafts.plain import Plain
 from .fast_paths import draft_fast_paths
+from .kernels.gumbel import check_seed
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.budget import CostPolicy, CostTable, cost_key
 from .runtime.policy import MeasuredPolicy
@@ -31,7 +32,8 @@ _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
 GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
                  "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "generation_config",
                  "return_dict_in_generate", "output_scores", "output_logits", "stopping_criteria", "stop_strings",
-                 "tokenizer", "streamer", "use_cache"}
+                 "tokenizer", "streamer", "use_cache",
+                 "seed"}  # specgraph's own (HF has none): seeded sampling, kernels/gumbel.py
 
 
 # generation_config fields that change what generate returns and that the speculative path does not
@@ -325,7 +327,9 @@ class SpecModel:
         ``[B, T]`` (left padding; B <= max_batch); ``max_new_tokens`` / ``max_length``,
         ``eos_token_id``, ``pad_token_id``, ``do_sample`` + ``temperature`` / ``top_k`` / ``top_p`` /
         ``min_p``, ``repetition_penalty``, ``generation_config``, ``stopping_criteria``, ``streamer``
-        (batch 1). Returns ``[B, T + new]`` (rows that stop early are padded with ``pad_token_id``), or
+        (batch 1); specgraph's own ``seed`` (an int, with do_sample: the tokens plain sampling with that
+        seed emits, any draft or tree, kernels/gumbel.py). Returns ``[B, T + new]`` (rows that stop early
+        are padded with ``pad_token_id``), or
         with ``return_dict_in_generate`` a ``GenerateDecoderOnlyOutput`` with ``sequences``, ``scores`` /
         ``logits`` (with ``output_scores`` / ``output_logits``) and ``accept_lens`` (per step, per row:
         tokens committed). Any other setting that would change the output raises TypeError."""
@@ -339,6 +343,9 @@ class SpecModel:
             raise TypeError(f"SpecModel.generate does not support {unknown} yet; they would change the result, "
                             f"so they are refused rather than ignored")
         sampling = _sampling(kwargs, gen)
+        if sampling is not None and sampling.seed is not None and self.config.verify == "typical":
+            raise ValueError(f"seed={sampling.seed} with verify='typical': seeded sampling is exact (the tokens plain "
+                             f"sampling with that seed emits); compile with verify='exact' to use it, or drop seed")
         if sampling is not None and self.config.verify == "typical":  # lossy, opted in at compile
             sampling = replace(sampling, typical=self.config.typical)
         penalty = _repetition_penalty(kwargs, gen)
@@ -499,6 +506,9 @@ def _sampling(kwargs: dict, gen) -> Sampling | None:
     """The call's sampling settings (``do_sample`` off: None), checked as model.generate checks them."""
     do_sample = kwargs.get("do_sample")
     if not (do_sample or (do_sample is None and getattr(gen, "do_sample", False))):
+        if kwargs.get("seed") is not None:
+            raise ValueError(f"seed={kwargs['seed']!r} applies to sampling: pass do_sample=True with it (greedy "
+                             f"decoding is deterministic and takes no seed)")
         return None
     pick = lambda name, default: kwargs[name] if kwargs.get(name) is not None else (  # noqa: E731
         getattr(gen, name, None) if getattr(gen, name, None) is not None else default)
@@ -513,7 +523,8 @@ def _sampling(kwargs: dict, gen) -> Sampling | None:
         raise ValueError(f"top_p={top_p!r}: a number in (0, 1] (1: no top-p filter)")
     if not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
         raise ValueError(f"min_p={min_p!r}: a number in [0, 1] (0: no min-p filter)")
-    return Sampling(float(temperature), top_k, float(top_p), float(min_p))
+    seed = None if kwargs.get("seed") is None else check_seed(kwargs["seed"])
+    return Sampling(float(temperature), top_k, float(top_p), float(min_p), seed=seed)
 
 
 def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

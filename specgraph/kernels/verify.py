@@ -237,16 +237,24 @@ def verify_sample(tokens, parents, mask, target_probs, max_depth: int, draft_pro
     if target_probs.shape[:2] != (b, n):
         raise ValueError(f"target_probs must be [B, N, V] = [{b}, {n}, V]; got {tuple(target_probs.shape)}")
     if draft_probs is None:
-        draws = sample_categorical(target_probs, generator)  # [B, N]
-        drafted_draw = tokens == draws.gather(1, parents.clamp(min=0))
-        idx = _arange(n, tokens)
-        earlier_sibling = (parents.unsqueeze(-1) == parents.unsqueeze(-2)) & (idx.view(1, n, 1) > idx.view(1, 1, n))
-        first_match = drafted_draw & ~(earlier_sibling & drafted_draw.unsqueeze(1)).any(-1)
-        best, acc = _accept_deepest(tokens, parents, mask, first_match, max_depth)
-        return _with_bonus(tokens, acc, draws.gather(1, best.unsqueeze(1)).squeeze(1))
+        return verify_draws(tokens, parents, mask, sample_categorical(target_probs, generator), max_depth)
     if draft_probs.shape != target_probs.shape:
         raise ValueError(f"draft_probs must match target_probs {tuple(target_probs.shape)}; got {tuple(draft_probs.shape)}")
     return _rejection_walk(tokens, parents, target_probs.float(), draft_probs.float(), max_depth, generator)
+
+
+def verify_draws(tokens, parents, mask, draws, max_depth: int) -> Acceptance:
+    """Every node's own target draw given (``draws [B, N]``): a child is accepted iff it drafted its
+    parent's draw (the lowest index among equal sibling tokens); the bonus is the draw at the
+    deepest accepted node. ``verify_sample``'s point-mass-draft rule; kernels/gumbel.py's seeded
+    rule with keyed draws."""
+    n = tokens.shape[1]
+    drafted_draw = tokens == draws.gather(1, parents.clamp(min=0))
+    idx = _arange(n, tokens)
+    earlier_sibling = (parents.unsqueeze(-1) == parents.unsqueeze(-2)) & (idx.view(1, n, 1) > idx.view(1, 1, n))
+    first_match = drafted_draw & ~(earlier_sibling & drafted_draw.unsqueeze(1)).any(-1)
+    best, acc = _accept_deepest(tokens, parents, mask, first_match, max_depth)
+    return _with_bonus(tokens, acc, draws.gather(1, best.unsqueeze(1)).squeeze(1))
 
 
 def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, generator) -> Acceptance:

@@ -126,13 +126,15 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
 @dataclass(frozen=True)
 class Sampling:
     """Per-batch sampling parameters (transformers' warper semantics). ``typical``: (posterior_threshold,
-    posterior_alpha) of Medusa's LOSSY typical acceptance (``compile(verify="typical")``), None: exact."""
+    posterior_alpha) of Medusa's LOSSY typical acceptance (``compile(verify="typical")``), None: exact.
+    ``seed``: seeded sampling (per-row streams keyed by (seed, row, position)), None: the global RNG."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     typical: tuple[float, float] | None = None
+    seed: int | None = None  # seeded sampling: the tokens plain sampling with this seed emits (kernels/gumbel.py)
 
 
 def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None, compiled: bool,
@@ -150,7 +152,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     graphed = whole_step and cuda_graphs_on(device)
     # sampling's and the penalty's values are not in the key: the step reads them from tensors
     # (DecodeStep.set_sampling, set_penalty)
-    verify = None if sampling is None else sampling.typical is not None  # greedy, exact or typical sampling
+    verify = None if sampling is None else (sampling.typical is not None, sampling.seed is not None)  # the rule
     key = (id(draft), batch, repr(tree), max_length, verify, compiled, whole_step, graphed, synthetic_accept,
            penalty is None, tuple(keep))
     if key in capture.decode_steps:

@@ -1,6 +1,7 @@
 """The decode step: one iteration's device work as one function (one graph under torch.compile).
 
-    verify the current tree with the target -> accept a path (greedy, sampled, or Medusa's lossy typical)
+    verify the current tree with the target -> accept a path (greedy; sampled: seeded Gumbel-max with a
+    seed, else block verification on a chain, token-wise rejection on other trees; or Medusa's lossy typical)
     -> compact the target cache -> the draft commits the accepted pairs
     -> the draft proposes the next tree (from its device state: every draft kind)
 
@@ -15,10 +16,12 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.gumbel import stream_keys, verify_seeded
 from ..kernels.penalty import mark_seen, penalize, reset_seen, seen_buffer
 from ..kernels.verify import (greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample,
                               verify_typical, warped_logits)
-from ..trees import Tree
+from ..kernels.verify_block import verify_block
+from ..trees import Chain, Tree
 
 
 class StepOut(NamedTuple):
@@ -57,7 +60,9 @@ class DecodeStep:
         self.capture, self.session, self.spec = capture, session, spec
         # sampling parameters live in tensors updated in place (``set_sampling``): a compiled step, and
         # its CUDA graph, read the current values, so a new temperature recompiles nothing
-        self.sampling = self.typical = None
+        self.sampling = self.typical = self.seed_keys = None
+        if sampling is not None and sampling.seed is not None:  # seeded: each row's stream key
+            self.seed_keys = torch.zeros((batch, 2), dtype=torch.int64, device=capture.kv_device)
         if sampling is not None and sampling.typical is not None:  # compile(verify="typical"): lossy
             self.typical = {name: torch.zeros((), dtype=torch.float32, device=capture.kv_device)
                             for name in ("posterior_threshold", "posterior_alpha")}
@@ -84,6 +89,8 @@ class DecodeStep:
             value.fill_(getattr(sampling, name))
         for value, setting in zip((self.typical or {}).values(), sampling.typical or ()):
             value.fill_(setting)
+        if self.seed_keys is not None:
+            self.seed_keys.copy_(stream_keys(sampling.seed, self.seed_keys.shape[0]))
 
     def set_penalty(self, penalty: float) -> None:
         """Use repetition penalty ``penalty`` from the next step on (in place)."""
@@ -113,6 +120,11 @@ class DecodeStep:
             probs = sampling_probs(logits, **self.sampling) if warped is None else warped.softmax(-1)
             if self.typical is not None:
                 acc = verify_typical(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth, **self.typical)
+            elif self.seed_keys is not None:  # the tokens plain sampling with this seed emits (kernels/gumbel.py)
+                acc = verify_seeded(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth, self.seed_keys,
+                                    base)
+            elif isinstance(self.spec, Chain):  # kernels/verify_block.py; point-mass drafts
+                acc = verify_block(tree.tokens, probs, self.spec.max_depth)
             else:
                 acc = verify_sample(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth)
         accept_len = torch.where(active, acc.accept_len, 0)
