@@ -24,16 +24,18 @@ from .inplace_cache_writes import inplace_cache_writes
 from .prune_logits import prune_logits
 from .replace_attention import replace_attention
 from .tap_hidden_states import tap_hidden_states
+from .tensor_parallel import all_reduce_partial_sums
 
-# Taps first: they read layer boundaries from the module structure, before
-# prune_logits puts a slice in front of the LM head. Cache writes become in-place ops late
+# A tensor-parallel target's all-reduces first (a no-op otherwise): after each row-parallel product,
+# before fold_norms could fold the residual add into it. Taps next: they read layer boundaries from
+# the module structure, before prune_logits puts a slice in front of the LM head. Cache writes become in-place ops late
 # (replace_attention finds each layer's K/V through its scatter_ writes), then fold into the attention
 # that reads them, and the RoPE of q and k folds into that attention. Projections fuse after the
 # taps and the LM-head slice, which find their nodes through module paths; norms fold into the fused
 # projections last: fold_norms in one-row steps, fold_norms_rows in steps of 2..16 rows (into the
 # products' epilogues and their readers' row scaling: measured faster, fifteenth session).
-PIPELINE = (replace_attention, tap_hidden_states, prune_logits, fuse_projections, inplace_cache_writes,
-            fold_cache_writes, fold_rotary, fold_norms, fold_norms_rows)
+PIPELINE = (all_reduce_partial_sums, replace_attention, tap_hidden_states, prune_logits, fuse_projections,
+            inplace_cache_writes, fold_cache_writes, fold_rotary, fold_norms, fold_norms_rows)
 # Passes that only make the graph faster: the graph is correct without them (SPECGRAPH_SKIP_PASSES).
 OPTIONAL = ("fuse_projections", "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows")
 
@@ -72,4 +74,4 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
 
 __all__ = ["GraphContext", "HiddenTaps", "PassResult", "PIPELINE", "run_pipeline", "replace_attention",
            "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections", "inplace_cache_writes",
-           "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows"]
+           "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows", "all_reduce_partial_sums"]
