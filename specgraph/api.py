@@ -223,14 +223,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
             blockers.append(f"verify={verify!r} with tp: tensor parallelism is greedy only; use verify='exact'")
     if blockers:
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
-    if tp is not None:  # a collective: every rank gets here, or every rank refused above
-        problems = []
-        if parallel.sharded(model) is None:
-            problems += parallel.check_replicated([model], tp, "target")
-        problems += parallel.check_replicated([draft], tp, "draft")
-        if problems:
-            raise CompileError(f"cannot shard {type(model).__name__} over {tp.world_size} ranks", problems)
-        parallel.shard_model(model, tp)
+    if tp is not None:  # a collective (weights compared across ranks): every rank gets here, or every rank refused
+        parallel.shard(model, tp.group, policy, draft)
     model.config._attn_implementation = "sdpa"
     backend = resolve_backend(backend, model)
     if verify == "typical":

@@ -175,6 +175,30 @@ def shard_model(model, tp: TensorParallel) -> None:
     model._specgraph_tp = tp
 
 
+def shard(model, tp=True, policy: str = "fixed", draft=None) -> TensorParallel | None:
+    """Shard ``model`` over ``tp`` (True: the default group; a ProcessGroup; None: nothing) now, or
+    raise CompileError with every blocker. A collective: every rank of the group calls it. Call it
+    before moving a model too large for one device onto it (``shard(model); model.cuda()``):
+    ``compile(model, ..., tp=...)`` then finds it sharded. Returns the TensorParallel."""
+    from .errors import CompileError
+
+    tp, problems = resolve(tp)
+    if tp is None:
+        if problems:
+            raise CompileError(f"cannot shard {type(model).__name__}", problems)
+        return None
+    problems = shard_problems(model, tp, policy, draft)
+    if problems:
+        raise CompileError(f"cannot shard {type(model).__name__} over {tp.world_size} ranks", problems)
+    if sharded(model) is None:
+        problems = check_replicated([model], tp, "target")
+    problems += check_replicated([draft], tp, "draft")
+    if problems:
+        raise CompileError(f"cannot shard {type(model).__name__} over {tp.world_size} ranks", problems)
+    shard_model(model, tp)
+    return tp
+
+
 def sharded(model) -> TensorParallel | None:
     """The TensorParallel ``model`` was sharded over by compile, or None."""
     return model.__dict__.get("_specgraph_tp")

@@ -36,9 +36,10 @@ def torchrun(tmp_path, *runs, backend="eager", timeout=240) -> list[dict]:
 
 
 def test_sharded_greedy_equals_hf_generate_on_every_rank(tmp_path):
-    """NGram (chain, real acceptance) on Llama and an EAGLE-3 head (tree, the sharded target's taps)
-    on Qwen2 (q/k/v biases); 4 heads / 2 KV heads over 2 ranks; plus the refusals, in the same launch."""
-    reports = torchrun(tmp_path, "llama:ngram", "qwen2:eagle3")
+    """NGram (chain, real acceptance) on Llama, Qwen3 (per-head q/k norms), Mistral and Gemma-3 (sliding
+    windows) and an EAGLE-3 head (tree, the sharded target's taps) on Qwen2 (q/k/v biases; sharded by
+    ``parallel.shard`` before compile); 4 heads / 2 KV heads over 2 ranks; plus the refusals, in one launch."""
+    reports = torchrun(tmp_path, "llama:ngram", "qwen2:eagle3", "qwen3:ngram", "mistral:ngram", "gemma3:ngram")
     for rank, report in enumerate(reports):
         assert report["every_rank_same"]
         for run in report["runs"]:

@@ -23,6 +23,13 @@ COMMON = dict(hidden_size=64, intermediate_size=96, vocab_size=101, max_position
               bos_token_id=1, eos_token_id=2, attn_implementation="sdpa", num_hidden_layers=2)
 ARCHS = {"llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
          "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+         "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+         "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                                 sliding_window=24)),
+         "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                                  head_dim=16, sliding_window=16,
+                                                                  layer_types=["sliding_attention", "full_attention"],
+                                                                  query_pre_attn_scalar=16)),
          "odd_heads": ("LlamaForCausalLM", "LlamaConfig", dict(hidden_size=48, num_attention_heads=3,
                                                                num_key_value_heads=1, intermediate_size=90)),
          "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2))}
@@ -59,6 +66,8 @@ def speculate(arch: str, kind: str, n: int) -> dict:
     draft, tree = ((NGram(), Chain(3)) if kind == "ngram" else
                    (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), DynamicTree(steps=3, topk=2, nodes=6)))
     start = time.perf_counter()
+    if kind == "eagle3":  # sharded first (as before moving a large model to its device), then compiled
+        specgraph.parallel.shard(model)
     spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_length=96, tp=True, backend=BACKEND)
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
