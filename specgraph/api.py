@@ -219,6 +219,9 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     blockers += tp_blockers
     if tp is not None:
         blockers += parallel.shard_problems(model, tp, policy, draft)
+    elif not tp_blockers and parallel.sharded(model) is not None:
+        blockers.append(f"tp={tp!r}: the model was sharded over {parallel.sharded(model).world_size} ranks by an earlier "
+                        f"compile or parallel.shard; pass tp=True (or its group) again")
         if verify != "exact":
             blockers.append(f"verify={verify!r} with tp: tensor parallelism is greedy only; use verify='exact'")
     if blockers:

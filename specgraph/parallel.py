@@ -69,6 +69,9 @@ def shard_problems(model, tp: TensorParallel, policy: str, draft=None) -> list[s
     """Everything that keeps ``model`` from being sharded over ``tp`` (empty: it can be)."""
     config = getattr(model.config, "text_config", None) or model.config
     world, problems = tp.world_size, []
+    if policy != "fixed":
+        problems.append(f"policy={policy!r} with tp: each rank would time and choose its own mode (and the ranks "
+                        f"must run the same graphs); use policy='fixed'")
     done = model.__dict__.get("_specgraph_tp")
     if done is not None:  # compiled with tp before: already sharded (over this group, or refused)
         if done.world_size != world or done.group_name != tp.group_name:
@@ -90,9 +93,6 @@ def shard_problems(model, tp: TensorParallel, policy: str, draft=None) -> list[s
         if not isinstance(value, int) or value % world:
             problems.append(f"config.{name}={value} is not divisible by the world size {world}: use a tensor-parallel "
                             f"size that divides it")
-    if policy != "fixed":
-        problems.append(f"policy={policy!r} with tp: each rank would time and choose its own mode (and the ranks "
-                        f"must run the same graphs); use policy='fixed'")
     if isinstance(draft, torch.nn.Module) and any(type(p).__name__ == "DTensor" for p in draft.parameters()):
         problems.append("the draft's parameters are DTensors: the draft runs whole (replicated) on every rank")
     layers = decoder_layers(model)

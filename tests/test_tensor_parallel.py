@@ -55,6 +55,8 @@ def test_sharded_greedy_equals_hf_generate_on_every_rank(tmp_path):
         assert "model_type='phi3'" in phi3 and "policy='measured'" in phi3
         assert "decoder layers 0..1: self_attn.qkv_proj.weight" in phi3
         assert len(refusals["ranks_differ"]) == 1 and "differ across ranks" in refusals["ranks_differ"][0]
+        assert len(refusals["measured"]) == 1 and "policy='measured' with tp" in refusals["measured"][0]
+        assert len(refusals["no_tp"]) == 1 and "the model was sharded over 2 ranks" in refusals["no_tp"][0]
 
 
 def test_sharded_whole_step_under_torch_compile(tmp_path):

@@ -101,6 +101,20 @@ def ranks_differ() -> list[str]:
     return refusal_of(model)
 
 
+def sharded_again() -> dict:
+    """A sharded model compiled again: with policy='measured', and without tp."""
+    model = tiny("llama")
+    specgraph.parallel.shard(model)
+    out = {}
+    for name, kwargs in (("measured", dict(tp=True, policy="measured")), ("no_tp", dict(tp=None))):
+        try:
+            specgraph.compile(model, NGram(), tree=Chain(3), **kwargs)
+            out[name] = []
+        except CompileError as err:
+            out[name] = err.blockers
+    return out
+
+
 def refusal_of(model) -> list[str]:
     try:
         specgraph.compile(model, NGram(), tree=Chain(3), tp=True)
@@ -122,7 +136,7 @@ def main(argv: list[str]) -> None:
     report = {"runs": [speculate(arch, kind, 24) for arch, kind in runs]}
     if BACKEND == "eager":
         report["refusals"] = {"odd_heads": refusal("odd_heads"), "phi3": refusal("phi3", policy="measured"),
-                              "ranks_differ": ranks_differ()}
+                              "ranks_differ": ranks_differ(), **sharded_again()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [r["got"] for r in report["runs"]])
     report["every_rank_same"] = all(g == gathered[0] for g in gathered)
