@@ -44,12 +44,14 @@ TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=
 
 
 def make_target(shape: dict, device: torch.device, dtype: torch.dtype):
-    """The same random model on every rank (seeded; made on the host, then moved)."""
+    """The same random model on every rank: made on its device from one seed (the same generator
+    state on every device; compile's checksum comparison across ranks would refuse it otherwise)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape, torch_dtype=dtype)).to(dtype)
-    return model.to(device).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**shape, torch_dtype=dtype)).to(dtype)
+    return model.eval()
 
 
 def sync(device: torch.device) -> None:

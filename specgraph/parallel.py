@@ -12,9 +12,10 @@ every rank holds the same residual stream, the same logits, and takes the same a
 with no further communication. Tree attention, verify and KV compaction run per rank on its own
 heads: each rank's KV cache holds only its KV heads.
 
-Why specgraph shards the weights itself rather than accepting transformers' ``tp_plan="auto"``:
-that plan makes the weights DTensors, and torch.export (torch 2.13) refuses them ("found
-non-fx-graphable type DTensorSpec"); plain local shards export like any model.
+Why plain local shards rather than transformers' ``tp_plan="auto"`` as it is: that plan makes the
+weights DTensors, and torch.export (torch 2.13) refuses them ("found non-fx-graphable type
+DTensorSpec"). A model loaded with ``tp_plan="auto"`` is adopted (``adopt_hf_tp``): its shards are
+the same slices, kept as plain tensors, and transformers' forward wrappers go.
 """
 from __future__ import annotations
 
@@ -78,9 +79,7 @@ def shard_problems(model, tp: TensorParallel, policy: str, draft=None) -> list[s
             problems.append(f"the model was sharded over {done.world_size} ranks (group {done.group_name!r}) by an "
                             f"earlier specgraph.compile; load it again to shard it over {world}")
         return problems
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        problems.append("the model's parameters are DTensors (transformers' tp_plan=...): torch.export cannot capture "
-                        "them; load the full model on every rank (no tp_plan) and pass tp=True, specgraph shards it")
+    problems += hf_tp_problems(model, tp)
     model_type = getattr(config, "model_type", None)
     if model_type not in VERIFIED_MODEL_TYPES:
         problems.append(f"model_type={model_type!r}: tensor parallelism is verified for {', '.join(VERIFIED_MODEL_TYPES)} "
@@ -150,11 +149,78 @@ def check_replicated(modules, tp: TensorParallel, what: str) -> list[str]:
             f"weights: seed every rank alike) before specgraph.compile(..., tp=...)"]
 
 
+def _is_dtensor(p) -> bool:
+    return type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
+
+
+def _role(path: str) -> str | None:
+    """"column" / "row" for a decoder layer's projection module path, else None."""
+    if not LAYER.search(path.rsplit(".", 2)[0]):
+        return None
+    tail = ".".join(path.split(".")[-2:])
+    return "column" if tail in COLUMN else "row" if tail in ROW else None
+
+
+def hf_tp_problems(model, tp: TensorParallel) -> list[str]:
+    """Blockers for adopting a model transformers sharded (``tp_plan="auto"``: DTensor weights)."""
+    from torch.distributed import get_process_group_ranks
+    from torch.distributed.tensor import Replicate, Shard
+
+    problems = []
+    for name, p in model.named_parameters():
+        if not _is_dtensor(p):
+            continue
+        path, kind = name.rsplit(".", 1)
+        mesh, placements = p.device_mesh, tuple(p.placements)
+        if mesh.ndim != 1 or get_process_group_ranks(mesh.get_group()) != get_process_group_ranks(tp.group):
+            problems.append(f"{name}: sharded over a device mesh {tuple(mesh.shape)} that is not the tp group's ranks "
+                            f"{get_process_group_ranks(tp.group)}")
+            continue
+        role = _role(path)
+        want = {("column", "weight"): Shard(0), ("column", "bias"): Shard(0), ("row", "weight"): Shard(1),
+                ("row", "bias"): Replicate()}.get((role, kind))
+        shard = placements[0]
+        if want is not None and not (shard == want or (want == Shard(1) and shard == Shard(-1))):
+            problems.append(f"{name}: placement {placements} from the tp_plan, where specgraph's layout has {want}")
+    return problems
+
+
+@torch.no_grad()
+def adopt_hf_tp(model, tp: TensorParallel) -> None:
+    """A model sharded by transformers (``tp_plan``): its projections' DTensor shards become plain
+    local Parameters in specgraph's layout (the same slices), any other DTensor parameter whole
+    (``full_tensor``, a collective), and transformers' forward wrappers go; the all-reduces are then
+    the pass's."""
+    new: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if not _is_dtensor(p):
+            continue
+        path, kind = name.rsplit(".", 1)
+        module = model.get_submodule(path)
+        if id(p) not in new:
+            role = _role(path)
+            local = p.to_local() if role else p.full_tensor()
+            if role == "row" and kind == "bias" and tp.rank != 0:
+                local = torch.zeros_like(local)  # added once, by rank 0's partial sum
+            new[id(p)] = torch.nn.Parameter(local.contiguous().clone(), requires_grad=False)
+        module._parameters[kind] = new[id(p)]
+    for _, module in model.named_modules():
+        if "forward" in module.__dict__ and getattr(module, "_is_hooked", False):
+            del module.__dict__["forward"]  # transformers' TP wrapper (install_forward)
+        if isinstance(module, torch.nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
+
+
 @torch.no_grad()
 def shard_model(model, tp: TensorParallel) -> None:
     """Keep rank r's slice of every column- and row-parallel projection (in place, new Parameters);
-    a row-parallel bias is kept on rank 0 only (the all-reduce adds it once). Idempotent."""
+    a row-parallel bias is kept on rank 0 only (the all-reduce adds it once). A model sharded by
+    transformers' ``tp_plan`` is adopted instead (``adopt_hf_tp``). Idempotent."""
     if model.__dict__.get("_specgraph_tp") is not None:
+        return
+    if any(_is_dtensor(p) for p in model.parameters()):
+        adopt_hf_tp(model, tp)
+        model._specgraph_tp = tp
         return
     r, world = tp.rank, tp.world_size
     for _, layer in decoder_layers(model):
@@ -190,8 +256,8 @@ def shard(model, tp=True, policy: str = "fixed", draft=None) -> TensorParallel |
     problems = shard_problems(model, tp, policy, draft)
     if problems:
         raise CompileError(f"cannot shard {type(model).__name__} over {tp.world_size} ranks", problems)
-    if sharded(model) is None:
-        problems = check_replicated([model], tp, "target")
+    if sharded(model) is None and not any(_is_dtensor(p) for p in model.parameters()):
+        problems = check_replicated([model], tp, "target")  # (transformers' shards differ by design)
     problems += check_replicated([draft], tp, "draft")
     if problems:
         raise CompileError(f"cannot shard {type(model).__name__} over {tp.world_size} ranks", problems)

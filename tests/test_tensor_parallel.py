@@ -38,15 +38,18 @@ def torchrun(tmp_path, *runs, backend="eager", timeout=240) -> list[dict]:
 def test_sharded_greedy_equals_hf_generate_on_every_rank(tmp_path):
     """NGram (chain, real acceptance) on Llama, Qwen3 (per-head q/k norms), Mistral and Gemma-3 (sliding
     windows) and an EAGLE-3 head (tree, the sharded target's taps) on Qwen2 (q/k/v biases; sharded by
-    ``parallel.shard`` before compile); 4 heads / 2 KV heads over 2 ranks; plus the refusals, in one launch."""
-    reports = torchrun(tmp_path, "llama:ngram", "qwen2:eagle3", "qwen3:ngram", "mistral:ngram", "gemma3:ngram")
+    ``parallel.shard`` before compile), and Llama loaded by transformers with ``tp_plan="auto"`` (adopted);
+    4 heads / 2 KV heads over 2 ranks; plus the refusals, in one launch."""
+    reports = torchrun(tmp_path, "llama:ngram", "qwen2:eagle3", "qwen3:ngram", "mistral:ngram", "gemma3:ngram",
+                       "hf_tp_plan:ngram")
     for rank, report in enumerate(reports):
-        assert report["every_rank_same"]
+        assert report["every_rank_same"]  # the same tokens and the same accept lengths on both ranks
         for run in report["runs"]:
             assert run["got"] == run["expected"], (rank, run["arch"], run["kind"])
             assert run["kv_heads_local"] == 1 and run["q_rows"] == 2 * 16  # 2 of 4 heads, 1 of 2 KV heads
             # prefill and decode buckets: an all-reduce after attention and after the MLP of both layers
             assert run["all_reduces"] == run["graph_all_reduces"] == [4, 4]
+            assert run["dtensors_left"] == run["tp_wrappers_left"] == 0  # transformers' tp_plan shards adopted
         assert report["runs"][0]["tau"] > 1.5  # the NGram chain was accepted: verify and compaction ran
         refusals = report["refusals"]
         assert any("num_attention_heads=3 is not divisible by the world size 2" in b for b in refusals["odd_heads"])

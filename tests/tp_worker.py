@@ -58,10 +58,23 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def hf_tp_plan_model():
+    """(the whole model, the same loaded by transformers with ``tp_plan="auto"``: DTensor shards)."""
+    path = os.path.join(os.environ["TP_OUT"], "llama-checkpoint")
+    if dist.get_rank() == 0:
+        tiny("llama").save_pretrained(path)
+    dist.barrier()
+    whole = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    return whole, transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+
+
 def speculate(arch: str, kind: str, n: int) -> dict:
-    model = tiny(arch)
+    if arch == "hf_tp_plan":  # transformers shards it; compile adopts the shards
+        whole, model = hf_tp_plan_model()
+    else:
+        whole = model = tiny(arch)
     rows = prompts()
-    expected = [hf_greedy(model, p, n) for p in rows]  # the oracle: the whole model, one process
+    expected = [hf_greedy(whole, p, n) for p in rows]  # the oracle: the whole model, one process
     torch.manual_seed(1)  # the same (random) head on every rank
     draft, tree = ((NGram(), Chain(3)) if kind == "ngram" else
                    (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), DynamicTree(steps=3, topk=2, nodes=6)))
@@ -82,7 +95,9 @@ def speculate(arch: str, kind: str, n: int) -> dict:
                             if "all_reduce_partial_sums" in dict(s.pass_results) else 0 for s in steps],
             "graph_all_reduces": [sum(n.target == torch.ops._c10d_functional.all_reduce.default
                                       for n in s.graph.graph.nodes) for s in steps],
-            "tau": spec.last_stats.tau}
+            "tau": spec.last_stats.tau, "accept_lens": out.accept_lens,
+            "dtensors_left": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
+            "tp_wrappers_left": sum("forward" in m.__dict__ for m in model.modules())}
 
 
 def refusal(arch: str, **kwargs) -> list[str]:
@@ -138,7 +153,7 @@ def main(argv: list[str]) -> None:
         report["refusals"] = {"odd_heads": refusal("odd_heads"), "phi3": refusal("phi3", policy="measured"),
                               "ranks_differ": ranks_differ(), **sharded_again()}
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [r["got"] for r in report["runs"]])
+    dist.all_gather_object(gathered, [(r["got"], r["accept_lens"]) for r in report["runs"]])  # tokens, accept decisions
     report["every_rank_same"] = all(g == gathered[0] for g in gathered)
     out = os.environ["TP_OUT"]
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
