@@ -219,11 +219,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1, 
     blockers += tp_blockers
     if tp is not None:
         blockers += parallel.shard_problems(model, tp, policy, draft)
-    elif not tp_blockers and parallel.sharded(model) is not None:
-        blockers.append(f"tp={tp!r}: the model was sharded over {parallel.sharded(model).world_size} ranks by an earlier "
-                        f"compile or parallel.shard; pass tp=True (or its group) again")
         if verify != "exact":
             blockers.append(f"verify={verify!r} with tp: tensor parallelism is greedy only; use verify='exact'")
+    elif not tp_blockers and parallel.sharded(model) is not None:
+        blockers.append(f"tp={tp!r}: the model was sharded over {parallel.sharded(model).world_size} ranks by an "
+                        f"earlier compile or parallel.shard; pass tp=True (or its group) again")
     if blockers:
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
     if tp is not None:  # a collective (weights compared across ranks): every rank gets here, or every rank refused

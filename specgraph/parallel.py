@@ -82,8 +82,8 @@ def shard_problems(model, tp: TensorParallel, policy: str, draft=None) -> list[s
     problems += hf_tp_problems(model, tp)
     model_type = getattr(config, "model_type", None)
     if model_type not in VERIFIED_MODEL_TYPES:
-        problems.append(f"model_type={model_type!r}: tensor parallelism is verified for {', '.join(VERIFIED_MODEL_TYPES)} "
-                        f"only (their attention computes per head, their MLP per column)")
+        problems.append(f"model_type={model_type!r}: tensor parallelism is verified for "
+                        f"{', '.join(VERIFIED_MODEL_TYPES)} only (their attention computes per head, their MLP per column)")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     intermediate = getattr(config, "intermediate_size", None)
@@ -92,7 +92,7 @@ def shard_problems(model, tp: TensorParallel, policy: str, draft=None) -> list[s
         if not isinstance(value, int) or value % world:
             problems.append(f"config.{name}={value} is not divisible by the world size {world}: use a tensor-parallel "
                             f"size that divides it")
-    if isinstance(draft, torch.nn.Module) and any(type(p).__name__ == "DTensor" for p in draft.parameters()):
+    if isinstance(draft, torch.nn.Module) and any(_is_dtensor(p) for p in draft.parameters()):
         problems.append("the draft's parameters are DTensors: the draft runs whole (replicated) on every rank")
     layers = decoder_layers(model)
     if not layers:

@@ -60,6 +60,9 @@ def test_sharded_greedy_equals_hf_generate_on_every_rank(tmp_path):
         assert len(refusals["ranks_differ"]) == 1 and "differ across ranks" in refusals["ranks_differ"][0]
         assert len(refusals["measured"]) == 1 and "policy='measured' with tp" in refusals["measured"][0]
         assert len(refusals["no_tp"]) == 1 and "the model was sharded over 2 ranks" in refusals["no_tp"][0]
+        assert len(refusals["typical"]) == 1 and "verify='typical' with tp" in refusals["typical"][0]
+        assert "do_sample=True on a tensor-parallel target" in refusals["sampling"]
+        assert "export of a tensor-parallel target" in refusals["export"]
 
 
 def test_sharded_whole_step_under_torch_compile(tmp_path):

@@ -117,16 +117,25 @@ def ranks_differ() -> list[str]:
 
 
 def sharded_again() -> dict:
-    """A sharded model compiled again: with policy='measured', and without tp."""
+    """A sharded model compiled again: with policy='measured', and without tp; sampling and export."""
     model = tiny("llama")
     specgraph.parallel.shard(model)
     out = {}
-    for name, kwargs in (("measured", dict(tp=True, policy="measured")), ("no_tp", dict(tp=None))):
+    for name, kwargs in (("measured", dict(tp=True, policy="measured")), ("no_tp", dict(tp=None)),
+                         ("typical", dict(tp=True, verify="typical"))):
         try:
             specgraph.compile(model, NGram(), tree=Chain(3), **kwargs)
             out[name] = []
         except CompileError as err:
             out[name] = err.blockers
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), tp=True)
+    for name, call in (("sampling", lambda: spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=True)),
+                       ("export", lambda: spec.export(os.path.join(os.environ["TP_OUT"], "step.onnx")))):
+        try:
+            call()
+            out[name] = ""
+        except ValueError as err:
+            out[name] = str(err)
     return out
 
 
@@ -144,7 +153,8 @@ BACKEND = os.environ.get("TP_BACKEND", "eager")  # "inductor": through aot_eager
 def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    if BACKEND == "inductor" and os.environ.get("TP_REAL_INDUCTOR") != "1":  # dynamo + AOTAutograd over the whole step, as conftest's aot_eager_compile
+    if BACKEND == "inductor" and os.environ.get("TP_REAL_INDUCTOR") != "1":
+        # dynamo + AOTAutograd over the whole step, as conftest's aot_eager_compile
         real = torch.compile
         torch.compile = lambda model=None, **kw: real(model, **{**kw, "backend": "aot_eager", "mode": None})
     runs = [a.split(":") for a in argv]
