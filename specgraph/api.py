@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import parallel
 from .capture import Capture, TargetInfo
 from .errors import CompileError
 from .drafts.base import Draft
@@ -164,7 +165,7 @@ def resolve_backend(backend: str, model) -> str:
 
 def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
             max_cache_len: int = DEFAULT_CACHE_LEN, synthetic_accept: int | None = None, policy: str = "fixed",
-            verify: str = "exact", typical: tuple[float, float] | None = None, *,
+            verify: str = "exact", typical: tuple[float, float] | None = None, tp=None, *,
             max_length: int | None = None) -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
 
@@ -191,6 +192,10 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     rejection sampling, so the output is NOT distributed as the target's; greedy stays token-exact.
     ``typical=(posterior_threshold, posterior_alpha)``, default (0.09, 0.3) as Medusa's. Warns here.
     ``verify="exact"`` (default): greedy token-exact, sampling exact in distribution.
+    ``tp=True`` (or a ``torch.distributed.ProcessGroup``): tensor parallelism. Every rank of a
+    ``torchrun`` launch calls compile with the same full model and draft; the target's attention
+    heads, KV heads and MLP are sharded over the group (in place; specgraph/parallel.py), the draft
+    and LM head stay whole on every rank, and every rank returns the same tokens (greedy only).
     Everything that cannot be supported is refused here, all blockers at once.
     """
     max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")
@@ -244,8 +249,19 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                      for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
     except CompileError as err:
         blockers += err.blockers
+    tp, tp_blockers = parallel.resolve(tp)
+    blockers += tp_blockers
+    if tp is not None:
+        blockers += parallel.shard_problems(model, tp, policy, draft)
+        if verify != "exact":
+            blockers.append(f"verify={verify!r} with tp: tensor parallelism is greedy only; use verify='exact'")
+    elif not tp_blockers and parallel.sharded(model) is not None:
+        blockers.append(f"tp={tp!r}: the model was sharded over {parallel.sharded(model).world_size} ranks by an "
+                        f"earlier compile or parallel.shard; pass tp=True (or its group) again")
     if blockers:
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
+    if tp is not None:  # a collective (weights compared across ranks): every rank gets here, or every rank refused
+        parallel.shard(model, tp.group, policy, draft)
     model.config._attn_implementation = "sdpa"
     backend = resolve_backend(backend, model)
     if verify == "typical":
@@ -346,6 +362,9 @@ class SpecModel:
         if sampling is not None and sampling.seed is not None and self.config.verify == "typical":
             raise ValueError(f"seed={sampling.seed} with verify='typical': seeded sampling is exact (the tokens plain "
                              f"sampling with that seed emits); compile with verify='exact' to use it, or drop seed")
+        if sampling is not None and parallel.sharded(self.model) is not None:
+            raise ValueError("do_sample=True on a tensor-parallel target (compile(tp=...)): the ranks would draw "
+                             "different samples; greedy only (do_sample=False)")
         if sampling is not None and self.config.verify == "typical":  # lossy, opted in at compile
             sampling = replace(sampling, typical=self.config.typical)
         penalty = _repetition_penalty(kwargs, gen)
@@ -463,6 +482,9 @@ class SpecModel:
         from .export import export_onnx, export_tensorrt
 
         exporters = {"onnx": export_onnx, "tensorrt": export_tensorrt}
+        if parallel.sharded(self.model) is not None:
+            raise ValueError("export of a tensor-parallel target (compile(tp=...)): the exported graph would hold one "
+                             "rank's shard and its collectives; compile without tp to export")
         if format not in exporters:
             raise ValueError(f"format={format!r}: one of {sorted(exporters)}")
         if not isinstance(batch, int) or not 1 <= batch <= self.config.max_batch:

@@ -99,9 +99,13 @@ class TargetInfo:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
             kv_heads = 1  # Falcon's multi-query layout: one K/V head, whatever its num_kv_heads field says
+        tp = model.__dict__.get("_specgraph_tp")  # sharded by compile(tp=...): this rank's heads only
+        if tp is not None:
+            heads, kv_heads = heads // tp.world_size, kv_heads // tp.world_size
         return cls(
             num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab_size=config.vocab_size,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            vocab_size=config.vocab_size,
             layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
             dtype=next(model.parameters()).dtype,
         )
@@ -199,7 +203,7 @@ def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.T
     return program, info
 
 
-def graph_context(program, info: TargetInfo, taps=None, logits_rows=None):
+def graph_context(program, info: TargetInfo, taps=None, logits_rows=None, tp=None):
     """Name the exported step's placeholders by role (the kv buffer; cache_len, tree_mask inputs)."""
     from .passes import GraphContext
 
@@ -208,7 +212,7 @@ def graph_context(program, info: TargetInfo, taps=None, logits_rows=None):
     users = [spec.arg.name for spec in signature.input_specs if spec.kind.name == "USER_INPUT"]
     params = {name: program.state_dict[target] for name, target in signature.inputs_to_parameters.items()}
     return GraphContext(info, kv=buffer_input["kv"], cache_len=users[2], tree_mask=users[3], taps=taps,
-                        logits_rows=logits_rows, params=params)
+                        logits_rows=logits_rows, params=params, tp=tp)
 
 
 class CapturedStep:
@@ -227,7 +231,7 @@ class CapturedStep:
         from .passes import run_pipeline
 
         self.program, self.info = export_tree_step(model, batch, nodes, max_length, kv)
-        self.context = graph_context(self.program, self.info, taps, logits_rows)
+        self.context = graph_context(self.program, self.info, taps, logits_rows, model.__dict__.get("_specgraph_tp"))
         self.pass_results = run_pipeline(self.program.graph_module, self.context, debug)
         self.graph = self.program.graph_module
         state = {**self.program.state_dict, **self.program.constants}

@@ -105,14 +105,14 @@ def test_cost_policy_is_lossless_and_persists_across_spec_models(tmp_path, setti
     model = tiny_model("llama")
     row = prompts(2, [10, 24])[1]
     want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="cost")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy="cost")
     assert list(spec.policy.modes) == ["tree", "plain"]
     for _ in range(5):
         out = spec.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
         assert out[0, len(row):].tolist() == want
     saved = json.loads((cache_root() / "step-costs.json").read_text())
     assert set(next(iter(saved.values()))) == {"1/tree", "1/plain"}
-    again = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, policy="cost")
+    again = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy="cost")
     assert again.policy.table.get(1, "tree") == next(iter(saved.values()))["1/tree"] > 0
     out = again.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
     assert out[0, len(row):].tolist() == want
@@ -125,7 +125,7 @@ def test_warmup_compiles_every_mode_and_fills_the_cost_table(tmp_path, settings)
     model = tiny_model("llama")
     row = prompts(2, [10, 24])[1]
     want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_length=128, max_batch=2, policy="cost")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, max_batch=2, policy="cost")
     first = spec.warmup(batch_sizes=(1, 2), sampling=True)
     assert set(first) == {(b, m) for b in (1, 2) for m in ("tree", "plain")}
     assert all(spec.policy.table.get(b, m) > 0 for b, m in first)

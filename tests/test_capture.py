@@ -66,10 +66,12 @@ def test_every_node_matches_hf_on_its_root_path(driver):
 def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
     names = [name for name, _ in step.pass_results]
-    assert names == ["replace_attention", "tap_hidden_states", "prune_logits", "fuse_projections",
-                     "inplace_cache_writes", "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows"]
-    result = step.pass_results[0][1]
-    assert [r.modified for _, r in step.pass_results[1:3]] == [False, False]  # nothing asked of them
+    assert names == ["all_reduce_partial_sums", "replace_attention", "tap_hidden_states", "prune_logits",
+                     "fuse_projections", "inplace_cache_writes", "fold_cache_writes", "fold_rotary", "fold_norms",
+                     "fold_norms_rows"]
+    result = step.pass_results[1][1]
+    # nothing asked of them: no tensor parallelism, no taps, no pruning
+    assert [r.modified for _, r in (step.pass_results[0], *step.pass_results[2:4])] == [False, False, False]
     info = step.info
     assert result.counters["sdpa_replaced"] == info.num_layers
     assert result.counters["cache_writes_kept"] == 2 * info.num_layers

@@ -131,10 +131,10 @@ def drafts(model):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_speculative_equals_plain_sampling_token_for_token(batch):
     model = small_model()
-    plain = specgraph.compile(model, None, max_batch=3, max_length=128)
+    plain = specgraph.compile(model, None, max_batch=3, max_cache_len=128)
     accepted = {}
     for name, (draft, tree) in drafts(model).items():
-        spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_length=128)
+        spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_cache_len=128)
         accepted[name] = 0
         for trial in range(3 if batch == 1 else 2):
             rows, seed = rows_for(10 * batch + trial, batch), 1000 * trial + batch
@@ -152,7 +152,7 @@ def test_plain_seeded_sampling_is_the_independent_oracle():
     position t, argmax_v p(v | prefix) / E(seed, row, t, v); and each row is its own stream (row r of a
     batch is independent of the other rows' prompts)."""
     model = small_model()
-    plain = specgraph.compile(model, None, max_batch=3, max_length=128)
+    plain = specgraph.compile(model, None, max_batch=3, max_cache_len=128)
     rows, seed = rows_for(7, 3), 42
     got, _ = seeded(plain, rows, seed, max_new=16)
     keys = stream_keys(seed, 3)
@@ -187,9 +187,9 @@ def _position_reused(tokens, parents, mask, target_probs, max_depth, keys, base)
 @pytest.mark.parametrize("wrong, tree_kind", [(_node_keyed, "eagle-dynamic"), (_position_reused, "ngram-chain")])
 def test_equality_test_catches_wrong_noise_keys(wrong, tree_kind, monkeypatch):
     model = small_model()
-    plain = specgraph.compile(model, None, max_batch=3, max_length=128)
+    plain = specgraph.compile(model, None, max_batch=3, max_cache_len=128)
     draft, tree = drafts(model)[tree_kind]
-    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_length=128)
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_cache_len=128)
     cases = [(rows_for(50 + t, 3), 7 + t) for t in range(3)]
     want = [seeded(plain, rows, seed)[0] for rows, seed in cases]  # plain decoding: depth 0 only, unaffected
     assert all(torch.equal(seeded(spec, rows, seed)[0], w) for (rows, seed), w in zip(cases, want))
@@ -201,8 +201,8 @@ def test_inductor_compiled_step_is_token_exact(aot_eager_compile):
     """backend="inductor" (compiled through dynamo with fullgraph=True: no graph break, no host sync; the
     aot_eager fixture skips inductor's slow CPU codegen): the same tokens as eager plain sampling."""
     model = small_model()
-    plain = specgraph.compile(model, None, max_batch=3, max_length=128)
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=3, max_length=128, backend="inductor")
+    plain = specgraph.compile(model, None, max_batch=3, max_cache_len=128)
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=3, max_cache_len=128, backend="inductor")
     for trial in range(2):
         rows = rows_for(80 + trial, 3)
         assert torch.equal(seeded(spec, rows, trial)[0], seeded(plain, rows, trial)[0])
@@ -219,8 +219,8 @@ def test_the_sampled_step_picks_its_rule(monkeypatch):
         monkeypatch.setattr(step, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     model = small_model()
     ids = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
-    chain = specgraph.compile(model, NGram(), tree=Chain(3), max_length=64)
-    tree = specgraph.compile(model, Eagle.for_target(model), tree=DynamicTree(steps=2, topk=2, nodes=4), max_length=64)
+    chain = specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64)
+    tree = specgraph.compile(model, Eagle.for_target(model), tree=DynamicTree(steps=2, topk=2, nodes=4), max_cache_len=64)
     for spec, kw, want in [(chain, {}, "verify_block"), (chain, {"seed": 1}, "verify_seeded"),
                            (tree, {}, "verify_sample"), (tree, {"seed": 1}, "verify_seeded")]:
         calls.clear()
@@ -229,7 +229,7 @@ def test_the_sampled_step_picks_its_rule(monkeypatch):
 
 
 def test_bad_seeds_are_refused_by_name():
-    spec = specgraph.compile(small_model(), NGram(), tree=Chain(2), max_length=64)
+    spec = specgraph.compile(small_model(), NGram(), tree=Chain(2), max_cache_len=64)
     ids = torch.tensor([[3, 4, 5]])
     for bad in ("3", -1, 2**64, 1.5, True):
         with pytest.raises(ValueError, match=r"seed=.*an int in \[0, 2\*\*64\)"):
@@ -237,7 +237,7 @@ def test_bad_seeds_are_refused_by_name():
     with pytest.raises(ValueError, match="do_sample=True"):
         spec.generate(ids, seed=3, max_new_tokens=2)
     with pytest.warns(UserWarning, match="LOSSY"):
-        typical = specgraph.compile(small_model(), Medusa(32, VOCAB, num_heads=2), tree=Chain(2), max_length=64,
+        typical = specgraph.compile(small_model(), Medusa(32, VOCAB, num_heads=2), tree=Chain(2), max_cache_len=64,
                                     verify="typical")
     with pytest.raises(ValueError, match="verify='typical'"):
         typical.generate(ids, do_sample=True, seed=3, max_new_tokens=2)

@@ -90,9 +90,9 @@ def test_typical_generate_follows_medusas_rule_and_accepts_more_than_exact():
     prompts = [(torch.randint(3, 12, (4,), generator=g).tolist() * 3)[:10] for _ in range(rows)]
     ids = torch.tensor(prompts)
     with pytest.warns(UserWarning, match="LOSSY"):
-        typical = specgraph.compile(model, NGram(), tree=Chain(k), max_batch=rows, max_length=64, verify="typical",
+        typical = specgraph.compile(model, NGram(), tree=Chain(k), max_batch=rows, max_cache_len=64, verify="typical",
                                     typical=(THRESHOLD, ALPHA))
-    exact = specgraph.compile(model, NGram(), tree=Chain(k), max_batch=rows, max_length=64)
+    exact = specgraph.compile(model, NGram(), tree=Chain(k), max_batch=rows, max_cache_len=64)
     greedy = typical.generate(ids[:2], max_new_tokens=new, eos_token_id=None)
     for row in range(2):
         assert greedy[row, 10:].tolist() == hf_greedy(model, prompts[row], max_new_tokens=new, eos_token_id=None)

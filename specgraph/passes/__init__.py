@@ -29,13 +29,16 @@ from .inplace_cache_writes import inplace_cache_writes
 from .prune_logits import prune_logits
 from .replace_attention import replace_attention
 from .tap_hidden_states import tap_hidden_states
+from .tensor_parallel import all_reduce_partial_sums
 
 # The order each pass needs is declared on it (@graph_pass(after=...), with the reason) and checked here.
-# Norms fold into the fused projections last: fold_norms in one-row steps, fold_norms_rows in steps of
-# 2..16 rows (into the products' epilogues and their readers' row scaling: measured faster on the H200,
-# docs/benchmarks.md).
-PIPELINE = check_order((replace_attention, tap_hidden_states, prune_logits, fuse_projections, inplace_cache_writes,
-                        fold_cache_writes, fold_rotary, fold_norms, fold_norms_rows))
+# A tensor-parallel target's all-reduces come first (a no-op otherwise): after each row-parallel product,
+# before fold_norms could fold the residual add into it. Norms fold into the fused projections last:
+# fold_norms in one-row steps, fold_norms_rows in steps of 2..16 rows (into the products' epilogues and
+# their readers' row scaling: measured faster on the H200, docs/benchmarks.md).
+PIPELINE = check_order((all_reduce_partial_sums, replace_attention, tap_hidden_states, prune_logits,
+                        fuse_projections, inplace_cache_writes, fold_cache_writes, fold_rotary, fold_norms,
+                        fold_norms_rows))
 # Passes that only make the graph faster: the graph is correct without them (config.skip_passes).
 OPTIONAL = ("fuse_projections", "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows")
 
@@ -94,4 +97,4 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
 __all__ = ["GraphContext", "HiddenTaps", "PassContractError", "PassResult", "PipelineOrderError", "PIPELINE",
            "check_invariants", "check_order", "ensure", "graph_pass", "run_pipeline", "replace_attention",
            "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections", "inplace_cache_writes",
-           "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows"]
+           "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows", "all_reduce_partial_sums"]

@@ -148,7 +148,7 @@ def residual_product(add):
     return None
 
 
-@graph_pass(after=("fuse_projections",))  # norms fold into the fused projections
+@graph_pass(after=("all_reduce_partial_sums", "fuse_projections"))  # into the fused projections; not across an all-reduce
 def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     graph = gm.graph
     norms = adds = gated = 0

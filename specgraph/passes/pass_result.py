@@ -119,6 +119,7 @@ class GraphContext:
     taps: HiddenTaps | None = None
     logits_rows: tuple[int, int] | None = None  # (start, stop) of node rows whose logits are computed
     params: dict | None = field(default=None, hash=False, compare=False)  # parameter placeholder -> its tensor
+    tp: object = field(default=None, hash=False, compare=False)  # parallel.TensorParallel: the target is sharded
 
     def placeholder(self, gm: torch.fx.GraphModule, role: str) -> torch.fx.Node:
         name = getattr(self, role)
