@@ -58,6 +58,7 @@ def _bench_script(name: str, argv: list[str]) -> int:
               f"(git clone, then pip install -e .); this install has no benchmarks/ folder", file=sys.stderr)
         return 2
     saved, sys.argv = sys.argv, [str(path), *argv]
+    sys.path.insert(0, str(path.parent))  # as `python benchmarks/NAME.py` would: its folder first (common.py)
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as done:  # the script's own exit

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .pass_result import GraphContext, PassResult, graph_pass
+from .pass_result import GraphContext, PassResult, ensure, graph_pass
 
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -58,9 +58,13 @@ def all_reduce_partial_sums(gm: torch.fx.GraphModule, ctx: GraphContext) -> Pass
     gm.recompile()
     # Postcondition: each product is read by its all-reduce alone, and each all-reduce by its wait alone
     for linear in products:
-        (reduced,) = linear.users
-        assert reduced.target == ALL_REDUCE and reduced.args == (linear, "sum", tp.group_name), linear.name
-        (waited,) = reduced.users
-        assert waited.target == WAIT, linear.name
-    assert len(graph.find_nodes(op="call_function", target=ALL_REDUCE)) == expected
+        users = list(linear.users)
+        reduced = users[0] if len(users) == 1 else None
+        ensure(reduced is not None and reduced.target == ALL_REDUCE and reduced.args == (linear, "sum", tp.group_name),
+               "all_reduce_partial_sums", f"{linear.name} is read by other nodes than its all-reduce")
+        waits = list(reduced.users)
+        ensure(len(waits) == 1 and waits[0].target == WAIT, "all_reduce_partial_sums",
+               f"the all-reduce of {linear.name} is not read by its wait_tensor alone")
+    ensure(len(graph.find_nodes(op="call_function", target=ALL_REDUCE)) == expected, "all_reduce_partial_sums",
+           f"expected {expected} all-reduces")
     return PassResult(gm, True, {"all_reduces": len(products), "world_size": tp.world_size})
