@@ -8,7 +8,9 @@ has installed. Each script imports ``common`` before ``specgraph``.
 """
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,3 +107,29 @@ def set_inductor_options(pairs: list[str]) -> dict:
         setattr(owner, leaf, value)
         chosen[key] = value
     return chosen
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device, repeats: int = 3) -> tuple[float, float]:
+    """(ms per decode step, tokens per step) in steady state: two generation lengths, differenced,
+    so prefill and the first step drop out; the median of ``repeats`` such pairs. The first call
+    (compile, CUDA-graph record) is a warm-up."""
+    spec.generate(prompt, max_new_tokens=short, eos_token_id=None)
+    per_step, per_token = [], []
+    for _ in range(repeats):
+        timing = {}
+        for n in (short, long):
+            sync(device)
+            start = time.perf_counter()
+            out = spec.generate(prompt, max_new_tokens=n, eos_token_id=None, return_dict_in_generate=True)
+            sync(device)
+            timing[n] = (time.perf_counter() - start, len(out["accept_lens"]), out["sequences"].shape[1])
+        (t0, s0, w0), (t1, s1, w1) = timing[short], timing[long]
+        per_step.append((t1 - t0) / (s1 - s0) * 1e3)
+        per_token.append((w1 - w0) / (s1 - s0))
+    return statistics.median(per_step), statistics.median(per_token)

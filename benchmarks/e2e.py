@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import warnings
 from pathlib import Path
@@ -57,7 +56,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import LLAMA_8B, SMOLLM2, TINY, copy_bandwidth, run_settings, set_inductor_options  # first: sys.path (common.py)
+from common import (LLAMA_8B, SMOLLM2, TINY, copy_bandwidth, run_settings, set_inductor_options, step_ms,  # first: sys.path
+                    sync)
 import specgraph  # noqa: E402
 from specgraph import config  # noqa: E402
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
@@ -78,11 +78,6 @@ def make_target(shape: dict, device: str):
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**shape, torch_dtype="bfloat16")).to(torch.bfloat16)
     return model.eval()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def streamed_bytes(model, context: int) -> tuple[int, int]:
@@ -131,26 +126,6 @@ def replay_ms(fn, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
-
-
-def step_ms(spec, prompt: torch.Tensor, short: int, long: int, device: str, repeats: int = 3) -> tuple[float, float]:
-    """(ms per decode step, tokens per step) in steady state: two generation lengths, differenced,
-    so prefill and the first step drop out; the median of ``repeats`` such pairs. The first call
-    (compile, CUDA-graph record) is a warm-up."""
-    spec.generate(prompt, max_new_tokens=short, eos_token_id=None)
-    per_step, per_token = [], []
-    for _ in range(repeats):
-        timing = {}
-        for n in (short, long):
-            sync(device)
-            start = time.perf_counter()
-            out = spec.generate(prompt, max_new_tokens=n, eos_token_id=None, return_dict_in_generate=True)
-            sync(device)
-            timing[n] = (time.perf_counter() - start, len(out["accept_lens"]), out["sequences"].shape[1])
-        (t0, s0, w0), (t1, s1, w1) = timing[short], timing[long]
-        per_step.append((t1 - t0) / (s1 - s0) * 1e3)
-        per_token.append((w1 - w0) / (s1 - s0))
-    return statistics.median(per_step), statistics.median(per_token)
 
 
 def step_graph_ms(spec, steps: int = 64) -> float | None:

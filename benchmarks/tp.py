@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -30,15 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+from common import LLAMA_8B, step_ms  # first: sys.path (common.py)
 import specgraph  # noqa: E402
 from specgraph.drafts import Eagle3  # noqa: E402
 
 warnings.filterwarnings("ignore", message="synthetic_accept")
-# benchmarks/e2e.py's shapes
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-                tie_word_embeddings=False)
 TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=8, vocab_size=1024)  # 8 KV heads: shardable up to TP 8
 
@@ -52,29 +46,6 @@ def make_target(shape: dict, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**shape, torch_dtype=dtype)).to(dtype)
     return model.eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def step_ms(spec, prompt, short: int, long: int, device, repeats: int) -> tuple[float, float]:
-    """(ms per decode step, tokens per step) in steady state, as e2e.py's step_ms."""
-    spec.generate(prompt, max_new_tokens=short, eos_token_id=None)  # warm-up: compile, record
-    per_step, per_token = [], []
-    for _ in range(repeats):
-        timing = {}
-        for n in (short, long):
-            sync(device)
-            start = time.perf_counter()
-            out = spec.generate(prompt, max_new_tokens=n, eos_token_id=None, return_dict_in_generate=True)
-            sync(device)
-            timing[n] = (time.perf_counter() - start, len(out["accept_lens"]), out["sequences"].shape[1])
-        (t0, s0, w0), (t1, s1, w1) = timing[short], timing[long]
-        per_step.append((t1 - t0) / (s1 - s0) * 1e3)
-        per_token.append((w1 - w0) / (s1 - s0))
-    return statistics.median(per_step), statistics.median(per_token)
 
 
 def measure(tp: int, group, args, shape, device, dtype) -> list[dict]:

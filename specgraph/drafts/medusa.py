@@ -152,12 +152,8 @@ class Medusa(nn.Module, Draft):
             raise ValueError(f"layout={layout!r}: one of {', '.join(map(repr, LAYOUTS))}")
         if layout == "vllm":
             return self._save_vllm(path, dtype, max_shard_bytes)
-        state = {}
-        for h, blocks in enumerate(self.blocks):
-            for l, block in enumerate(blocks):
-                state[f"{h}.{l}.linear.weight"] = block.linear.weight
-                if block.linear.bias is not None:
-                    state[f"{h}.{l}.linear.bias"] = block.linear.bias
+        state = self._block_state("{h}.{l}.linear")
+        for h in range(self.num_heads):
             if self.lm_heads is not None:
                 state[f"{h}.{self.num_layers}.weight"] = self.lm_heads[h].weight
         config = dict(medusa_num_heads=self.num_heads, medusa_num_layers=self.num_layers, hidden_size=self.hidden_size,
@@ -165,15 +161,21 @@ class Medusa(nn.Module, Draft):
         weights = "medusa_lm_head.pt" if layout == "fasterdecoding_pt" else "medusa_lm_head.safetensors"
         write_checkpoint(path, state, config, weights=weights, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
-    def _save_vllm(self, path, dtype, max_shard_bytes) -> None:
-        """vLLM's ``Medusa``: blocks.{h}.layers.{l}.{weight,bias}, lm_heads.{h}.weight (one, with
-        original_lm_head, when the heads share the target's)."""
+    def _block_state(self, prefix: str) -> dict:
+        """The residual blocks' weights (and biases) under ``prefix`` (``{h}``: head, ``{l}``: layer)."""
         state = {}
         for h, blocks in enumerate(self.blocks):
             for l, block in enumerate(blocks):
-                state[f"blocks.{h}.layers.{l}.weight"] = block.linear.weight
+                name = prefix.format(h=h, l=l)
+                state[f"{name}.weight"] = block.linear.weight
                 if block.linear.bias is not None:
-                    state[f"blocks.{h}.layers.{l}.bias"] = block.linear.bias
+                    state[f"{name}.bias"] = block.linear.bias
+        return state
+
+    def _save_vllm(self, path, dtype, max_shard_bytes) -> None:
+        """vLLM's ``Medusa``: blocks.{h}.layers.{l}.{weight,bias}, lm_heads.{h}.weight (one, with
+        original_lm_head, when the heads share the target's)."""
+        state = self._block_state("blocks.{h}.layers.{l}")
         shared = self.lm_heads is None
         if shared:
             if self._shared_head.module is None:
