@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-from .api import DEFAULT_CACHE_LEN, SpecModel, cache_len_argument, compile, max_new_tokens, unsupported_arguments
+from .api import DEFAULT_CACHE_LEN, SpecModel, cache_len_argument, compile
+from .generate_args import max_new_tokens, unsupported_arguments
 
 _ATTR = "_specgraph_original_generate"
 

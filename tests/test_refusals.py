@@ -130,7 +130,7 @@ def test_generation_settings_that_would_change_the_output_are_named():
     refuses it; attach falls back to HF for it)."""
     from transformers import GenerationConfig
 
-    from specgraph.api import unsupported_arguments
+    from specgraph.generate_args import unsupported_arguments
 
     off = GenerationConfig(repetition_penalty=1.0, num_beams=1, output_scores=False, no_repeat_ngram_size=0,
                            suppress_tokens=[], max_new_tokens=9, top_k=5, do_sample=True)

@@ -1,0 +1,164 @@
+"""``SpecModel.generate``'s arguments read as ``model.generate`` reads them: which are supported, the
+length to generate, token ids in any of HF's forms, sampling settings, stopping criteria, the
+repetition penalty and left padding. Checked before any work, each error naming the argument."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .kernels.gumbel import check_seed
+from .runtime.generate import Sampling
+
+GENERATE_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
+                 "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "generation_config",
+                 "return_dict_in_generate", "output_scores", "output_logits", "stopping_criteria", "stop_strings",
+                 "tokenizer", "streamer", "use_cache",
+                 "seed"}  # specgraph's own (HF has none): seeded sampling, kernels/gumbel.py
+
+
+# generation_config fields that change what generate returns and that the speculative path does not
+# implement: a non-default value is refused by SpecModel.generate (attach falls back to HF for it)
+UNSUPPORTED_CONFIG = ("bad_words_ids", "begin_suppress_tokens", "constraints", "diversity_penalty", "dola_layers",
+                      "epsilon_cutoff", "eta_cutoff", "exponential_decay_length_penalty", "force_words_ids",
+                      "forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "max_time", "min_length",
+                      "min_new_tokens", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
+                      "num_return_sequences", "output_attentions", "output_hidden_states",
+                      "penalty_alpha", "renormalize_logits", "sequence_bias",
+                      "suppress_tokens", "token_healing", "top_h", "typical_p", "watermarking_config",
+                      "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "remove_invalid_values")
+
+
+# the value of a numeric setting that means "off" (0 for the rest)
+_OFF = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "encoder_repetition_penalty": 1.0,
+        "typical_p": 1.0, "guidance_scale": 1.0}
+
+
+def _is_off(name: str, value) -> bool:
+    if value is None:
+        return True
+    if name in ("forced_bos_token_id", "forced_eos_token_id"):  # any token id, 0 included, is a setting
+        return False
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value == _OFF.get(name, 0)
+    return hasattr(value, "__len__") and len(value) == 0
+
+
+def unsupported_arguments(kwargs: dict, generation_config) -> list[str]:
+    """Every argument or generation_config setting of a generate call that the speculative path
+    would not honour, as ``name=value`` (empty: it can run)."""
+    problems = [f"{k}={kwargs[k]!r}" for k in sorted(set(kwargs) - GENERATE_ARGS - set(UNSUPPORTED_CONFIG))]
+    for name in UNSUPPORTED_CONFIG:
+        value = kwargs[name] if name in kwargs else getattr(generation_config, name, None)
+        if not _is_off(name, value):
+            problems.append(f"{name}={value!r}")
+    return problems
+
+
+HF_DEFAULT_MAX_LENGTH = 20  # what model.generate uses when neither the call nor the generation config sets a length
+
+
+def max_new_tokens(kwargs: dict, generation_config, prompt_width: int) -> int:
+    """How many tokens a generate call asks for, as model.generate reads its arguments; a length that
+    leaves none to generate is refused (as model.generate refuses it)."""
+    max_new = kwargs.get("max_new_tokens")
+    if max_new is None:
+        max_new = getattr(generation_config, "max_new_tokens", None)
+    if max_new is not None:
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+            raise ValueError(f"max_new_tokens={max_new!r}: a whole number >= 1")
+        return max_new
+    max_length = kwargs.get("max_length") or getattr(generation_config, "max_length", None) or HF_DEFAULT_MAX_LENGTH
+    if max_length <= prompt_width:
+        raise ValueError(f"max_length={max_length} leaves no room after the prompt of {prompt_width} tokens: "
+                         f"pass max_new_tokens, or a max_length above the prompt's length")
+    return max_length - prompt_width
+
+
+def token_ids(value, name: str) -> list[int]:
+    """An eos/pad setting as a list of token ids (order kept): an int, a sequence of ints, a 0-d or 1-d
+    integer tensor or a numpy integer; None -> []."""
+    if value is None:
+        return []
+    if torch.is_tensor(value):
+        if value.dtype.is_floating_point or value.dim() > 1:
+            raise TypeError(f"{name}={value!r}: an integer token id or a 1-d tensor of them")
+        return [int(v) for v in value.reshape(-1).tolist()]
+    if isinstance(value, (list, tuple)):
+        return [i for v in value for i in token_ids(v, name)]
+    if hasattr(value, "__index__") and not isinstance(value, bool):
+        return [int(value.__index__())]
+    raise TypeError(f"{name}={value!r}: an integer token id, a list of them, or a tensor of them")
+
+
+def stopping_criteria(kwargs: dict, gen):
+    """The call's stopping criteria, with ``stop_strings`` as transformers' StopStringCriteria (which,
+    as in model.generate, needs ``tokenizer=``)."""
+    criteria = kwargs.get("stopping_criteria")
+    stop_strings = kwargs.get("stop_strings") or getattr(gen, "stop_strings", None)
+    if not stop_strings:
+        return criteria
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer too: generate(..., stop_strings=..., tokenizer=tokenizer), "
+                         "as model.generate asks")
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    return StoppingCriteriaList([*(criteria or []), StopStringCriteria(tokenizer, stop_strings)])
+
+
+def setting(kwargs: dict, gen, name: str):
+    """A generate argument, else the generation config's value (None: neither sets it)."""
+    return kwargs[name] if kwargs.get(name) is not None else getattr(gen, name, None)
+
+
+def repetition_penalty(kwargs: dict, gen) -> float | None:
+    """The call's repetition penalty (None: off, as 1.0 is), checked as transformers checks it."""
+    penalty = setting(kwargs, gen, "repetition_penalty")
+    if penalty is None or (penalty == 1.0 and not isinstance(penalty, bool)):
+        return None
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < math.inf:
+        raise ValueError(f"repetition_penalty={penalty!r}: a finite number > 0 (1.0: no penalty; above 1 "
+                         f"discourages repeats, below 1 encourages them)")
+    return float(penalty)
+
+
+def sampling_settings(kwargs: dict, gen) -> Sampling | None:
+    """The call's sampling settings (``do_sample`` off: None), checked as model.generate checks them."""
+    do_sample = kwargs.get("do_sample")
+    if not (do_sample or (do_sample is None and getattr(gen, "do_sample", False))):
+        if kwargs.get("seed") is not None:
+            raise ValueError(f"seed={kwargs['seed']!r} applies to sampling: pass do_sample=True with it (greedy "
+                             f"decoding is deterministic and takes no seed)")
+        return None
+    pick = lambda name, default: kwargs[name] if kwargs.get(name) is not None else (  # noqa: E731
+        getattr(gen, name, None) if getattr(gen, name, None) is not None else default)
+    temperature, top_k, top_p = pick("temperature", 1.0), pick("top_k", 50), pick("top_p", 1.0)
+    min_p = pick("min_p", 0.0)
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature={temperature!r} with do_sample=True: a finite number > 0 (do_sample=False "
+                         f"for greedy)")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r}: a whole number >= 0 (0: no top-k filter)")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: a number in (0, 1] (1: no top-p filter)")
+    if not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p!r}: a number in [0, 1] (0: no min-p filter)")
+    seed = None if kwargs.get("seed") is None else check_seed(kwargs["seed"])
+    return Sampling(float(temperature), top_k, float(top_p), float(min_p), seed=seed)
+
+
+def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    if attention_mask is None:
+        return input_ids.tolist()
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    prompts = []
+    for row, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+        first = mask.index(1) if 1 in mask else len(mask)
+        if any(m == 0 for m in mask[first:]):
+            raise ValueError("attention_mask has padding after tokens: pad on the left (tokenizer.padding_side='left')")
+        prompts.append(row[first:])
+    return prompts
