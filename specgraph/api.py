@@ -371,25 +371,23 @@ class SpecModel:
             raise ValueError(f"batch_sizes={list(batch_sizes)}: ints in 1 .. max_batch={self.config.max_batch}")
         typical = self.config.typical if self.config.verify == "typical" else None
         samplings = [None] + ([Sampling(1.0, typical=typical)] if sampling else [])
-        prompt = [1] * 8
+        compiled = self.config.backend == "inductor"
+        run = lambda draft, tree, b, new, s: speculative_generate(  # noqa: E731
+            self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s, compiled=compiled)
         first = {}
         with self.capture.lock:
             for b in batch_sizes:
                 for mode, (draft, tree) in self.modes.items():
                     for s in samplings:
                         start = time.perf_counter()
-                        speculative_generate(self.capture, draft, tree, [prompt] * b, 4, set(), self.config.max_length,
-                                             s, None, None, compiled=self.config.backend == "inductor")
+                        run(draft, tree, b, 4, s)
                         first.setdefault((b, mode), time.perf_counter() - start)
                     if isinstance(self.policy, CostPolicy) and self.policy.table.get(b, mode) is None:
                         start = time.perf_counter()
-                        result = speculative_generate(self.capture, draft, tree, [prompt] * b, 16, set(),
-                                                      self.config.max_length, None, None, None,
-                                                      compiled=self.config.backend == "inductor")
-                        self.policy.table.put(b, mode, (time.perf_counter() - start) / max(len(result.accept_lens), 1))
+                        steps = len(run(draft, tree, b, 16, None).accept_lens)
+                        self.policy.table.put(b, mode, (time.perf_counter() - start) / max(steps, 1))
                     if self.policy is not None:  # compiled now: the policy's next call of it is a measurement
-                        runs = self.policy.runs if isinstance(self.policy, CostPolicy) else self.policy.calls
-                        runs[b, mode] = max(runs.get((b, mode), 0), 1)
+                        self.policy.calls[b, mode] = max(self.policy.calls.get((b, mode), 0), 1)
         log.info("warmed up %s", ", ".join(f"batch {b} {m}: {s:.1f} s" for (b, m), s in first.items()))
         return first
 

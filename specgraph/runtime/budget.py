@@ -107,8 +107,8 @@ class CostPolicy:
     decay: float = 0.5  # weight of the old τ or cost when a new measurement comes in
     tau: dict = field(default_factory=dict)  # mode -> expected tokens per step
     rates: tuple = ()  # the deepest speculating mode's latest per-depth acceptance
-    runs: dict = field(default_factory=dict)  # (batch, mode) -> calls run in this process
-    calls: dict = field(default_factory=dict)  # batch -> calls decided
+    calls: dict = field(default_factory=dict)  # (batch, mode) -> calls run in this process (as MeasuredPolicy)
+    chosen: dict = field(default_factory=dict)  # batch -> calls decided (as MeasuredPolicy)
     interval: dict = field(default_factory=dict)  # batch -> calls between refreshes while another mode leads
     next_refresh: dict = field(default_factory=dict)  # batch -> the call index of the next refresh
     leader: dict = field(default_factory=dict)  # batch -> the best mode when last decided
@@ -129,8 +129,8 @@ class CostPolicy:
         return None if tau is None or cost is None else tau / cost
 
     def choose(self, batch: int) -> str:
-        n = self.calls.get(batch, 0)
-        self.calls[batch] = n + 1
+        n = self.chosen.get(batch, 0)
+        self.chosen[batch] = n + 1
         unknown = [m for m in self.modes if self.rate(batch, m) is None]
         speculating = [m for m in unknown if self.modes[m] != 0]
         if unknown:  # measure first: the speculating modes (their τ informs the others), then the rest
@@ -153,8 +153,8 @@ class CostPolicy:
     def record(self, batch: int, mode: str, seconds: float, steps: int, tau: float,
                position_rate: tuple[float, ...]) -> None:
         """A finished call: ``steps`` target steps in ``seconds``, ``tau`` tokens per step."""
-        runs = self.runs.get((batch, mode), 0)
-        self.runs[batch, mode] = runs + 1
+        runs = self.calls.get((batch, mode), 0)
+        self.calls[batch, mode] = runs + 1
         if self.modes[mode] != 0 and steps > 0:
             old = self.tau.get(mode)
             self.tau[mode] = tau if old is None else self.decay * old + (1 - self.decay) * tau
