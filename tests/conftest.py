@@ -28,6 +28,18 @@ def cuda():
     return torch.device("cuda")
 
 
+@pytest.fixture(scope="session")
+def smollm2_cuda():
+    """(SmolLM2-135M-Instruct in fp32 on the GPU, its tokenizer); skips where the GGUF is not loadable."""
+    from specgraph.models import load_gguf
+
+    try:
+        model, tokenizer = load_gguf(dtype=torch.float32)
+    except (FileNotFoundError, ImportError) as err:
+        pytest.skip(f"SmolLM2 GGUF not loadable here: {err}")
+    return model.cuda().eval(), tokenizer
+
+
 @pytest.fixture
 def aot_eager_compile(monkeypatch):
     """torch.compile with the aot_eager backend wherever specgraph asks for inductor: dynamo's tracing,

@@ -12,17 +12,17 @@ import pytest
 import torch
 
 import specgraph
-from test_generate_gpu import QUESTIONS, chat, smollm2  # noqa: F401 (the fixture)
+from test_generate_gpu import QUESTIONS, chat
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 NEW = 40
 
 
 @pytest.fixture(scope="module")
-def spec(smollm2):  # noqa: F811
+def spec(smollm2_cuda):
     from specgraph.models import load_default_draft
 
-    model, _ = smollm2
+    model, _ = smollm2_cuda
     draft = load_default_draft().to(device="cuda", dtype=torch.float32)
     return specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=4, topk=4, nodes=16), max_batch=1,
                              max_cache_len=512, backend="inductor")
@@ -34,8 +34,8 @@ def _hf(model, ids, **kw):
 
 
 @pytest.mark.parametrize("question", QUESTIONS)
-def test_repetition_penalty_is_token_exact(smollm2, spec, question):  # noqa: F811
-    model, tokenizer = smollm2
+def test_repetition_penalty_is_token_exact(smollm2_cuda, spec, question):
+    model, tokenizer = smollm2_cuda
     ids = torch.tensor([chat(tokenizer, question)], device="cuda")
     got = spec.generate(ids, max_new_tokens=NEW, eos_token_id=None, repetition_penalty=1.3)
     assert got.tolist() == _hf(model, ids, do_sample=False, repetition_penalty=1.3).tolist()
@@ -43,8 +43,8 @@ def test_repetition_penalty_is_token_exact(smollm2, spec, question):  # noqa: F8
     assert not torch.equal(plain, got)  # the penalty changed the text: the check above could fail
 
 
-def test_scores_and_logits_match_model_generate(smollm2, spec):  # noqa: F811
-    model, tokenizer = smollm2
+def test_scores_and_logits_match_model_generate(smollm2_cuda, spec):
+    model, tokenizer = smollm2_cuda
     ids = torch.tensor([chat(tokenizer, QUESTIONS[0])], device="cuda")
     keep = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
     out = spec.generate(ids, max_new_tokens=NEW, eos_token_id=None, repetition_penalty=1.2, **keep)
@@ -58,8 +58,8 @@ def test_scores_and_logits_match_model_generate(smollm2, spec):  # noqa: F811
     assert max(max(step) for step in out.accept_lens) > 1  # positions came several to a step
 
 
-def test_seeded_sampling_emits_plain_decodings_tokens(smollm2, spec):  # noqa: F811
-    model, tokenizer = smollm2
+def test_seeded_sampling_emits_plain_decodings_tokens(smollm2_cuda, spec):
+    model, tokenizer = smollm2_cuda
     plain = specgraph.compile(model, None, max_batch=1, max_cache_len=512, backend="inductor")
     ids = torch.tensor([chat(tokenizer, QUESTIONS[1])], device="cuda")
     sample = dict(do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=NEW, eos_token_id=None)

