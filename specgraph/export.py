@@ -18,8 +18,9 @@ every cache an explicit input and output, in standard ops only:
 The host (or an engine's runtime) adds accept_len to cache_len and feeds
 kv_out back as kv. specgraph's ops are lowered by their decompositions
 (``kernels.DECOMPOSITIONS``: the plain-torch references), so the ONNX file
-uses the default domain only. TensorRT's ONNX parser still refuses two of its nodes (int64
-``BitwiseAnd``, int64 ``Clip``: docs/export.md, tests/test_export_trt_ops.py). The
+uses the default domain only. The tree mask's bit tests are traced in integer arithmetic
+(``bitmask.arithmetic_bits``) and integer clamps are Wheres, so every node is in onnx-tensorrt's
+operator table (tests/test_export_trt_ops.py; not yet built by TensorRT itself). The
 mutating ops (``kv_write``, ``tree_attention_write``, ``compact_kv``) are traced as their references,
 whose in-place scatters torch.export functionalizes (it keeps a mutating
 custom op as an ``auto_functionalized`` node that no decomposition removes).
@@ -34,6 +35,7 @@ import torch
 
 from .capture import no_stack_traces
 from .kernels import DECOMPOSITIONS
+from .kernels.bitmask import arithmetic_bits
 from .kernels.compact_kv import compact_kv_reference
 from .kernels.kv_write import kv_write_reference
 from .kernels.tree_attention_write import tree_attention_write_reference
@@ -102,7 +104,7 @@ def decomposed_program(capture, tree, batch: int):
     step = capture.step(batch, tree.num_nodes)
     module = VerifyStep(step, tree.max_depth).eval()
     inputs = example_inputs(step, tree)
-    with torch.no_grad(), no_stack_traces():
+    with torch.no_grad(), no_stack_traces(), arithmetic_bits():  # bit tests without int bitwise ops (TensorRT)
         program = torch.export.export(module, inputs, strict=False).run_decompositions(DECOMPOSITIONS)
     left = sorted({str(n.target) for n in program.graph.nodes if "specgraph" in str(n.target)})
     if left:

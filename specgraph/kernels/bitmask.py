@@ -1,8 +1,12 @@
 """Ancestor bitmasks: one int64 per tree node.
 
 Bit j of ``mask[b, i]`` is set iff node j is an ancestor-or-self of node i.
-With at most 64 nodes a row fits one int64 (bit 63 is the sign bit; every
-operation here is a bitwise one, so the sign never matters).
+With at most 64 nodes a row fits one int64 (bit 63 is the sign bit; the
+bitwise operations never care).
+
+Inside ``arithmetic_bits()`` (export.py traces the verify step in it) bit tests
+are exact integer arithmetic instead (Div/Sub/Mul/Less/Where, the sign tested
+apart): TensorRT has no integer bitwise ops.
 
 Everything is plain torch on ``[B, N]`` tensors with a fixed number of
 steps (ceil(log2 N) pointer-doubling rounds), no host synchronisation: it
@@ -10,11 +14,26 @@ runs under CUDA-graph capture and on the meta device.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 MAX_NODES = 64
+INT64_MIN = torch.iinfo(torch.int64).min
+_ARITHMETIC = False  # export only: elsewhere bitwise is cheaper (no int64 divisions over [B, R, S_max])
+
+
+@contextlib.contextmanager
+def arithmetic_bits():
+    """Within: ``mask_to_matrix`` and the other bit tests in the arithmetic form (``bit_at``)."""
+    global _ARITHMETIC
+    before, _ARITHMETIC = _ARITHMETIC, True
+    try:
+        yield
+    finally:
+        _ARITHMETIC = before
 
 
 def check_num_nodes(n: int, what: str = "number of tree nodes") -> None:
@@ -36,7 +55,7 @@ def node_bits(n: int, device: torch.device | str | None = None) -> torch.Tensor:
     """
     j = torch.arange(n, dtype=torch.float64, device=device)
     powers = torch.exp2(j.clamp(max=62)).to(torch.int64)
-    return torch.where(j < 63, powers, torch.iinfo(torch.int64).min)
+    return torch.where(j < 63, powers, INT64_MIN)
 
 
 def mask_to_matrix(mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -44,7 +63,46 @@ def mask_to_matrix(mask: torch.Tensor, n: int) -> torch.Tensor:
 
     mask: [..., R] int64  ->  [..., R, n] bool, ``out[..., i, j] = bit j of mask[..., i]``.
     """
+    if _ARITHMETIC:
+        return _bit_at_arithmetic(mask.unsqueeze(-1), torch.arange(n, device=mask.device))
     return torch.bitwise_and(mask.unsqueeze(-1), node_bits(n, mask.device)) != 0
+
+
+def low_bits(x: torch.Tensor, r: int) -> torch.Tensor:
+    """``x & (2^r - 1)``, 1 <= r <= 63; inside ``arithmetic_bits()`` without bitwise ops."""
+    if not _ARITHMETIC:
+        return x & ((1 << r) - 1)
+    low = _low63(x)
+    return low if r == 63 else low - _div(low, 1 << r) * (1 << r)
+
+
+def bit_at(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Bit j of x (bool): x int64, j int64 in 0 .. 63, broadcast together."""
+    if _ARITHMETIC:
+        return _bit_at_arithmetic(x, j)
+    return (x & node_bits(64, x.device)[j]) != 0
+
+
+def _bit_at_arithmetic(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """``bit_at`` in integer Div/Sub/Mul/Less/Where/Gather and bool And/Or/Not only: bit 63 is the
+    sign, bit j < 63 the parity of low63(x) // 2^j."""
+    below = j < 63
+    power = node_bits(63, x.device)[torch.where(below, j, 0)]  # 2^j, positive
+    q = _div(_low63(x), power)
+    return below & (q - _div(q, 2) * 2 == 1) | ~below & (x < 0)  # not a bool Where: onnxruntime has none
+
+
+def _low63(x: torch.Tensor) -> torch.Tensor:
+    """x's low 63 bits, non-negative: x + 2^63 where x < 0 (in range: no step overflows)."""
+    return x - torch.where(x < 0, INT64_MIN, 0)
+
+
+def _div(a: torch.Tensor, b) -> torch.Tensor:
+    """a // b for a >= 0, b > 0 (truncation = floor there) as one ONNX integer Div: aten's integer
+    divisions export through float32 (inexact past 2^24) or, floored, through Mod and a bool Equal."""
+    if isinstance(b, torch.Tensor):
+        a, b = torch.broadcast_tensors(a, b)  # prims do not broadcast
+    return torch.ops.prims.div(a, b)
 
 
 def ancestor_masks(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .bitmask import bit_or, mask_to_matrix, node_bits, popcount64
+from .bitmask import bit_at, bit_or, mask_to_matrix, popcount64
 
 WINDOW_SLOTS = 64
 LOG2E = 1.4426950408889634
@@ -385,7 +385,8 @@ def allowed_keys(cache_len, tree_mask, s_max: int, window: int) -> torch.Tensor:
         committed = committed & (slots > committed_len + depth - window)
     offset = slots - committed_len  # [B, 1, S]: window slot index
     in_window = (offset >= 0) & (offset < WINDOW_SLOTS)
-    named = (tree_mask.unsqueeze(-1) & node_bits(WINDOW_SLOTS, tree_mask.device)[offset.clamp(0, WINDOW_SLOTS - 1)]) != 0
+    # slots outside the window test bit 0, masked out below; a Where, not an int64 Clip (TensorRT)
+    named = bit_at(tree_mask.unsqueeze(-1), torch.where(in_window, offset, 0))
     return committed | (in_window & named)
 
 

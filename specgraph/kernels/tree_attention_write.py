@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .bitmask import low_bits
 from .kv_write import kv_write_reference
 from .tree_attention import (WINDOW_SLOTS, _check, reference_only, rows_major, tree_attention_reference,
                              tree_attention_triton)
@@ -34,7 +35,7 @@ def tree_attention_write_reference(q, kv, layer: int, key, value, cache_len, tre
     b, _, r, _ = key.shape
     slots = cache_len.to(torch.int64).view(b, 1) + torch.arange(r, device=key.device)  # [B, R]
     kv_write_reference(kv, layer, slots.view(b, 1, r, 1).expand_as(key), key, value)
-    own = tree_mask if r == WINDOW_SLOTS else tree_mask & ((1 << r) - 1)
+    own = tree_mask if r == WINDOW_SLOTS else low_bits(tree_mask, r)
     return tree_attention_reference(q, kv[2 * layer], kv[2 * layer + 1], cache_len, own, scale, window)
 
 

@@ -103,7 +103,8 @@ def verify_forced(tokens: torch.Tensor, first_child: torch.Tensor, target_tokens
 def _with_bonus(tokens: torch.Tensor, acc: Acceptance, bonus: torch.Tensor) -> Acceptance:
     """Fill in ``bonus`` and ``emitted`` (accepted drafts, then the bonus)."""
     after_root = torch.cat([acc.path[:, 1:], torch.full_like(acc.path[:, :1], -1)], 1)  # [B, D+1]
-    emitted = torch.where(after_root >= 0, tokens.gather(1, after_root.clamp(min=0)), -1)
+    real = after_root >= 0  # gathered at where(real, ., 0), not a clamp: TensorRT's Clip is float-only
+    emitted = torch.where(real, tokens.gather(1, torch.where(real, after_root, 0)), -1)
     emitted = emitted.scatter(1, (acc.accept_len - 1).unsqueeze(1), bonus.unsqueeze(1))
     return Acceptance(acc.path, acc.accept_len, bonus, emitted)
 
@@ -119,7 +120,8 @@ def verify_greedy(tokens, parents, mask, target_tokens, max_depth: int) -> Accep
     ``target_tokens`` at that node.
     """
     _check_tree(tokens, parents, mask, max_depth)
-    drafted_target = tokens == target_tokens.gather(1, parents.clamp(min=0))
+    at_parent = torch.where(parents >= 0, parents, 0)  # not clamp: TensorRT's Clip is float-only
+    drafted_target = tokens == target_tokens.gather(1, at_parent)
     best, acc = _accept_deepest(tokens, parents, mask, drafted_target, max_depth)
     return _with_bonus(tokens, acc, target_tokens.gather(1, best.unsqueeze(1)).squeeze(1))
 
