@@ -45,8 +45,9 @@ def main() -> None:
     parser.add_argument("--medusa", default=None, help="Medusa head directory")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--questions", type=int, default=80, help="the first N of the prompt set")
-    parser.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval"],
-                        help="MT-bench first turns, or HumanEval's function prompts (code no head trained on)")
+    parser.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval", "sharegpt-held-out"],
+                        help="MT-bench first turns, HumanEval's function prompts (code no head trained on), "
+                        "or the first turns of the ShareGPT conversations training holds out")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--sweep-questions", type=int, default=40)
     parser.add_argument("--sweep-tokens", type=int, default=128)
@@ -111,6 +112,8 @@ def main() -> None:
     print(f"\n{'run':<42} {'questions':>9} {'tau':>6}  per-position acceptance")
     for name, r in summary["runs"].items():
         print(f"{name:<42} {r['questions']:>9} {r['tau']:>6.3f}  {[round(x, 2) for x in r['position_rate']]}")
+        if len(r["per_category"]) > 1:
+            print("    tau per category: " + ", ".join(f"{c} {v['tau']:.2f}" for c, v in r["per_category"].items()))
     print(f"best tree {summary['best_tree']}; {time.time() - start:.0f} s")
 
 

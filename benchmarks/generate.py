@@ -181,8 +181,9 @@ def profile_generate(spec, row, max_new, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8, help="the first N of the prompt set")
-    parser.add_argument("--prompt-set", default="mt-bench", choices=["mt-bench", "humaneval"],
-                        help="MT-bench first turns, or HumanEval's function prompts (code)")
+    parser.add_argument("--prompt-set", default="mt-bench", choices=["mt-bench", "humaneval", "sharegpt-held-out"],
+                        help="MT-bench first turns, HumanEval's function prompts (code), "
+                        "or the first turns of the ShareGPT conversations training holds out")
     parser.add_argument("--model", default="smollm2",
                         help=f"the target: {' | '.join(MODELS)} | a .gguf path (default smollm2)")
     parser.add_argument("--eagle3", default=None, help="the EAGLE-3 head of the sg_eagle3_* methods (default: "

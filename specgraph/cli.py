@@ -437,8 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tree", default="chain4", type=_tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
     bench.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     bench.add_argument("--questions", type=whole_number(1), default=80, help="the first N of the prompt set")
-    bench.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval"],
-                       help="MT-bench first turns, or HumanEval's 164 function prompts (code no head trained on)")
+    bench.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval", "sharegpt-held-out"],
+                       help="MT-bench first turns, HumanEval's 164 function prompts (code no head trained on), "
+                       "or the first turns of the ShareGPT conversations training holds out")
     bench.add_argument("--max-new-tokens", type=whole_number(1), default=256)
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     bench.add_argument("--batch-size", type=whole_number(1), default=1,

