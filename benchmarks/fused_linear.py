@@ -19,7 +19,7 @@ Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served fro
   At M > 1 the product part also times those epilogue forms (qkv_scaled, o_norm_out,
   gate_up_silu, down_norm_out).
 
-    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--rows 1 8] [--tiles all|wide-rows] [--out DIR]
+    python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--rows 1 8] [--tiles all|wide-rows|few-rows] [--out DIR]
 """
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ SHAPES = {"smollm2": layer_products(SMOLLM2), "llama8b": layer_products(LLAMA_8B
 DOT_TILES = [(16, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
 ROW_TILES = [(1, bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))]
 WIDE_ROW_TILES = [(1, bn, bk, w, 3) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
+# few rows of small weights (a verify step of 2-16 nodes on a small model): the whole of K (or half) per
+# tl.dot step, few stages; DOT_TILES' 128-256 columns a step were swept at 8B shapes
+FEW_ROW_TILES = [(16, bn, bk, w, st) for bn, bk, w, st in itertools.product((16, 32), (512, 1024, 2048), (4, 8), (1, 2))]
 EPS = 1e-5
 
 
@@ -161,9 +164,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--tiles", choices=("all", "wide-rows"), default="all",
+    parser.add_argument("--tiles", choices=("all", "wide-rows", "few-rows"), default="all",
                         help="all: ROW_TILES (M = 1) and DOT_TILES; wide-rows: one-row tiles of 4-16 weight rows "
-                             "and 512-2048 columns, 4 or 8 warps (M = 1 only)")
+                             "and 512-2048 columns, 4 or 8 warps (M = 1 only); few-rows: DOT_TILES and "
+                             "FEW_ROW_TILES (512-2048 columns a step, 1-2 stages; M > 1 only)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     import torch._dynamo
@@ -176,9 +180,13 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.tiles == "wide-rows":
         args.rows = [1]
+    elif args.tiles == "few-rows":
+        args.rows = [m for m in args.rows if m > 1] or [4, 16]
 
     def sweep(m: int) -> list[tuple[int, int, int, int, int]]:
-        return WIDE_ROW_TILES if args.tiles == "wide-rows" else (ROW_TILES if m == 1 else []) + DOT_TILES
+        if args.tiles == "wide-rows":
+            return WIDE_ROW_TILES
+        return (ROW_TILES if m == 1 else []) + DOT_TILES + (FEW_ROW_TILES if args.tiles == "few-rows" else [])
 
     results = dict(bandwidth=bandwidth, tiles=sorted({t for m in args.rows for t in sweep(m)}), shapes={})
     for shape in args.shapes:
