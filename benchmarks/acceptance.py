@@ -5,7 +5,7 @@ full report (all questions, greedy and T=1) for the best tree, a chain and the M
         [--trees dynamic:8,8,64 chain7] [--skip RUN ...]
 
 Phase 1 (greedy, ``--sweep-questions`` x ``--sweep-tokens``) runs the EAGLE-3 head on every tree
-in SWEEP and picks the highest τ among trees of at most 64 nodes; phase 2 runs all
+in SWEEP (or ``--sweep-trees``) and picks the highest τ among trees of at most 64 nodes; phase 2 runs all
 ``--questions`` at ``--max-new-tokens`` for: EAGLE-3 on the best tree and on the best chain,
 Medusa on its own mc_sim_7b_63 tree and a chain, each greedy and T=1. Questions go
 ``--batch-size`` at a time (each row accepts on its own: greedy τ is that of batch 1).
@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--trees", nargs=2, type=parse_tree, metavar=("BEST", "CHAIN"), default=None,
                         help="skip the sweep: the EAGLE-3 tree and chain for the final runs")
     parser.add_argument("--skip", nargs="*", default=[], help="final runs to leave out, by name")
+    parser.add_argument("--sweep-trees", nargs="+", type=parse_tree, default=None, metavar="TREE",
+                        help="the trees phase 1 sweeps (chainK, dynamic:STEPS,TOPK,NODES; default: SWEEP)")
     args = parser.parse_args()
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,7 +92,7 @@ def main() -> None:
         return report
 
     sweep = {}
-    for tree in tqdm(SWEEP if args.trees is None else [], desc="tree sweep"):
+    for tree in tqdm((args.sweep_trees or SWEEP) if args.trees is None else [], desc="tree sweep"):
         report = run("eagle3", tree, 0.0, args.sweep_questions, args.sweep_tokens, prefix="sweep-")
         if report:
             sweep[repr(tree)] = (report["tau"], tree)
@@ -99,7 +101,8 @@ def main() -> None:
         best, best_chain = args.trees
     else:
         best = max(sweep.values(), key=lambda v: v[0])[1]
-        best_chain = max((v for v in sweep.values() if isinstance(v[1], Chain)), key=lambda v: v[0])[1]
+        chains = [v for v in sweep.values() if isinstance(v[1], Chain)]
+        best_chain = max(chains, key=lambda v: v[0])[1] if chains else Chain(best.max_depth)
     summary["best_tree"], summary["best_chain"] = repr(best), repr(best_chain)
     final = [("eagle3", best), ("eagle3", best_chain)]
     if "medusa" in heads:
