@@ -26,6 +26,9 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
                tie_word_embeddings=True, rms_norm_eps=1e-5)  # SmolLM2-135M's config, random weights
+QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=32768,
+                 tie_word_embeddings=False, rms_norm_eps=1e-6)  # Qwen2.5-Coder-1.5B's products (its q/k/v biases left out)
 TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024)
 

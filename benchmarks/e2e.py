@@ -1,7 +1,7 @@
 """End-to-end decode cost on a Llama-3.1-8B-shaped target (or --shape smollm2) with random bf16 weights (GPU).
 
     python benchmarks/e2e.py [--sections floor cublas plain verify synthetic batch profile] [--prompt 1024]
-                             [--budget-s 500] [--out DIR] [--shape llama8b|smollm2|tiny]
+                             [--budget-s 500] [--out DIR] [--shape llama8b|smollm2|qwen1.5b|tiny]
 
 Every figure is measured in this run, on the same model:
   floor      bytes streamed per decode step (all weights but the embedding table, plus the KV cache
@@ -34,7 +34,8 @@ Every figure is measured in this run, on the same model:
              shipped SmolLM2 head (its 8,192-token draft vocabulary), others a random full-vocabulary one
              (DIR/e2e-profile-draft-TREE-DATE.txt)
 --shape smollm2: SmolLM2-135M's config with random weights (the small-model regime, where launches
-and not bytes set the step's time); --tiny: a 4-layer model of the same kinds (for a quick check of
+and not bytes set the step's time); --shape qwen1.5b: Qwen2.5-Coder-1.5B's products (Llama-shaped, no
+q/k/v biases), between the two; --tiny: a 4-layer model of the same kinds (for a quick check of
 the script, not for numbers).
 --inductor KEY=VALUE ...: torch._inductor.config values for an experiment (combo_kernels=1,
 triton.enable_pdl=1), recorded in the JSON.
@@ -56,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (LLAMA_8B, SMOLLM2, TINY, copy_bandwidth, run_settings, set_inductor_options, step_ms,  # first: sys.path
+from common import (LLAMA_8B, QWEN_1_5B, SMOLLM2, TINY, copy_bandwidth, run_settings, set_inductor_options, step_ms,  # first: sys.path
                     sync)
 import specgraph  # noqa: E402
 from specgraph import config  # noqa: E402
@@ -67,7 +68,8 @@ from specgraph.trees import parse_tree  # noqa: E402
 warnings.filterwarnings("ignore", message="synthetic_accept")
 SECTIONS = ("floor", "cublas", "plain", "verify", "synthetic", "batch", "profile", "profile_verify",
             "profile_draft")
-SHAPES = {"llama8b": ("Llama-3.1-8B", LLAMA_8B), "smollm2": ("SmolLM2-135M", SMOLLM2), "tiny": ("tiny", TINY)}
+SHAPES = {"llama8b": ("Llama-3.1-8B", LLAMA_8B), "smollm2": ("SmolLM2-135M", SMOLLM2),
+          "qwen1.5b": ("Qwen2.5-1.5B", QWEN_1_5B), "tiny": ("tiny", TINY)}
 BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16)}
 
 
@@ -225,7 +227,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--shape", default="llama8b", choices=SHAPES,
-                        help="the target's config (random bf16 weights): llama8b, smollm2 (SmolLM2-135M), tiny")
+                        help="the target's config (random bf16 weights): llama8b, smollm2 (SmolLM2-135M), qwen1.5b, tiny")
     parser.add_argument("--tiny", action="store_true", help="= --shape tiny")
     parser.add_argument("--profile-steps", type=int, default=32, help="decode steps the profile section records")
     parser.add_argument("--profile-verify-n", type=int, nargs="+", default=[64],

@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import LLAMA_8B, SMOLLM2, copy_bandwidth, graphed_ms, layer_products  # first: sys.path (common.py)
+from common import LLAMA_8B, QWEN_1_5B, SMOLLM2, copy_bandwidth, graphed_ms, layer_products  # first: sys.path (common.py)
 import specgraph.kernels  # noqa: E402,F401
 from specgraph.kernels import fused_linear as fl  # noqa: E402
 
 # layers, hidden, q/k/v rows, intermediate: the decoder layers' products
-SHAPES = {"smollm2": layer_products(SMOLLM2), "llama8b": layer_products(LLAMA_8B)}
+SHAPES = {"smollm2": layer_products(SMOLLM2), "qwen1.5b": layer_products(QWEN_1_5B), "llama8b": layer_products(LLAMA_8B)}
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M 1: one row on the CUDA cores (M = 1 only), 16: tl.dot
 DOT_TILES = [(16, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
 ROW_TILES = [(1, bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))]
@@ -162,7 +162,7 @@ def layer_chain(weights, rand, m: int, bandwidth: float, best: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["smollm2", "llama8b"], choices=list(SHAPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tiles", choices=("all", "wide-rows", "few-rows"), default="all",
                         help="all: ROW_TILES (M = 1) and DOT_TILES; wide-rows: one-row tiles of 4-16 weight rows "

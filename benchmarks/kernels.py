@@ -26,13 +26,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import LLAMA_8B, SMOLLM2, attention_shape, copy_bandwidth, graphed_ms, median_ms  # first: sys.path (common.py)
+from common import LLAMA_8B, QWEN_1_5B, SMOLLM2, attention_shape, copy_bandwidth, graphed_ms, median_ms  # first: sys.path (common.py)
 import specgraph.kernels  # noqa: E402,F401
 from specgraph.kernels.bitmask import ancestor_masks  # noqa: E402
 from specgraph.kernels.compact_kv import compact_kv_reference  # noqa: E402
 from specgraph.trees import random_parents as random_tree_parents  # noqa: E402
 
-SHAPES = {"llama8b": attention_shape(LLAMA_8B), "smollm2": attention_shape(SMOLLM2)}  # H, H_kv, D
+SHAPES = {"llama8b": attention_shape(LLAMA_8B), "smollm2": attention_shape(SMOLLM2),
+          "qwen1.5b": attention_shape(QWEN_1_5B)}  # H, H_kv, D
+DEFAULT_SHAPES = ("llama8b", "smollm2")  # what a run without --decode-shapes measures
 BATCHES, PREFIXES, NODES = (1, 8, 32, 64), (1024, 4096, 32768), (1, 8, 16, 64)
 
 
@@ -271,7 +273,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time tile configurations at the acceptance shapes first")
     parser.add_argument("--decode", action="store_true",
                         help="only the batch-1 decode sweep of the folded op (RoPE on/off, tiles, warps, splits)")
-    parser.add_argument("--decode-shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--decode-shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
     parser.add_argument("--decode-cases", nargs="+", default=list(DECODE_CASES), metavar="CONTEXT:ROWS")
     parser.add_argument("--decode-tiles", type=int, nargs="+", help="block_m values to sweep (default: 16 32 64, "
                         "and 128 where a KV head has 128 rows or more); each config compiles, ~2 s apiece")
@@ -304,7 +306,7 @@ def main() -> None:
         sweep(bandwidth)
     configs = [("llama8b", 32, 4096, n) for n in NODES]
     if not args.quick:
-        configs += [(s, b, p, n) for s in SHAPES for b in BATCHES for p in PREFIXES for n in NODES
+        configs += [(s, b, p, n) for s in DEFAULT_SHAPES for b in BATCHES for p in PREFIXES for n in NODES
                     if (s, b, p, n) not in configs]
     rows = []
     for shape, b, prefix, n in tqdm(configs, desc="attention", file=sys.stderr):
