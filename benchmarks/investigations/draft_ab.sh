@@ -9,17 +9,7 @@
 # STEP is tests, topk, or what to skip: all-on (nothing), topk, topk,fuse_projections, ... (default:
 # tests topk topk,fuse_projections topk all-on). Each profile compiles its step (~2 minutes on a fresh
 # machine): pass a subset to split the work over several device calls (600 s each).
-# DIR and STEP... from the script's arguments, and run NAME SECONDS CMD... logging to DIR/NAME.log.
-set -uo pipefail
-dir=${1:-draft-ab}
-shift || true
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests topk topk,fuse_projections topk all-on)
-mkdir -p "$dir"
-run() {  # run NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$dir/$name.log" 2>&1
-  echo "== $name rc=$? $(tail -n 3 "$dir/$name.log" | tr '\n' ' ' | cut -c1-300)"
-}
+source "$(dirname "$0")/steps.sh" draft-ab "tests topk topk,fuse_projections topk all-on" "$@"
 for step in "${steps[@]}"; do
   case $step in
     tests) run tests 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py \

@@ -8,16 +8,7 @@
 #   bash benchmarks/investigations/few_rows.sh [DIR [STEP...]]     STEP: products attention profile
 #
 # Each step fits one device call (600 s); products takes the longest (8 product forms x 36 tiles x 2 row counts).
-set -uo pipefail
-dir=${1:-few-rows}
-shift || true
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(products attention profile)
-mkdir -p "$dir"
-run() {  # run NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$dir/$name.log" 2>&1
-  echo "== $name rc=$? $(tail -n 3 "$dir/$name.log" | tr '\n' ' ' | cut -c1-300)"
-}
+source "$(dirname "$0")/steps.sh" few-rows "products attention profile" "$@"
 for step in "${steps[@]}"; do
   case $step in
     products) run products 580 python3 benchmarks/fused_linear.py --shapes smollm2 --rows 4 16 --tiles few-rows \
