@@ -26,7 +26,7 @@ from tqdm import tqdm
 import specgraph
 from specgraph import Chain, DynamicTree
 from specgraph.models import default_draft_path, load_gguf
-from specgraph.train.evaluate import acceptance, plot, prompt_set
+from specgraph.train.evaluate import PROMPT_SETS, acceptance, plot, prompt_set
 from specgraph.trees import parse_tree
 
 SWEEP = [Chain(3), Chain(5), Chain(7), DynamicTree(4, 4, 16), DynamicTree(5, 8, 32), DynamicTree(6, 8, 48),
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--medusa", default=None, help="Medusa head directory")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--questions", type=int, default=80, help="the first N of the prompt set")
-    parser.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval", "sharegpt-held-out"],
+    parser.add_argument("--prompts", default="mt-bench", choices=list(PROMPT_SETS),
                         help="MT-bench first turns, HumanEval's function prompts (code no head trained on), "
                         "or the first turns of the ShareGPT conversations training holds out")
     parser.add_argument("--max-new-tokens", type=int, default=256)

@@ -51,6 +51,7 @@ from transformers import StaticCache
 from common import copy_bandwidth, run_settings, set_inductor_options  # first: sys.path (common.py)
 import specgraph  # noqa: E402
 from specgraph.models import load_gguf  # noqa: E402
+from specgraph.train.evaluate import PROMPT_SETS, prompt_set as questions  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
 METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree",
@@ -91,8 +92,6 @@ NEAR_TIE = 0.25  # logits; bf16 spacing is 0.0625-0.125 at typical logit magnitu
 
 def prompts(tokenizer, n: int, prompt_set: str = "mt-bench") -> list[list[int]]:
     """The first ``n`` first turns of ``prompt_set`` (specgraph.train.evaluate.PROMPT_SETS) under the chat template."""
-    from specgraph.train.evaluate import prompt_set as questions
-
     return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
                                                     add_generation_prompt=True)).input_ids
             for r in questions(prompt_set, n)]
@@ -181,7 +180,7 @@ def profile_generate(spec, row, max_new, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8, help="the first N of the prompt set")
-    parser.add_argument("--prompt-set", default="mt-bench", choices=["mt-bench", "humaneval", "sharegpt-held-out"],
+    parser.add_argument("--prompt-set", default="mt-bench", choices=list(PROMPT_SETS),
                         help="MT-bench first turns, HumanEval's function prompts (code), "
                         "or the first turns of the ShareGPT conversations training holds out")
     parser.add_argument("--model", default="smollm2",

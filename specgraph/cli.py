@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--shards", default=None, help="train on the token shards that `python -m "
                        "specgraph.train.distill` wrote in this folder (instead of --data/--limit/regeneration)")
     train.add_argument("--variants", nargs="+", default=None, help="with --shards: only these variants (greedy, t0.8, ...)")
-    train.add_argument("--held-out", type=whole_number(0), default=200,
+    train.add_argument("--held-out", type=whole_number(0), default=200,  # train.distill.HELD_OUT_CONVERSATIONS
                        help="with --shards: conversations held out (evaluated on "
                        "their greedy variant)")
     train.add_argument("--select", default=None, help="keep DIR/best at the best of this held-out metric (e.g. eval_tau)")
@@ -437,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tree", default="chain4", type=_tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
     bench.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     bench.add_argument("--questions", type=whole_number(1), default=80, help="the first N of the prompt set")
+    # train.evaluate.PROMPT_SETS' names, spelled out: the parser is built without importing torch
     bench.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval", "sharegpt-held-out"],
                        help="MT-bench first turns, HumanEval's 164 function prompts (code no head trained on), "
                        "or the first turns of the ShareGPT conversations training holds out")

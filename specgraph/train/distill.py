@@ -221,6 +221,9 @@ def conversation_order(n: int, seed: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+HELD_OUT_CONVERSATIONS = 200  # conversations training holds out by default (`specgraph train --held-out`)
+
+
 def split_held_out(examples: list[dict], conversations: int, variant: str = "greedy") -> tuple[list, list]:
     """(train, held-out): the first ``conversations`` of the shuffled order are held out of training in
     every variant (they share the user turns); held-out keeps their ``variant`` examples."""

