@@ -38,13 +38,15 @@ from specgraph.kernels import fused_linear as fl  # noqa: E402
 
 # layers, hidden, q/k/v rows, intermediate: the decoder layers' products
 SHAPES = {"smollm2": layer_products(SMOLLM2), "qwen1.5b": layer_products(QWEN_1_5B), "llama8b": layer_products(LLAMA_8B)}
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M 1: one row on the CUDA cores (M = 1 only), 16: tl.dot
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M 1: a row per program on the CUDA cores, 16: tl.dot
 DOT_TILES = [(16, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
 ROW_TILES = [(1, bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))]
 WIDE_ROW_TILES = [(1, bn, bk, w, 3) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
 # few rows of small weights (a verify step of 2-16 nodes on a small model): the whole of K (or half) per
-# tl.dot step, few stages; DOT_TILES' 128-256 columns a step were swept at 8B shapes
-FEW_ROW_TILES = [(16, bn, bk, w, st) for bn, bk, w, st in itertools.product((16, 32), (512, 1024, 2048), (4, 8), (1, 2))]
+# tl.dot step, few stages (DOT_TILES' 128-256 columns a step were swept at 8B shapes), and a program per row
+# and 8-32 weight rows on the CUDA cores (the one-row path on grid axis 1; the weight slice re-read from L2)
+FEW_ROW_TILES = ([(16, bn, bk, w, st) for bn, bk, w, st in itertools.product((16, 32), (512, 1024, 2048), (4, 8), (1, 2))]
+                 + [(1, bn, bk, w, 3) for bn, bk, w in itertools.product((8, 16, 32), (512, 1024, 2048), (4, 8))])
 EPS = 1e-5
 
 

@@ -38,7 +38,10 @@ same K loop and scales the sums by the rstd after it (a pass over x before the f
 3-10 us at 8B shapes); more rows make that pass first (the in-loop sums ran slower in the tl.dot
 tiles: 8B q/k/v at 8 rows 30.6 against 23.4 us). One row runs on the CUDA cores (BLOCK_M = 1: per-lane
 FMAs over [BLOCK_N, BLOCK_K], one reduction after the K loop), more rows through ``tl.dot`` with the
-rows padded to 16. M <= MAX_ROWS only; more rows take the reference (the norm, a cuBLAS product, the add).
+rows padded to 16, or, for a few rows of a small weight, the one-row path with a program per row (grid
+axis 1; each program re-reads its weight rows from L2: SmolLM2's o and down at 5 rows 3.8 and 4.9 us
+against 4.3 and 5.8 in 16-row tiles, a 5-node verify step 795 -> 751 us; docs/benchmarks.md). M <= MAX_ROWS
+only; more rows take the reference (the norm, a cuBLAS product, the add).
 
 Measured (``benchmarks/fused_linear.py``, H200, 2026-12-01, docs/benchmarks.md), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
@@ -60,6 +63,7 @@ from .tree_attention import _dot
 MAX_ROWS = 16  # one 16-row tile of x per program
 SQUARE_COLS = 16  # norm_out: one partial sum of squares per row and 16 output columns
 SMALL_WEIGHT_BYTES = 8 << 20  # a small model's weight (SmolLM2's 0.7-3.5 MB; 8B's 34-235 MB): its own tiles
+ROW_GRID_PROGRAMS = 768  # a few rows of a small weight: a program per row and 8 weight rows up to this many
 
 
 @triton.jit
@@ -68,7 +72,7 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, SquaresIn, NextGamma, Scale
                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
                          ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, SQUARE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # grid axis 1: the row blocks
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -167,7 +171,9 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
     docs/benchmarks.md): one row on the CUDA cores in 8-row slices of the weight; small weights
     the whole of K per step (up to 2048) in 8 warps, 8B-sized ones 1024 columns a step in 4 warps with the
     norm, 512 in 8 without; more rows, 16-row tl.dot tiles (the 8B gate/up with silu_mul: 64 x 128 in 3
-    stages, 57.6 us at 8 rows against 61.4 in the others' 32 x 256 in 4, cuBLAS 55.9)."""
+    stages, 57.6 us at 8 rows against 61.4 in the others' 32 x 256 in 4, cuBLAS 55.9), except a few rows of
+    a small weight without silu_mul: a program per row while the grid stays within ROW_GRID_PROGRAMS (about
+    one wave; past it the re-reads lose: q/k/v at 8 rows 5.8 us against 4.5, 2026-12-03)."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
     small = n * k * itemsize <= SMALL_WEIGHT_BYTES
@@ -177,6 +183,8 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
         return (1, 8, 1024, 4, 3) if norm else (1, 8, 512, 8, 3)
     if silu_mul and not small:
         return 16, 64, min(128, triton.next_power_of_2(k)), 4, 3
+    if small and not silu_mul and m * triton.cdiv(n, 8) <= ROW_GRID_PROGRAMS:
+        return 1, 8, 512, 4, 3
     return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 
@@ -201,7 +209,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None, silu_mul=silu_mul)
     block_m, block_n, block_k, num_warps, num_stages = tiles
-    block_m = 1 if m == 1 and block_m == 1 else 16
+    block_m = 1 if block_m == 1 else 16  # BLOCK_M 1 with more rows: one program per row and BLOCK_N columns
     scaled = squares_out = None
     if next_gamma is not None:
         block_n = max(block_n, SQUARE_COLS)  # whole chunks of 16 columns per program
@@ -210,7 +218,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
             raise ValueError(f"fused_linear_triton: tiles={tiles}: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}")
         scaled = torch.empty_like(out)
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
-    _fused_linear_kernel[(triton.cdiv(n, block_n),)](
+    _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out,
         squares_in if squares_in is not None else out, next_gamma if next_gamma is not None else weight,
         scaled if scaled is not None else out, squares_out if squares_out is not None else out,

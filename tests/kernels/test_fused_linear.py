@@ -211,3 +211,17 @@ def test_epilogue_ops_through_export_decompositions_and_compile():
     assert not any("specgraph" in str(n.target) for n in decomposed.graph.nodes)
     torch.testing.assert_close(decomposed.module()(*args), want)
     torch.testing.assert_close(torch.compile(_RowsLayer(), fullgraph=True)(*args), want)
+
+
+def test_tile_config_takes_the_row_grid_for_a_few_rows_of_small_weights():
+    """A program per row (BLOCK_M 1) while rows x N / 8 stays within ROW_GRID_PROGRAMS; 16-row tiles past it,
+    for silu_mul, and for large weights."""
+    from specgraph.kernels.fused_linear import ROW_GRID_PROGRAMS, tile_config
+
+    assert tile_config(5, 576, 576, 2)[0] == 1  # SmolLM2's o at a 5-node verify
+    assert tile_config(6, 960, 576, 2)[0] == 1  # q/k/v: 6 x 120 programs
+    assert tile_config(8, 960, 576, 2)[0] == 16  # 8 x 120 > 768
+    assert 8 * 960 // 8 > ROW_GRID_PROGRAMS
+    assert tile_config(4, 1536, 576, 2, silu_mul=True)[0] == 16
+    assert tile_config(4, 4096, 4096, 2)[0] == 16  # an 8B weight (32 MB) is not small
+    assert tile_config(1, 576, 576, 2)[0] == 1

@@ -1,0 +1,75 @@
+"""specgraph::fused_linear at a few rows, in the forms a SmolLM2 verify step runs them (fold_norms_rows'
+row-scaled q/k/v, o and down with the residual add and the next norm's inputs, gate/up with the SiLU·mul
+epilogue), each tile of a list against the tile_config default and cuBLAS with the product alone; all 30
+layers' weights, CUDA-graph replays, microseconds a product. The row-grid tiles (BLOCK_M 1 with more rows:
+a program per row) are what tile_config takes up to ROW_GRID_PROGRAMS; docs/benchmarks.md cites the results.
+
+  python3 benchmarks/investigations/few_row_tiles.py --rows 4 16 --tiles wide --out DIR
+  python3 benchmarks/investigations/few_row_tiles.py --rows 2 3 5 6 8 12 --tiles row-grid --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import SMOLLM2, graphed_ms, layer_products  # noqa: E402
+
+import specgraph.kernels  # noqa: E402,F401  (registers the ops)
+from specgraph.kernels import fused_linear as fl  # noqa: E402
+
+TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); None: tile_config's choice
+    "wide": [None, (16, 16, 1024, 4, 1), (16, 16, 1024, 8, 1), (16, 16, 2048, 4, 1), (16, 16, 512, 4, 2),
+             (16, 32, 1024, 4, 1), (16, 16, 1024, 4, 2), (16, 32, 2048, 8, 1), (16, 16, 512, 8, 1),
+             (1, 8, 1024, 8, 3), (1, 8, 2048, 8, 3), (1, 8, 512, 8, 3), (1, 16, 1024, 8, 3), (1, 8, 1024, 4, 3),
+             (1, 16, 512, 4, 3), (1, 32, 512, 8, 2)],
+    "row-grid": [None, (16, 16, 256, 4, 4), (1, 16, 512, 4, 3), (1, 8, 1024, 4, 3), (1, 8, 512, 4, 3),
+                 (1, 16, 512, 8, 3), (1, 8, 512, 8, 3)],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--tiles", choices=list(TILES), default="row-grid")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    layers_n, hidden, qkv, inter = layer_products(SMOLLM2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    layers = [(rand(qkv, hidden) / hidden**0.5, rand(hidden, hidden) / hidden**0.5, rand(2 * inter, hidden) / hidden**0.5,
+               rand(hidden, inter) / inter**0.5, 1 + 0.1 * rand(hidden)) for _ in range(layers_n)]
+    fused, norm_out = torch.ops.specgraph.fused_linear, torch.ops.specgraph.fused_linear_norm_out
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = open(args.out / f"few-row-tiles-{args.tiles}.txt", "w")
+    out.write(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | SmolLM2 shapes, {layers_n} layers, bf16\n")
+    for m in args.rows:
+        h, gu = rand(1, m, hidden), rand(1, m, inter)
+        squares = fl.norm_out_reference(h, layers[0][4])[1]
+        kinds = {  # name: (weight index, tile_config's (N, K), the op call)
+            "qkv_scaled": (0, (qkv, hidden), lambda w, gm: fused(h, w, None, 1e-5, None, False, False, squares)),
+            "o_norm_out": (1, (hidden, hidden), lambda w, gm: norm_out(h, w, h, gm)),
+            "gate_up_silu": (2, (inter, hidden), lambda w, gm: fused(h, w, None, 1e-5, None, False, True, squares)),
+            "down_norm_out": (3, (hidden, inter), lambda w, gm: norm_out(gu, w, h, gm))}
+        for kind, (index, key, call) in kinds.items():
+            chain = [(layer[index], layer[4]) for layer in layers]
+            x = gu if index == 3 else h
+            cublas = graphed_ms(lambda: [F.linear(x, w) for w, _ in chain]) * 1e3 / layers_n
+            for tile in TILES[args.tiles]:
+                fl.TILE_OVERRIDE = None if tile is None else {key: tile}
+                try:
+                    us = graphed_ms(lambda: [call(w, gm) for w, gm in chain]) * 1e3 / layers_n
+                except Exception:  # noqa: BLE001  (a tile that does not compile: out of shared memory)
+                    us = float("nan")
+                line = f"M={m} {kind:14s} {key} tile={tile} {us:.2f} us (cuBLAS product alone {cublas:.2f})"
+                print(line, flush=True)
+                out.write(line + "\n")
+            fl.TILE_OVERRIDE = None
+
+
+if __name__ == "__main__":
+    main()
