@@ -65,14 +65,33 @@ def test_llama_norm_and_residual_add_fold(dtype):
 
 @pytest.mark.parametrize("block, why", [
     (lambda: Block(GemmaStyleNorm()), "Gemma's (1 + weight) norm"),
-    (lambda: Block(LlamaRMSNorm(16), bias=True), "products with a bias"),
     (lambda: Block(LlamaRMSNorm(16), also_return_norm=True), "a norm also read elsewhere"),
-], ids=["gemma_norm", "bias", "norm_read_elsewhere"])
+], ids=["gemma_norm", "norm_read_elsewhere"])
 def test_near_misses_keep_their_norm(block, why):
     torch.manual_seed(0)
     result, gm, _ = folded(block())
     assert result.counters["norms_folded"] == 0, why
     assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_products_with_a_bias_take_the_norm_and_their_bias(dtype):
+    """Qwen2's q/k/v: biased products reading a norm fold it and carry their bias; the residual add of a
+    biased product stays apart. The folded graph computes the module's output (the reference is HF's
+    formula op for op, F.linear with the bias included: bit for bit on the CPU)."""
+    torch.manual_seed(0)
+    block = Block(LlamaRMSNorm(16, eps=1e-5), bias=True)
+    with torch.no_grad():
+        for linear in (block.up, block.gate):
+            linear.bias.normal_()
+    result, gm, x = folded(block, dtype)
+    assert result.counters == {"norms_folded": 1, "adds_folded": 0, "gated_folded": 0, "too_many_rows": 0}
+    fused = gm.graph.find_nodes(op="call_function", target=FUSED)
+    assert len(fused) == 2 and all(n.kwargs["bias"].op in ("placeholder", "get_attr") for n in fused)
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default)
+    params = {"p_" + name.replace(".", "_"): p for name, p in block.named_parameters()}
+    (got,) = gm(*(params.get(n.target, x) for n in gm.graph.find_nodes(op="placeholder")))
+    torch.testing.assert_close(got, block(x), atol=0, rtol=0)
 
 
 class GatedMLP(torch.nn.Module):
@@ -109,8 +128,9 @@ def test_what_was_measured_slower_is_left_alone(rows):
     assert not gm.graph.find_nodes(op="call_function", target=FUSED)
 
 
-@pytest.mark.parametrize("name, layers_folded, gated", [("llama", True, True), ("qwen3", True, True),
-                                                        ("phi3", True, False), ("gemma3", False, False)])
+@pytest.mark.parametrize("name, layers_folded, gated", [("llama", True, True), ("qwen2", True, True),
+                                                        ("qwen3", True, True), ("phi3", True, False),
+                                                        ("gemma3", False, False)])
 def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, settings):
     model = tiny_model(name)
     gen = torch.Generator().manual_seed(5)
@@ -123,8 +143,9 @@ def test_folded_step_matches_the_unfolded_one(name, layers_folded, gated, settin
     step = Capture(model, 64).step(b, r)  # the default pipeline folds
     counters = dict(step.pass_results)["fold_norms"].counters
     layers = model.config.num_hidden_layers
-    if layers_folded:  # two norms and two residual adds a layer (Phi-3's packed products included), and
-        # SiLU·mul into down where fuse_projections split the packed gate/up (Phi-3 chunks its own: apart)
+    if layers_folded:  # two norms and two residual adds a layer (Phi-3's packed products and Qwen2's biased
+        # q/k/v included), and SiLU·mul into down where fuse_projections split the packed gate/up (Phi-3 chunks
+        # its own: apart)
         assert counters == {"norms_folded": 2 * layers, "adds_folded": 2 * layers,
                             "gated_folded": layers if gated else 0, "too_many_rows": 0}
     else:  # Gemma-3: (1 + weight) norms, norms between each product and its residual add, GELU

@@ -19,7 +19,10 @@ Contract:
                       it over, and each row of the product is scaled by ``rsqrt(sum(row_squares) / K + eps)``,
                       h's rstd: HF's norm-then-product without a prologue (the rounding of ``gamma * h``
                       replaces HF's rounding of the normalized row)
-  out:      [..., N]  ``[residual +] epilogue(F.linear([rms_norm](x) or [silu(gate) * up], weight))``
+  bias:     [N] or None   with it, the product is ``F.linear(..., weight, bias)``: the bias added in float32 to
+                      the (row-scaled) product before it is rounded, as cuBLAS's addmm does (Qwen2's q/k/v);
+                      not with silu_mul or row_squares
+  out:      [..., N]  ``[residual +] epilogue(F.linear([rms_norm](x) or [silu(gate) * up], weight[, bias]))``
 ``specgraph::fused_linear_norm_out(x, weight, residual, next_gamma)`` is the producer of such an x: the
 product with the residual add, plus ``next_gamma * out`` and out's float32 sums of squares per 16 columns
 ([..., ceil(N / 16)]), written by the same programs (``norm_out_reference``). The pass fold_norms_rows
@@ -67,9 +70,10 @@ ROW_GRID_PROGRAMS = 768  # a few rows of a small weight: a program per row and 8
 
 
 @triton.jit
-def _fused_linear_kernel(X, W, Gamma, Residual, Out, SquaresIn, NextGamma, Scaled, SquaresOut, M, N, K, P, eps,
+def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma, Scaled, SquaresOut, M, N, K, P, eps,
                          stride_xm, stride_wn, stride_rm, stride_om, stride_sim, stride_som,
-                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+                         NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                         SILU_MUL: tl.constexpr,
                          ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, SQUARE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # grid axis 1: the row blocks
@@ -140,6 +144,8 @@ def _fused_linear_kernel(X, W, Gamma, Residual, Out, SquaresIn, NextGamma, Scale
         acc *= rstd_rows
         acc_up *= rstd_rows
 
+    if BIAS:  # after the rstd, in float32, rounded once with the product (cuBLAS's addmm epilogue)
+        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = acc.to(Out.dtype.element_ty)
     if SILU_MUL:  # silu(gate) * up, each rounded to x's dtype as HF's MLP rounds them
         gate = out.to(tl.float32)
@@ -191,7 +197,8 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
                         residual: torch.Tensor | None = None, gated: bool = False,
                         tiles: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
-                        row_squares: torch.Tensor | None = None, next_gamma: torch.Tensor | None = None):
+                        row_squares: torch.Tensor | None = None, next_gamma: torch.Tensor | None = None,
+                        bias: torch.Tensor | None = None):
     """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]
     (silu_mul: weight [2N, K]); with next_gamma, (out, next_gamma * out, row_squares of out [..., ceil(N / 16)])."""
     rows = x.reshape(-1, x.shape[-1])
@@ -219,13 +226,14 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         scaled = torch.empty_like(out)
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
     _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        rows, weight, gamma if gamma is not None else weight, res if res is not None else out, out,
+        rows, weight, gamma if gamma is not None else weight, bias if bias is not None else weight,
+        res if res is not None else out, out,
         squares_in if squares_in is not None else out, next_gamma if next_gamma is not None else weight,
         scaled if scaled is not None else out, squares_out if squares_out is not None else out,
         m, n, k, squares_in.shape[1] if squares_in is not None else 0, eps,
         rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
         squares_in.stride(0) if squares_in is not None else 0, squares_out.stride(0) if squares_out is not None else 0,
-        NORM=gamma is not None, GATED=gated, RESIDUAL=res is not None, SILU_MUL=silu_mul,
+        NORM=gamma is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=res is not None, SILU_MUL=silu_mul,
         ROW_SCALE=squares_in is not None, NORM_OUT=next_gamma is not None, SQUARE_COLS=SQUARE_COLS,
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps,
@@ -245,14 +253,14 @@ def rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torc
 
 
 def fused_linear_reference(x, weight, gamma=None, eps: float = 1e-6, residual=None, gated: bool = False,
-                           silu_mul: bool = False, row_squares=None):
+                           silu_mul: bool = False, row_squares=None, bias=None):
     """Plain torch: the CPU path, the decomposition, the kernel's oracle."""
     if gamma is not None:
         x = rms_norm_reference(x, gamma, eps)
     if gated:
         gate, up = x.chunk(2, -1)
         x = torch.nn.functional.silu(gate) * up
-    out = torch.nn.functional.linear(x, weight)
+    out = torch.nn.functional.linear(x, weight, bias)
     if row_squares is not None:  # x = gamma * h: each row of the product times h's rstd (the kernel scales its
         # float32 sums; rounding the product first spares a float32 copy of the weight on this path)
         rstd = torch.rsqrt(row_squares.sum(-1, keepdim=True) / x.shape[-1] + eps)
@@ -272,7 +280,8 @@ def norm_out_reference(out: torch.Tensor, next_gamma: torch.Tensor) -> tuple[tor
     return scaled, squares.unflatten(-1, (-1, SQUARE_COLS)).sum(-1)
 
 
-def _check(x, weight, gamma, eps, residual, gated, silu_mul=False, row_squares=None, next_gamma=None) -> None:
+def _check(x, weight, gamma, eps, residual, gated, silu_mul=False, row_squares=None, next_gamma=None,
+           bias=None) -> None:
     k = x.shape[-1] // 2 if gated else x.shape[-1]
     problems = []
     if gated and (gamma is not None or x.shape[-1] % 2):
@@ -290,11 +299,14 @@ def _check(x, weight, gamma, eps, residual, gated, silu_mul=False, row_squares=N
                                     or tuple(row_squares.shape[:-1]) != tuple(x.shape[:-1])):
         problems.append(f"row_squares must be float32 [..., P] over x's rows {list(x.shape[:-1])}, without gamma "
                         f"or gated; got {row_squares.dtype} {tuple(row_squares.shape)}")
+    if bias is not None and (silu_mul or row_squares is not None or tuple(bias.shape) != (n,)):
+        problems.append(f"bias must be [N={n}], without silu_mul or row_squares; got {tuple(bias.shape)}"
+                        f"{', silu_mul' if silu_mul else ''}{', row_squares' if row_squares is not None else ''}")
     if next_gamma is not None and tuple(next_gamma.shape) != (n,):
         problems.append(f"next_gamma must be [N={n}]; got {tuple(next_gamma.shape)}")
-    dtypes = {t.dtype for t in (x, weight, gamma, residual, next_gamma) if t is not None}
+    dtypes = {t.dtype for t in (x, weight, gamma, residual, next_gamma, bias) if t is not None}
     if len(dtypes) > 1:
-        problems.append(f"x, weight, gamma, residual, next_gamma must share one dtype; got {sorted(map(str, dtypes))}")
+        problems.append(f"x, weight, gamma, bias, residual, next_gamma must share one dtype; got {sorted(map(str, dtypes))}")
     if (gamma is not None or row_squares is not None) and not eps > 0:
         problems.append(f"eps={eps}: must be > 0")
     if problems:
@@ -309,24 +321,25 @@ def _use_kernel(x, weight) -> bool:
 @torch.library.custom_op("specgraph::fused_linear", mutates_args=())
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None, eps: float,
                  residual: torch.Tensor | None, gated: bool = False, silu_mul: bool = False,
-                 row_squares: torch.Tensor | None = None) -> torch.Tensor:
+                 row_squares: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[residual +] epilogue(F.linear(prologue(x), weight))`` (contract in the module docstring). CPU: the
     reference."""
-    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
-    return fused_linear_reference(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
+    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares, bias=bias)
+    return fused_linear_reference(x, weight, gamma, eps, residual, gated, silu_mul, row_squares, bias)
 
 
 @fused_linear.register_kernel("cuda")
-def _fused_linear_cuda(x, weight, gamma, eps, residual, gated=False, silu_mul=False, row_squares=None):
-    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
+def _fused_linear_cuda(x, weight, gamma, eps, residual, gated=False, silu_mul=False, row_squares=None, bias=None):
+    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares, bias=bias)
     if not _use_kernel(x, weight):
-        return fused_linear_reference(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
-    return fused_linear_triton(x, weight, gamma, eps, residual, gated, silu_mul=silu_mul, row_squares=row_squares)
+        return fused_linear_reference(x, weight, gamma, eps, residual, gated, silu_mul, row_squares, bias)
+    return fused_linear_triton(x, weight, gamma, eps, residual, gated, silu_mul=silu_mul, row_squares=row_squares,
+                               bias=bias)
 
 
 @fused_linear.register_fake
-def _fused_linear_fake(x, weight, gamma, eps, residual, gated=False, silu_mul=False, row_squares=None):
-    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares)
+def _fused_linear_fake(x, weight, gamma, eps, residual, gated=False, silu_mul=False, row_squares=None, bias=None):
+    _check(x, weight, gamma, eps, residual, gated, silu_mul, row_squares, bias=bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if silu_mul else weight.shape[0]))
 
 

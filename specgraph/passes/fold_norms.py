@@ -3,10 +3,10 @@ output it adds, and the gated MLP's SiLU·mul into the down product, as ``specgr
 where that was measured faster: one-row steps (decode at batch 1), at every weight size.
 
 Requires: export IR after fuse_projections: ``aten.linear`` nodes.
-Ensures: in a one-row step: (1) every bias-free ``linear(n, W)`` whose input n is HF's LlamaRMSNorm of x,
+Ensures: in a one-row step: (1) every ``linear(n, W[, b])`` whose input n is HF's LlamaRMSNorm of x,
   ``gamma * (x32 * rsqrt(mean(x32 ** 2, -1, keepdim) + eps)).to(x.dtype)`` with x32 = x in float32 and
   gamma a parameter of x's dtype, where every user of n is such a linear, becomes
-  ``fused_linear(x, W, gamma, eps, None)``; (2) every ``add(r, linear(y, W))`` (either order; the
+  ``fused_linear(x, W, gamma, eps, None)`` (with the bias: ``..., bias=b``; Qwen2's q/k/v); (2) every ``add(r, linear(y, W))`` (either order; the
   linear bias-free, feeding only that add, maybe through an eval-mode dropout, of r's shape and
   dtype) becomes ``fused_linear(y, W, None, 0.0, r)``, any size; (3) a product (a bias-free linear, or a
   fused_linear without a norm) reading ``silu(gu[..., :I]) * gu[..., I:]``, the halves of one packed
@@ -75,13 +75,13 @@ def _rms_norm_parts(node):
     return None
 
 
-def norms_read_by_linears(graph: torch.fx.Graph):
-    """(norm, its users, ``_rms_norm_parts``) for each HF LlamaRMSNorm whose every user is a bias-free linear
-    reading it as x; a list, so callers may rewrite the graph while they go."""
+def norms_read_by_linears(graph: torch.fx.Graph, biased: bool = False):
+    """(norm, its users, ``_rms_norm_parts``) for each HF LlamaRMSNorm whose every user is a linear reading it
+    as x, bias-free unless ``biased``; a list, so callers may rewrite the graph while they go."""
     found = []
     for node in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
         users = list(node.users)
-        if not users or not all(_call(u, LINEAR) and u.args[0] is node and _bias_free(u) for u in users):
+        if not users or not all(_call(u, LINEAR) and u.args[0] is node and (biased or _bias_free(u)) for u in users):
             continue
         parts = _rms_norm_parts(node)
         if parts is not None:
@@ -154,14 +154,16 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     norms = adds = gated = 0
     skipped = {"too_many_rows": 0}
     chains = []
-    # (1) a norm whose every user is a bias-free linear: each linear takes x and the norm itself
-    for _, users, (x, gamma, eps, chain) in norms_read_by_linears(graph):
+    # (1) a norm whose every user is a linear: each linear takes x and the norm itself (and its bias)
+    for _, users, (x, gamma, eps, chain) in norms_read_by_linears(graph, biased=True):
         if reason := _why_not(x):
             skipped[reason] += 1
             continue
         for linear in users:
+            bias = None if _bias_free(linear) else linear.args[2]
             with graph.inserting_before(linear):
-                fused = graph.call_function(FUSED_LINEAR, (x, linear.args[1], gamma, eps, None))
+                fused = graph.call_function(FUSED_LINEAR, (x, linear.args[1], gamma, eps, None),
+                                            {"bias": bias} if bias is not None else {})
             fused.meta = dict(linear.meta)
             linear.replace_all_uses_with(fused)
             graph.erase_node(linear)

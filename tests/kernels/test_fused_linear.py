@@ -225,3 +225,38 @@ def test_tile_config_takes_the_row_grid_for_a_few_rows_of_small_weights():
     assert tile_config(4, 1536, 576, 2, silu_mul=True)[0] == 16
     assert tile_config(4, 4096, 4096, 2)[0] == 16  # an 8B weight (32 MB) is not small
     assert tile_config(1, 576, 576, 2)[0] == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("norm, add", [(True, False), (False, True), (False, False)], ids=["norm", "residual", "plain"])
+def test_bias_epilogue_is_hf_linear_with_bias(m, dtype, norm, add):
+    """bias: HF's ``nn.Linear(bias=True)`` after the norm (Qwen2's q/k/v), the kernel against the reference in
+    every tile family, and fp32 against float64."""
+    x, weight, gamma, residual = (t.to(DEVICE) for t in case(m + 29, m, 96, 40, dtype))
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
+    gamma, residual = gamma if norm else None, residual if add else None
+    want = fused_linear_reference(x, weight, gamma, 1e-6, residual, bias=bias)
+    normed = rms_norm_reference(x, gamma, 1e-6) if norm else x
+    hf = torch.nn.functional.linear(normed, weight, bias)
+    torch.testing.assert_close(want, hf if residual is None else residual + hf, atol=0, rtol=0)
+    for tiles in (None, (16, 16, 32, 4, 2), (1, 8, 64, 4, 3)):
+        got = fused_linear_triton(x, weight, gamma, 1e-6, residual, tiles=tiles, bias=bias)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    if dtype == torch.float32:
+        x64 = x.double()
+        n64 = gamma.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) if norm else x64
+        oracle = torch.nn.functional.linear(n64, weight.double(), bias.double())
+        oracle = oracle if residual is None else residual.double() + oracle
+        torch.testing.assert_close(fused_linear_triton(x, weight, gamma, 1e-6, residual, bias=bias).double(), oracle,
+                                   atol=2e-5, rtol=2e-5)
+
+
+def test_bias_is_checked():
+    x, weight, gamma, _ = case(2)
+    with pytest.raises(ValueError, match="bias must be"):
+        torch.ops.specgraph.fused_linear(x, weight, gamma, 1e-6, None, bias=torch.zeros(7))
+    gate_up = torch.randn(80, 96)
+    with pytest.raises(ValueError, match="bias must be.*silu_mul"):
+        torch.ops.specgraph.fused_linear(x, gate_up, None, 1e-6, None, silu_mul=True, bias=torch.zeros(40))
