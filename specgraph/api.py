@@ -21,7 +21,7 @@ from .fast_paths import draft_fast_paths
 from .generate_args import (max_new_tokens, repetition_penalty, sampling_settings, setting, stopping_criteria,
                             strip_left_padding, token_ids, unsupported_arguments)
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
-from .runtime.budget import CostPolicy, CostTable, cost_key
+from .runtime.budget import CostPolicy, CostTable, budget_taus, cost_key
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree
 
@@ -30,6 +30,7 @@ VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY w
 TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterDecoding/Medusa medusa_generate
 log = logging.getLogger("specgraph")
 _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
+BUDGET_LADDER = (8, 16, 32)  # policy="cost": the node budgets of a DynamicTree it may run below the tree's own
 # use_cache is accepted and ignored: speculation always keeps its cache
 @dataclass(frozen=True)
 class SpecConfig:
@@ -99,9 +100,10 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     nodes down the tree's first-child chain (as SGLang's simulated acceptance length does), to time
     the engine at a given τ without a trained head. Greedy only; generate warns on every call.
     ``policy="cost"``: per call, generate runs the tree, a chain as deep as the tree (when the tree
-    is not one), or plain decoding, whichever is expected to give the most tokens per second: τ
-    from the latest calls over the step cost measured once per device, model, draft and batch size
-    and kept on disk (``runtime/budget.py``; all lossless). ``policy="measured"``: the same modes
+    is not one), a DynamicTree's smaller node budgets (BUDGET_LADDER: the same drafting, fewer nodes
+    verified) or plain decoding, whichever is expected to give the most tokens per second: τ from the
+    latest calls (a smaller budget's from the larger one's steps) over the step cost measured once per
+    device, model, draft and batch size and kept on disk (``runtime/budget.py``; all lossless). ``policy="measured"``: the same modes
     chosen by trial, each call timed whole (``runtime/policy.py``). Either way speculation that
     loses — a large batch, a CPU — shrinks or switches itself off. ``"fixed"`` (default): always
     the tree.
@@ -244,6 +246,11 @@ class SpecModel:
             chain = Chain(config.tree.max_depth)
             if not isinstance(config.tree, Chain) and not draft.tree_problems(chain):
                 self.modes["chain"] = (draft, chain)
+            if config.policy == "cost" and isinstance(config.tree, DynamicTree):
+                tree = config.tree
+                for nodes in BUDGET_LADDER:
+                    if nodes < tree.nodes:
+                        self.modes[f"tree{nodes}"] = (draft, DynamicTree(tree.steps, tree.topk, nodes))
             self.modes["plain"] = (_PLAIN, Chain(0))
         self.policy = None
         if config.policy == "measured":
@@ -252,8 +259,9 @@ class SpecModel:
             from .models import cache_root
 
             table = CostTable(cache_root() / "step-costs.json", cost_key(model, draft, config.backend))
-            depths = {"tree": None, "chain": config.tree.max_depth, "plain": 0}
-            self.policy = CostPolicy({m: depths[m] for m in self.modes}, table)
+            depths = {"chain": config.tree.max_depth, "plain": 0}  # the tree's budgets: τ observed (None)
+            budgets = {m: tree.nodes for m, (_, tree) in self.modes.items() if isinstance(tree, DynamicTree)}
+            self.policy = CostPolicy({m: depths.get(m) for m in self.modes}, table, budgets)
         self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
@@ -348,8 +356,10 @@ class SpecModel:
             if isinstance(self.policy, MeasuredPolicy):
                 self.policy.record(b, mode, seconds, sum(map(len, result.sequences)))
             elif self.policy:
+                smaller = [n for n in self.policy.budgets.values() if n < getattr(tree, "nodes", 0)]
                 self.policy.record(b, mode, seconds, len(result.accept_lens), self.last_stats.tau,
-                                   self.last_stats.position_rate)
+                                   self.last_stats.position_rate,
+                                   budget_taus(result.accepted_ranks, result.accept_lens, self.last_stats.tau, smaller))
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):

@@ -272,7 +272,7 @@ class Capture:
         # one generate at a time: every SpecModel of this model and backend shares these caches and buffers
         self.lock = threading.RLock()
         self.decode_steps: dict = {}  # runtime.generate.decode_step's Bucket per (draft, B, tree, ...)
-        self.readbacks: dict = {}  # runtime.generate's pinned host buffers per (B, D+2)
+        self.readbacks: dict = {}  # runtime.generate's pinned host buffers per (B, 2D+3)
         self.prefills: dict = {}  # runtime.generate.prefill's GraphedCall per (B, chunk, taps)
         self.info = TargetInfo.from_model(model)
         pack_projections(model)

@@ -196,6 +196,9 @@ class Tree:
     first_child: torch.Tensor  # [B, N] best child, -1 for a leaf
     next_sibling: torch.Tensor  # [B, N] next-best sibling, -1 for the last
     max_depth: int  # static bound D: accepted-path arrays are D + 1 wide
+    # [B, N] the order a budget keeps nodes in: a DynamicTree's top N' - 1 ranks (0 = best) are the tree that
+    # DynamicTree(steps, topk, N') selects from the same candidates; elsewhere node order (i - 1); root -1
+    rank: torch.Tensor | None = None
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int | None = None,
@@ -214,7 +217,8 @@ class Tree:
         first_child, next_sibling = first_child_next_sibling(parents)
         if max_depth is None:
             max_depth = int(depth.max())
-        tree = cls(tokens.to(torch.int64), parents, depth, mask, first_child, next_sibling, max_depth)
+        order = torch.arange(-1, tokens.shape[1] - 1, device=tokens.device).expand_as(parents)
+        tree = cls(tokens.to(torch.int64), parents, depth, mask, first_child, next_sibling, max_depth, order)
         if validate:
             tree.validate()
         return tree
@@ -426,7 +430,9 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     out_tokens = torch.cat([root_tokens.view(b, 1).to(torch.int64), torch.zeros_like(node)], 1)
     out_tokens = out_tokens.scatter(1, node, tokens.gather(1, kept).to(torch.int64))
     out_parents = torch.cat([root - 1, torch.zeros_like(node)], 1).scatter(1, node, parent_node)
-    return Tree.from_parents(out_tokens, out_parents, spec.max_depth, validate=False)
+    tree = Tree.from_parents(out_tokens, out_parents, spec.max_depth, validate=False)
+    tree.rank = (root - 1).expand(b, n).scatter(1, node, torch.arange(n - 1, device=device).expand(b, n - 1))
+    return tree
 
 
 def _depth_first_numbers(parent_rank: torch.Tensor) -> torch.Tensor:

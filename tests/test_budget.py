@@ -137,3 +137,104 @@ def test_warmup_compiles_every_mode_and_fills_the_cost_table(tmp_path, settings)
     assert set(spec.capture.decode_steps) == steps
     with pytest.raises(ValueError, match="batch_sizes"):
         spec.warmup(batch_sizes=(3,))
+
+
+def test_a_smaller_budgets_tau_is_what_its_own_tree_accepts():
+    """budget_taus against verification of the smaller tree itself: random candidates, a target whose
+    greedy token at a node is a function of the node's root path, per step the larger tree's accepted
+    ranks give the smaller tree's accept length exactly (greedy)."""
+    from specgraph import DynamicTree, select_tree
+    from specgraph.kernels.verify import verify_greedy
+    from specgraph.runtime.budget import budget_taus
+
+    def target_tokens(tree):  # the target's argmax after each node's root path: 1000 + (hash of the path) % 9
+        out = torch.zeros_like(tree.tokens)
+        for b in range(tree.batch_size):
+            for i in range(tree.num_nodes):
+                path, node = [], i
+                while node >= 0:
+                    path.append(tree.tokens[b, node].item())
+                    node = tree.parents[b, node].item()
+                out[b, i] = 1000 + hash(tuple(path)) % 9  # candidates carry 1000 + id: ~1 in 9 accepted
+        return out
+
+    spec = DynamicTree(4, 3, 24)
+    g = torch.Generator().manual_seed(0)
+    e, k = spec.num_candidates, spec.topk
+    rows, lens, ranks, small_lens = 64, [], [], {8: [], 16: []}
+    for _ in range(rows):
+        parents = [-1] * k
+        prev = list(range(k))
+        for s in range(1, spec.steps):  # a step-s candidate's parent: any step-(s-1) candidate
+            base = k + (s - 1) * k * k
+            parents += [prev[int(torch.randint(len(prev), (1,), generator=g))] for _ in range(k * k)]
+            prev = list(range(base, base + k * k))
+        parents_t = torch.tensor([parents])
+        scores = -torch.rand(1, e, generator=g) * 3
+        tokens = 1000 + torch.randint(0, 9, (1, e), generator=g)
+        root = torch.tensor([5])
+        big = select_tree(scores, tokens, parents_t, root, spec)
+        acc = verify_greedy(big.tokens, big.parents, big.mask, target_tokens(big), big.max_depth)
+        n = int(acc.accept_len[0])
+        lens.append([n])
+        ranks.append([big.rank[0].gather(0, acc.path[0, 1:n]).tolist()])
+        for nodes in small_lens:
+            small = select_tree(scores, tokens, parents_t, root, DynamicTree(spec.steps, spec.topk, nodes))
+            small_lens[nodes].append(int(verify_greedy(small.tokens, small.parents, small.mask, target_tokens(small),
+                                                       small.max_depth).accept_len[0]))
+    tau = sum(n for (n,) in lens) / rows
+    got = budget_taus(ranks, lens, tau, [8, 16, 24])
+    assert got[24] == pytest.approx(tau)
+    for nodes, own in small_lens.items():
+        assert got[nodes] == pytest.approx(sum(own) / rows)
+    assert got[8] < got[24] and sum(small_lens[8]) < sum(n for (n,) in lens)  # the case is not degenerate
+
+
+def test_a_smaller_budget_wins_from_the_larger_trees_steps_without_a_run(tmp_path):
+    """A DynamicTree at 32 nodes and its budgets of 8 and 16 (one draft): after one run of the tree, the budget
+    with the most τ per step cost runs, though it never ran; a budget's own runs update the smaller ones."""
+    table = CostTable(tmp_path / "c.json", "k")
+    cost = {"tree": 2.0, "tree16": 1.2, "tree8": 1.0, "plain": 0.7}
+    for mode, seconds in cost.items():
+        table.put(1, mode, seconds)
+    modes = {"tree": None, "tree16": None, "tree8": None, "plain": 0}
+    policy = CostPolicy(modes, table, {"tree": 32, "tree16": 16, "tree8": 8})
+    assert policy.choose(1) == "tree"  # nothing known of τ: the tree runs first
+    policy.record(1, "tree", 100.0, 50, 2.8, (0.6, 0.5), {16: 2.5, 8: 2.0})
+    # tree 2.8 / 2 = 1.40, tree16 2.5 / 1.2 = 2.08, tree8 2.0 / 1 = 2.0, plain 1 / 0.7 = 1.43
+    assert policy.choose(1) == "tree16"
+    policy.record(1, "tree16", 60.0, 50, 1.9, (0.5, 0.3), {8: 1.8})  # harder text: tree16 1.58, tree8 1.8
+    assert policy.choose(1) == "tree8"
+    # negative control: without the budgets' figures the smaller trees are unknown and run to be measured
+    blind = CostPolicy(dict(modes), table, {"tree": 32, "tree16": 16, "tree8": 8})
+    blind.record(1, "tree", 100.0, 50, 2.8, (0.6, 0.5))
+    assert blind.choose(1) in ("tree16", "tree8")
+    assert blind.expected_tau("tree16") is None
+
+
+def test_cost_policy_runs_a_dynamic_trees_smaller_budgets_losslessly(tmp_path, settings):
+    """policy="cost" with a DynamicTree: its budgets below the tree's own nodes are modes; every one is
+    token-exact, and a call's accepted ranks give its own τ back at its own budget."""
+    from specgraph.api import BUDGET_LADDER
+    from specgraph.drafts import Eagle3
+    from specgraph.runtime.budget import budget_taus
+
+    settings(cache=tmp_path)
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
+    tree = specgraph.DynamicTree(steps=3, topk=4, nodes=20)
+    spec = specgraph.compile(model, draft, tree=tree, max_cache_len=160, policy="cost")
+    assert list(spec.modes) == ["tree", "chain"] + [f"tree{n}" for n in BUDGET_LADDER if n < 20] + ["plain"]
+    assert spec.policy.budgets == {"tree": 20, "tree8": 8, "tree16": 16}
+    row = prompts(3, [12])[0]
+    want = hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)
+    for mode, (d, t) in spec.modes.items():
+        result = specgraph.runtime.generate.speculative_generate(spec.capture, d, t, [row], 16, set(), 160)
+        assert result.sequences[0] == want, mode
+        if isinstance(t, specgraph.DynamicTree):
+            tau = sum(map(len, result.sequences)) / sum(n > 0 for s in result.accept_lens for n in s)
+            assert budget_taus(result.accepted_ranks, result.accept_lens, tau, [t.nodes])[t.nodes] == pytest.approx(tau)
+    for _ in range(4):  # through generate: whatever the policy picks
+        out = spec.generate(torch.tensor([row]), max_new_tokens=16, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want

@@ -228,3 +228,34 @@ def test_top_k_on_hard_rows(row, k):
     values, indices = trees.top_k(x, k)
     torch.testing.assert_close(values, x.topk(k, -1).values, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(x.gather(-1, indices), values, rtol=0, atol=0, equal_nan=True)
+
+
+def _root_paths(tree: Tree, b: int, keep) -> set[tuple[int, ...]]:
+    """Row b's nodes that ``keep(i)`` holds, each as its root path's tokens (a token names its candidate)."""
+    paths = set()
+    for i in range(tree.num_nodes):
+        if not keep(i):
+            continue
+        path, node = [], i
+        while node >= 0:
+            path.append(tree.tokens[b, node].item())
+            node = tree.parents[b, node].item()
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+@given(draft_steps(), st.integers(2, 64))
+def test_a_smaller_budget_is_the_best_ranks_of_the_same_candidates(case, smaller):
+    """Tree.rank: DynamicTree(steps, topk, N') selects exactly the nodes of rank < N' - 1 of the N-node tree
+    built from the same candidates (so a step of the larger tree tells what the smaller would accept)."""
+    spec, seed, later = case
+    smaller = min(smaller, spec.nodes)
+    scores, tokens, parents = run_draft(spec, seed, later)
+    root = torch.full((seed.shape[0],), 7)
+    big = select_tree(scores, tokens, parents, root, spec)
+    small = select_tree(scores, tokens, parents, root, DynamicTree(spec.steps, spec.topk, smaller))
+    for b in range(seed.shape[0]):
+        ranks = big.rank[b].tolist()
+        assert sorted(ranks) == list(range(-1, spec.nodes - 1))  # a permutation; the root -1
+        assert all(ranks[i] > ranks[big.parents[b, i].item()] for i in range(1, spec.nodes))  # parents rank better
+        assert _root_paths(big, b, lambda i: ranks[i] < smaller - 1) == _root_paths(small, b, lambda i: True)

@@ -10,7 +10,11 @@ axes, so they are estimated apart:
 - τ depends on the text. Plain decoding's is 1. A speculating mode's is an exponential average over
   the latest calls that ran it; a chain that has not run yet is predicted from the tree's per-depth
   acceptance (the tree holds the draft's greedy chain, so the prediction is an upper bound, replaced
-  by the chain's own figure once it runs).
+  by the chain's own figure once it runs). A smaller budget of a DynamicTree (the same steps and topk,
+  fewer nodes: ``budgets``) needs no run of its own to be known: it keeps the first N' - 1 of the
+  same ranked candidates, so from each step of a larger one the host knows what it would have
+  accepted (``budget_taus``: exact for greedy verification, whose accepted path in the smaller tree is
+  the prefix of the larger tree's that it kept; an estimate when sampling).
 
 ``CostPolicy.choose`` runs the mode with the most expected tokens per second. A mode whose cost at
 this batch is unknown runs first (its first call compiles, the next one is timed). While another
@@ -89,6 +93,23 @@ class CostTable:
             log.warning("step-cost table %s not written (%s)", self.path, err)
 
 
+def budget_taus(accepted_ranks: list[list[list[int]]], accept_lens: list[list[int]], tau: float,
+                budgets) -> dict[int, float]:
+    """τ per node budget N' of the same DynamicTree draft, from one call's steps: a step that accepted
+    drafted nodes of ranks r_1 < r_2 < ... (their path order; ``Tree.rank``) commits 1 + #{r_i < N' - 1}
+    in the budget's tree. Scaled to the call's own ``tau`` (tokens per step: the last step of a row may
+    commit fewer than it accepted), so the running budget's figure is ``tau`` itself."""
+    accepted = sum(n for step in accept_lens for n in step)
+    if accepted == 0:
+        return {}
+    out = {}
+    for nodes in budgets:
+        kept = sum(1 + sum(r < nodes - 1 for r in ranks)
+                   for step, lens in zip(accepted_ranks, accept_lens) for ranks, n in zip(step, lens) if n > 0)
+        out[nodes] = tau * kept / accepted
+    return out
+
+
 def chain_tau(position_rate: tuple[float, ...], depth: int) -> float:
     """τ of a chain ``depth`` deep predicted from a deeper draft's per-depth acceptance:
     1 + the share of steps that accepted depth 1, 2, ..., ``depth``."""
@@ -98,15 +119,19 @@ def chain_tau(position_rate: tuple[float, ...], depth: int) -> float:
 @dataclass
 class CostPolicy:
     """``modes``: name -> chain depth (0: plain decoding; None: the tree, whose τ is only observed).
-    ``table``: the step costs, shared across processes."""
+    ``table``: the step costs, shared across processes. ``budgets``: name -> nodes of the modes that are
+    one DynamicTree at several node budgets (the tree included): each one's τ is known from any run of
+    a larger one (``budget_taus``)."""
 
     modes: dict
     table: CostTable
+    budgets: dict = field(default_factory=dict)
     explore_every: int = 8
     max_explore_every: int = 256
     decay: float = 0.5  # weight of the old τ or cost when a new measurement comes in
     tau: dict = field(default_factory=dict)  # mode -> expected tokens per step
     rates: tuple = ()  # the deepest speculating mode's latest per-depth acceptance
+    budget_tau: dict = field(default_factory=dict)  # nodes -> τ a budget would have had (budget_taus)
     calls: dict = field(default_factory=dict)  # (batch, mode) -> calls run in this process (as MeasuredPolicy)
     chosen: dict = field(default_factory=dict)  # batch -> calls decided (as MeasuredPolicy)
     interval: dict = field(default_factory=dict)  # batch -> calls between refreshes while another mode leads
@@ -121,6 +146,8 @@ class CostPolicy:
             return 1.0
         if mode in self.tau:
             return self.tau[mode]
+        if mode in self.budgets:
+            return self.budget_tau.get(self.budgets[mode])
         return None if depth is None or not self.rates else chain_tau(self.rates, depth)
 
     def rate(self, batch: int, mode: str) -> float | None:
@@ -151,15 +178,23 @@ class CostPolicy:
         return refresh[self.refreshes[batch] % len(refresh)]
 
     def record(self, batch: int, mode: str, seconds: float, steps: int, tau: float,
-               position_rate: tuple[float, ...]) -> None:
-        """A finished call: ``steps`` target steps in ``seconds``, ``tau`` tokens per step."""
+               position_rate: tuple[float, ...], budget_tau: dict | None = None) -> None:
+        """A finished call: ``steps`` target steps in ``seconds``, ``tau`` tokens per step; ``budget_tau``:
+        what the smaller budgets of a DynamicTree mode would have had (``budget_taus``)."""
         runs = self.calls.get((batch, mode), 0)
         self.calls[batch, mode] = runs + 1
         if self.modes[mode] != 0 and steps > 0:
             old = self.tau.get(mode)
             self.tau[mode] = tau if old is None else self.decay * old + (1 - self.decay) * tau
-            if self.modes[mode] is None:  # the tree: its per-depth acceptance predicts the chains
-                self.rates = tuple(position_rate)
+            if self.modes[mode] is None and self.budgets.get(mode, 0) == max(self.budgets.values(), default=0):
+                self.rates = tuple(position_rate)  # the (largest) tree: its per-depth acceptance predicts the chains
+            for nodes, figure in (budget_tau or {}).items():
+                if nodes < self.budgets.get(mode, 0):  # the smaller budgets; a mode's own τ is its own run's
+                    old = self.budget_tau.get(nodes)
+                    self.budget_tau[nodes] = figure if old is None else self.decay * old + (1 - self.decay) * figure
+                    for other, n in self.budgets.items():  # their own figures age out: the text moved on
+                        if n == nodes:
+                            self.tau.pop(other, None)
         if runs == 0 or steps == 0:  # the first call in a process may compile: not a measurement
             return
         per_step = seconds / steps

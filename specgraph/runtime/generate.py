@@ -34,6 +34,8 @@ PREFILL_NODES = 64
 class GenerateResult:
     sequences: list[list[int]]  # per row: the generated tokens (eos included, nothing after it)
     accept_lens: list[list[int]] = field(default_factory=list)  # per step, per row: tokens committed
+    # per step, per row: the ranks (Tree.rank) of the accepted drafted nodes, in path order
+    accepted_ranks: list[list[list[int]]] = field(default_factory=list)
     scores: tuple | None = None  # with keep: per position, [B, V] (transformers' output_scores)
     logits: tuple | None = None  # with keep: per position, [B, V] raw (transformers' output_logits)
 
@@ -217,8 +219,8 @@ def own_code(method):
 
 
 class _Readback:
-    """A step's emitted tokens and accept lengths on their way to the host, ``[B, D+2]`` int64
-    (accept_len last): on CUDA an async copy into pinned memory, two buffers taking turns, so the
+    """A step's emitted tokens, accept lengths and accepted path's ranks on their way to the host,
+    ``[B, 2D+3]`` int64 (emitted, accept_len, path_rank): on CUDA an async copy into pinned memory, two buffers taking turns, so the
     next step can be launched before this one is read (it would overwrite the replay's outputs)."""
 
     def __init__(self, device: torch.device, batch: int, width: int):
@@ -229,7 +231,9 @@ class _Readback:
             self.turn = 0
 
     def start(self, out):
-        packed = torch.cat((out.emitted.to(torch.int64), out.accept_len.view(-1, 1).to(torch.int64)), 1)
+        rank = out.path_rank if out.path_rank is not None else torch.full_like(out.emitted, -1)
+        packed = torch.cat((out.emitted.to(torch.int64), out.accept_len.view(-1, 1).to(torch.int64),
+                            rank.to(torch.int64)), 1)
         if not self.pinned:
             return out, packed
         i, self.turn = self.turn, 1 - self.turn
@@ -287,7 +291,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     result = GenerateResult(generated)
     topology = propose(torch.tensor([seq[-1] for seq in sequences], device=device))  # each row's last token
     active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
-    width = tree.max_depth + 2
+    width = 2 * tree.max_depth + 3
     if (b, width) not in capture.readbacks:  # kept: pinning host memory is slow
         capture.readbacks[b, width] = _Readback(device, b, width)
     readback = capture.readbacks[b, width]
@@ -312,8 +316,10 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
             # step k+1 goes to the device before step k is read, so the host's work below overlaps it
             pending = launch(out.next_tree, out.cache_len)
         host = readback.finish(ticket)  # the one host read per step
-        emitted, lens = [row[:-1] for row in host], [0 if d else row[-1] for d, row in zip(done, host)]
+        d1 = tree.max_depth + 1
+        emitted, lens = [row[:d1] for row in host], [0 if d else row[d1] for d, row in zip(done, host)]
         result.accept_lens.append(lens)
+        result.accepted_ranks.append([row[d1 + 2: d1 + 1 + n] for row, n in zip(host, lens)])
         for row in range(b):
             if done[row]:
                 continue

@@ -8,7 +8,7 @@
 Nothing in it reads a value back to the host and every shape is static per
 (B, N) bucket, so ``torch.compile(step, fullgraph=True)`` turns the whole
 iteration into one graph (and, with CUDA graphs, one replay). The host loop
-reads ``emitted`` and ``accept_len`` only.
+reads ``emitted``, ``accept_len`` and ``path_rank`` only.
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class StepOut(NamedTuple):
     # with ``keep``: fp32 [B, D+1, V] at the accepted path's nodes (slot i: what emitted[i] was chosen from)
     scores: torch.Tensor | None = None  # processed (penalty, then the sampling warpers): HF's ``scores``
     logits: torch.Tensor | None = None  # the target's raw logits: HF's ``logits``
+    # [B, D+1] ``tree.rank`` along the accepted path (-1: the root and past the path): what a smaller budget
+    # of the same draft would have accepted (``budget_accept_lens``)
+    path_rank: torch.Tensor | None = None
 
 
 # The greedy argmax runs in two stages over chunks of this many logits (``greedy_tokens``; 0 would be one
@@ -140,4 +143,6 @@ class DecodeStep:
         torch.ops.specgraph.compact_kv(self.kv, base, acc.path, accept_len)
         self.session.commit(tree, acc, features, accept_len)
         next_tree = self.session.propose(acc.bonus)
-        return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree, scores, kept)
+        path_rank = None if tree.rank is None else \
+            torch.where(acc.path >= 0, tree.rank.gather(1, acc.path.clamp(min=0)), -1)
+        return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree, scores, kept, path_rank)
