@@ -16,6 +16,9 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
   sg_plain        specgraph.compile(model, None): plain decoding on the same engine, inductor
   sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64) (the measured best), inductor
+  sg_eagle3_cost  the tree with policy="cost": per call the tree, its 8/16/32-node budgets, a chain as deep or
+                  plain decoding by τ (a budget's from the tree's steps) over the step costs warmup() measured
+                  (the calls each mode ran and the policy's figures are recorded)
   sg_eagle3_measured  the tree with policy="measured": per batch size the tree, a chain as deep, or plain
                   decoding, whichever measured fastest (warmed up until every mode is measured; the mode
                   it settled on and each mode's measured ms/token are recorded)
@@ -54,7 +57,7 @@ from specgraph.train.evaluate import PROMPT_SETS, prompt_set as questions  # noq
 from specgraph.trees import parse_tree  # noqa: E402
 
 METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree",
-           "sg_eagle3_measured", "hf_lookup", "hf_static")
+           "sg_eagle3_measured", "sg_eagle3_cost", "hf_lookup", "hf_static")
 
 
 def _tree_spec(text: str) -> str:
@@ -83,6 +86,7 @@ def specgraph_method(model, method: str, eagle3: str | None = None):
         "sg_eagle3_chain": lambda: (head(), specgraph.Chain(4), "inductor"),
         "sg_eagle3_tree": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),
         "sg_eagle3_measured": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),
+        "sg_eagle3_cost": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),
     }[method]()
 
 
@@ -217,13 +221,25 @@ def main() -> None:
             tau, chosen = None, {}
         else:
             draft, tree, backend = specgraph_method(model, method, args.eagle3)
-            policy = "measured" if method == "sg_eagle3_measured" else "fixed"
+            policy = {"sg_eagle3_measured": "measured", "sg_eagle3_cost": "cost"}.get(method, "fixed")
             spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_cache_len=1024, policy=policy)
-            for _ in range(2 * len(spec.modes) if spec.policy else 1):  # warm-up: compile (and measure each mode)
+            if policy == "cost":  # every mode compiled and its step timed (where the table lacks it), then τ learnt
+                spec.warmup((1,))
+            for _ in range(2 * len(spec.modes) if policy == "measured" else 1):  # warm-up: compile (measure each mode)
                 run_specgraph(spec, rows[:1], args.max_new_tokens)
+            before = dict(spec.policy.calls) if spec.policy else {}
             outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens)
-            chosen = dict(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
-                m: c * 1e3 for (b, m), c in spec.policy.cost.items() if b == 1}) if spec.policy else {}
+            if policy == "measured":
+                chosen = dict(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
+                    m: c * 1e3 for (b, m), c in spec.policy.cost.items() if b == 1})
+            elif policy == "cost":  # which modes the timed calls ran, and what the policy knew
+                chosen = dict(policy_calls={m: n - before.get((b, m), 0) for (b, m), n in spec.policy.calls.items()
+                                            if b == 1 and n > before.get((b, m), 0)},
+                              policy_ms_per_step={m: spec.policy.table.get(1, m) * 1e3 for m in spec.modes
+                                                  if spec.policy.table.get(1, m) is not None},
+                              policy_tau={m: spec.policy.expected_tau(m) for m in spec.modes})
+            else:
+                chosen = {}
             first = [run_specgraph(spec, [row], 1)[1] for row in rows]
             if args.profile and args.out:
                 profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{method}.txt")
