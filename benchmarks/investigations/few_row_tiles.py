@@ -6,21 +6,19 @@ a program per row) are what tile_config takes up to ROW_GRID_PROGRAMS; docs/benc
 
   python3 benchmarks/investigations/few_row_tiles.py --rows 4 16 --tiles wide --out DIR
   python3 benchmarks/investigations/few_row_tiles.py --rows 2 3 5 6 8 12 --tiles row-grid --out DIR
+  python3 benchmarks/investigations/few_row_tiles.py --plot RESULTS.txt OUT.png   (µs against rows, per product:
+      the best 16-row tile, the best row-grid tile, cuBLAS's bare product)
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections import defaultdict
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import SMOLLM2, graphed_ms, layer_products  # noqa: E402
-
-import specgraph.kernels  # noqa: E402,F401  (registers the ops)
-from specgraph.kernels import fused_linear as fl  # noqa: E402
+LINE = re.compile(r"M=(\d+) (\w+) +\(.*?\) tile=(None|\((\d+),[^)]*\)) ([\d.]+) us \(cuBLAS product alone ([\d.]+)\)")
 
 TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); None: tile_config's choice
     "wide": [None, (16, 16, 1024, 4, 1), (16, 16, 1024, 8, 1), (16, 16, 2048, 4, 1), (16, 16, 512, 4, 2),
@@ -32,12 +30,51 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); None: tile_config's cho
 }
 
 
+def plot(results: Path, out: Path) -> None:
+    """Per product form, µs against rows: the best 16-row tile (tile=None counted as one: it was a 16-row
+    tile when these were measured), the best row-grid tile, cuBLAS."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = defaultdict(dict)  # (kind, family) -> rows -> µs
+    for m, kind, tile, block_m, us, cublas in LINE.findall(results.read_text()):
+        family = "row grid (BLOCK_M 1)" if block_m == "1" else "16-row tl.dot tiles"
+        rows = int(m)
+        for key, value in (((kind, family), float(us)), ((kind, "cuBLAS, bare product"), float(cublas))):
+            best[key][rows] = min(best[key].get(rows, float("inf")), value)
+    kinds = sorted({k for k, _ in best})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.4), sharey=True)
+    for ax, kind in zip(axes, kinds):
+        for (k, family), points in sorted(best.items()):
+            if k == kind:
+                rows = sorted(points)
+                ax.plot(rows, [points[r] for r in rows], marker="o", label=family)
+        ax.set_title(kind)
+        ax.set_xlabel("rows")
+        ax.set_ylim(0, 12)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("µs a product")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--tiles", choices=list(TILES), default="row-grid")
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--plot", nargs=2, type=Path, metavar=("RESULTS", "PNG"), help="plot a results file instead")
     args = parser.parse_args()
+    if args.plot:
+        return plot(*args.plot)
+    import torch
+    import torch.nn.functional as F
+    from common import SMOLLM2, graphed_ms, layer_products
+
+    import specgraph.kernels  # noqa: F401  (registers the ops)
+    from specgraph.kernels import fused_linear as fl
     layers_n, hidden, qkv, inter = layer_products(SMOLLM2)
     g = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
