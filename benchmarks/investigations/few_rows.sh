@@ -7,14 +7,15 @@
 #
 #   bash benchmarks/investigations/few_rows.sh [DIR [STEP...]]     STEP: products attention profile
 #
-# Each step fits one device call (600 s); products takes the longest (8 product forms x 36 tiles x 2 row counts).
+# Each step fits one device call (600 s); products takes the longest (8 product forms x 36 tiles x 2 row counts),
+# attention compiles every tile x warps x splits config (~2 s apiece) and prints each case when it ends.
 source "$(dirname "$0")/steps.sh" few-rows "products attention profile" "$@"
 for step in "${steps[@]}"; do
   case $step in
     products) run products 580 python3 benchmarks/fused_linear.py --shapes smollm2 --rows 4 16 --tiles few-rows \
                 --out "$dir"; grep "^# product\|^# layers" "$dir/products.log" ;;
     attention) run attention 580 python3 benchmarks/kernels.py --decode --decode-shapes smollm2 \
-                 --decode-cases 512:8 512:16 512:24 --out "$dir" ;;
+                 --decode-cases 512:8 512:16 512:24 --decode-rope on --out "$dir" ;;
     profile) run profile 580 python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile \
                profile_verify profile_draft --profile-verify-n 16 --profile-draft-trees dynamic:4,4,16 --out "$dir" ;;
     *) echo "unknown step $step (products, attention, profile)"; exit 2 ;;
