@@ -30,7 +30,8 @@ def make_step(session):
         session.length = session.length + accept  # reassigned, as sessions do
         session.table.add_(1.0)  # mutated in place
         next_tree = dataclasses.replace(tree, tokens=tree.tokens + 1)
-        return StepOut(tree.tokens[:, :2].clone(), accept, cache_len + accept, next_tree)
+        return StepOut(tree.tokens[:, :2].clone(), accept, cache_len + accept, next_tree,
+                       path_rank=tree.rank[:, :2] + tree.tokens[:, :1])  # a value per step: carried out
     return fn
 
 
@@ -48,6 +49,8 @@ def test_state_is_carried_in_place_and_host_changes_are_copied_in():
     assert out.cache_len is cache_len and out.next_tree is tree_buffer
     assert out.cache_len.tolist() == [13, 11] and session.length.tolist() == [8, 4]
     assert out.emitted.tolist() == [[1, 2], [5, 6]] and session.table[0, 0] == 2.0
+    assert out.path_rank.tolist() == [[0, 1], [4, 5]]  # Tree.rank (-1, 0 on a chain) + this step's first token
+    assert out.next_tree.rank.tolist() == [[-1, 0, 1, 2]] * 2  # the tree's ranks travel with it
     session.length = torch.tensor([100, 200])  # a host-side reassignment (prefill): copied in
     out = step(tree, torch.tensor([0, 0]), torch.tensor([True, True]))
     assert session.length is length_buffer and session.length.tolist() == [104, 204]
