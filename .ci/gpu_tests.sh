@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU test suite in four parallel groups (one GPU, ~4 minutes on an H200 instead of ~12 in one
+# The GPU test suite in five parallel groups (one GPU, ~4 minutes on an H200 instead of ~12 in one
 # process): the kernels against their references, the attention kernels, the compiled / graphed
-# steps, and the CPU-oracle tests of the folds on the GPU machine (not the real-model one: the model
-# package is not there). Logs in DIR, a summary line each.
+# steps, seeded sampling and block verification, and the CPU-oracle tests of the folds on the GPU
+# machine (not the real-model one: the model package is not there). Logs in DIR, a summary line each.
 #
 #   bash .ci/gpu_tests.sh [DIR] [SECONDS_PER_GROUP]   (from the repository root)
 set -uo pipefail
@@ -19,5 +19,6 @@ group kernels tests/kernels/test_kernels_gpu.py tests/kernels/test_fused_linear.
 group attention tests/kernels/test_tree_attention.py tests/kernels/test_tree_attention_write.py &
 group graphed tests/test_graphed.py tests/test_gpu.py tests/test_generate_gpu.py tests/test_capture_gpu.py &
 group folds -m "not model" tests/test_fold_norms.py tests/test_fold_rotary.py tests/test_fuse_projections.py &
+group sampling tests/test_sampling_gpu.py &
 wait
 grep -h "^FAILED" "$dir"/*.log || true
