@@ -25,6 +25,7 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
                   it settled on and each mode's measured ms/token are recorded)
   sg_eagle3_treeN the same head and drafting, DynamicTree(8, 8, N): the tree budget (--budgets N ... adds them;
                   plots.py budget GEN.json out.png draws tokens/s against plain decode per budget)
+  sg_ngram@chainK NGram (prompt lookup) K tokens deep (--ngram-trees chainK ...), inductor
   sg_eagle3@TREE  the head on any tree spec (--trees TREE ...: chainK, dynamic:STEPS,TOPK,NODES, eagle1):
                   fewer draft steps cost fewer launches per step, at the price of depth
 (inductor methods replay the whole step as a CUDA graph; SPECGRAPH_CUDA_GRAPHS=0 turns that off:
@@ -80,6 +81,8 @@ def specgraph_method(model, method: str, eagle3: str | None = None):
         return head(), specgraph.DynamicTree(8, 8, int(budget)), "inductor"
     if method.startswith("sg_eagle3@"):
         return head(), parse_tree(method.removeprefix("sg_eagle3@")), "inductor"
+    if method.startswith("sg_ngram@"):
+        return specgraph.drafts.NGram(), parse_tree(method.removeprefix("sg_ngram@")), "inductor"
     return {
         "sg_eager": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "eager"),
         "sg_inductor": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "inductor"),
@@ -194,6 +197,8 @@ def main() -> None:
                         help="also run sg_eagle3_treeN for each tree budget N (nodes, root included; 2 .. 64)")
     parser.add_argument("--trees", nargs="*", default=[], type=_tree_spec,
                         help="also run sg_eagle3@TREE for each spec (chainK, dynamic:STEPS,TOPK,NODES, eagle1)")
+    parser.add_argument("--ngram-trees", nargs="*", default=[], type=_tree_spec,
+                        help="also run sg_ngram@TREE for each chain (chainK: prompt lookup K tokens deep)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="write a per-kernel profile per specgraph method")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
@@ -203,7 +208,8 @@ def main() -> None:
     bad = [n for n in args.budgets if not 2 <= n <= 64]
     if bad:
         parser.error(f"--budgets {bad}: a tree budget counts nodes, root included: 2 .. 64")
-    args.methods += [f"sg_eagle3_tree{n}" for n in args.budgets] + [f"sg_eagle3@{t}" for t in args.trees]
+    args.methods += [f"sg_eagle3_tree{n}" for n in args.budgets] + [f"sg_eagle3@{t}" for t in args.trees] + \
+        [f"sg_ngram@{t}" for t in args.ngram_trees]
     if args.model != "smollm2" and args.eagle3 is None:
         eagle = [m for m in args.methods if m.startswith("sg_eagle3")]
         if eagle:
