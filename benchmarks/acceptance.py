@@ -28,16 +28,25 @@ import specgraph  # noqa: E402
 from specgraph import Chain, DynamicTree  # noqa: E402
 from specgraph.models import default_draft_path  # noqa: E402
 from specgraph.train.evaluate import PROMPT_SETS, acceptance, plot, prompt_set  # noqa: E402
-from specgraph.trees import parse_tree  # noqa: E402
+from specgraph.trees import NAMED_TREES, WithLookup, parse_tree  # noqa: E402
 
 SWEEP = [Chain(3), Chain(5), Chain(7), DynamicTree(4, 4, 16), DynamicTree(5, 8, 32), DynamicTree(6, 8, 48),
          DynamicTree(6, 8, 64), DynamicTree(8, 8, 64), DynamicTree(10, 6, 64)]
 
 
+def tree_name(tree) -> str:
+    if isinstance(tree, WithLookup):
+        return f"{tree_name(tree.tree)}-lookup{tree.depth}"
+    if isinstance(tree, Chain):
+        return f"chain{tree.depth}"
+    if isinstance(tree, DynamicTree):
+        return f"dyn{tree.steps}-{tree.topk}-{tree.nodes}"
+    named = {"medusa": "mc_sim_7b_63", "eagle1": "eagle1"}  # the Medusa tree's name as in earlier results
+    return next((named.get(name, name) for name, t in NAMED_TREES.items() if t == tree), f"static{tree.num_nodes}")
+
+
 def slug(draft: str, tree, temperature: float) -> str:
-    name = f"chain{tree.depth}" if isinstance(tree, Chain) else (
-        f"dyn{tree.steps}-{tree.topk}-{tree.nodes}" if isinstance(tree, DynamicTree) else "mc_sim_7b_63")
-    return f"{draft}-{name}-T{temperature:g}"
+    return f"{draft}-{tree_name(tree)}-T{temperature:g}"
 
 
 def main() -> None:
@@ -61,7 +70,9 @@ def main() -> None:
                         help="skip the sweep: the EAGLE-3 tree and chain for the final runs")
     parser.add_argument("--skip", nargs="*", default=[], help="final runs to leave out, by name")
     parser.add_argument("--sweep-trees", nargs="+", type=parse_tree, default=None, metavar="TREE",
-                        help="the trees phase 1 sweeps (chainK, dynamic:STEPS,TOPK,NODES; default: SWEEP)")
+                        help="the trees phase 1 sweeps (chainK, dynamic:STEPS,TOPK,NODES, any of them +lookupK; "
+                             "default: SWEEP)")
+    parser.add_argument("--sweep-only", action="store_true", help="stop after phase 1")
     args = parser.parse_args()
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,6 +111,10 @@ def main() -> None:
         if report:
             sweep[repr(tree)] = (report["tau"], tree)
     summary["sweep"] = {k: v[0] for k, v in sweep.items()}
+    if args.sweep_only:
+        for name, r in summary["runs"].items():
+            print(f"{name:<48} {r['questions']:>4} questions  tau {r['tau']:.3f}")
+        return
     if args.trees:
         best, best_chain = args.trees
     else:

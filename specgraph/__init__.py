@@ -1,7 +1,7 @@
 """specgraph: a compiler for speculative decoding.
 
 ``compile(model, draft)`` makes a HF causal LM speculate with a draft
-(``specgraph.drafts``) over a tree (``Chain``, ``StaticTree``, ``DynamicTree``);
+(``specgraph.drafts``) over a tree (``Chain``, ``StaticTree``, ``DynamicTree``; ``WithLookup`` adds a prompt-lookup branch);
 ``attach(model, draft)`` routes the model's own ``generate`` through it.
 docs/api.md lists every public name; docs/design.md is the map.
 """
@@ -18,6 +18,7 @@ from .trees import (
     StaticTree,
     Tree,
     TreeSpec,
+    WithLookup,
     select_tree,
 )
 
@@ -25,6 +26,6 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "compile", "attach", "detach", "SpecModel", "CompileError", "drafts",
-    "Chain", "StaticTree", "DynamicTree", "TreeSpec", "Tree", "select_tree",
+    "Chain", "StaticTree", "DynamicTree", "TreeSpec", "WithLookup", "Tree", "select_tree",
     "EAGLE1_MC_SIM_7B_63", "MEDUSA_MC_SIM_7B_63", "MAX_NODES", "__version__",
 ]

@@ -23,7 +23,7 @@ from .generate_args import (max_new_tokens, repetition_penalty, sampling_setting
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.budget import CostPolicy, CostTable, budget_taus, cost_key
 from .runtime.policy import MeasuredPolicy
-from .trees import Chain, DynamicTree, StaticTree
+from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
 BACKENDS = ("auto", "eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
 VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY when sampling
@@ -129,8 +129,9 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
             hint = "" if "expected" in str(err) else "; spellings: chainK, dynamic:STEPS,TOPK,NODES, eagle1, medusa"
             blockers.append(f"tree={tree!r}: {err}{hint}")
             tree = None
-    elif tree is not None and not isinstance(tree, (Chain, StaticTree, DynamicTree)):
-        blockers.append(f"tree={tree!r}: a specgraph.Chain, StaticTree or DynamicTree (or a spelling like 'chain4')")
+    elif tree is not None and not isinstance(tree, (Chain, StaticTree, DynamicTree, WithLookup)):
+        blockers.append(f"tree={tree!r}: a specgraph.Chain, StaticTree, DynamicTree or WithLookup (or a spelling like "
+                        f"'chain4')")
         tree = None
     if isinstance(draft, type):  # nothing else can be checked against a class
         blockers.append(f"draft={draft.__name__} is a class: pass an instance, e.g. {draft.__name__}() or "
@@ -149,7 +150,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
     if isinstance(draft, NGram) and not isinstance(tree, Chain):
         blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
-    blockers += draft.tree_problems(tree)
+    blockers += draft.tree_problems(draft_tree(tree))
     blockers += draft.bind(model)
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
@@ -191,6 +192,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                       stacklevel=2)
     return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy,
                                               verify, typical))
+
+
+def draft_tree(tree):
+    """The part of ``tree`` the draft proposes: a WithLookup's own tree, else the tree itself."""
+    return tree.tree if isinstance(tree, WithLookup) else tree
 
 
 def _verify_problems(verify, typical, synthetic_accept) -> list[str]:
@@ -242,15 +248,17 @@ class SpecModel:
         # what generate may run per call: the tree; with a policy also a chain as deep as the
         # tree (a smaller tree: at a large batch it can win where the tree loses) and plain decoding
         self.modes = {"tree": (draft, config.tree)}
+        own = draft_tree(config.tree)  # the draft's own tree (a WithLookup's lookup branch set aside)
         if config.policy != "fixed":
-            chain = Chain(config.tree.max_depth)
-            if not isinstance(config.tree, Chain) and not draft.tree_problems(chain):
+            chain = Chain(own.max_depth)
+            if config.tree != chain and not draft.tree_problems(chain):
                 self.modes["chain"] = (draft, chain)
-            if config.policy == "cost" and isinstance(config.tree, DynamicTree):
-                tree = config.tree
-                for nodes in BUDGET_LADDER:
-                    if nodes < tree.nodes:
-                        self.modes[f"tree{nodes}"] = (draft, DynamicTree(tree.steps, tree.topk, nodes))
+            if config.policy == "cost" and isinstance(own, DynamicTree):
+                for nodes in BUDGET_LADDER:  # the same drafting, fewer nodes kept (and the lookup branch, if any)
+                    if nodes < own.nodes:
+                        smaller = DynamicTree(own.steps, own.topk, nodes)
+                        self.modes[f"tree{nodes}"] = (draft, config.tree.with_tree(smaller)
+                                                      if isinstance(config.tree, WithLookup) else smaller)
             self.modes["plain"] = (_PLAIN, Chain(0))
         self.policy = None
         if config.policy == "measured":
@@ -258,9 +266,10 @@ class SpecModel:
         elif config.policy == "cost":  # the step costs are shared by every process on this machine
             from .models import cache_root
 
-            table = CostTable(cache_root() / "step-costs.json", cost_key(model, draft, config.backend))
-            depths = {"chain": config.tree.max_depth, "plain": 0}  # the tree's budgets: τ observed (None)
-            budgets = {m: tree.nodes for m, (_, tree) in self.modes.items() if isinstance(tree, DynamicTree)}
+            table = CostTable(cache_root() / "step-costs.json", cost_key(model, draft, config.backend, config.tree))
+            depths = {"chain": own.max_depth, "plain": 0}  # the tree's budgets: τ observed (None)
+            budgets = {m: draft_tree(tree).nodes for m, (_, tree) in self.modes.items()
+                       if isinstance(draft_tree(tree), DynamicTree)}
             self.policy = CostPolicy({m: depths.get(m) for m in self.modes}, table, budgets)
         self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
 

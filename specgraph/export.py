@@ -87,11 +87,12 @@ class VerifyStep(torch.nn.Module):
 def example_inputs(step, tree) -> tuple[torch.Tensor, ...]:
     """Valid inputs for a bucket: ``tree``'s topology (a chain of as many nodes for a DynamicTree,
     whose topology is an input anyway) at cache length 1."""
-    from .trees import Chain, DynamicTree, Tree
+    from .trees import Chain, StaticTree, Tree
 
     b, n = step.batch, step.nodes
     device = step.kv.device
-    fixed = Chain(n - 1) if isinstance(tree, DynamicTree) else tree  # any topology of N nodes traces the same graph
+    # any topology of N nodes traces the same graph: a chain stands in for those chosen per step
+    fixed = tree if isinstance(tree, (Chain, StaticTree)) else Chain(n - 1)
     topology = Tree.from_spec(fixed, torch.zeros(b, n, dtype=torch.int64, device=device))
     cache_len = torch.ones(b, dtype=torch.int64, device=device)
     return (topology.tokens, topology.positions(cache_len), cache_len, topology.mask, topology.parents,

@@ -143,7 +143,56 @@ class DynamicTree:
         return min(self.steps, self.nodes - 1)
 
 
-TreeSpec = Union[Chain, StaticTree, DynamicTree]
+@dataclass(frozen=True)
+class WithLookup:
+    """``tree`` (what the draft proposes) plus a prompt-lookup branch: one more child of the root and a
+    chain below it, ``depth`` tokens in all, proposed by n-gram lookup over the row's own sequence
+    (``drafts.NGram(max_ngram, min_ngram)``). The two win on different steps: a head predicts new text a
+    few tokens deep, lookup accepts a repeat whole. The branch is numbered last (the root's last subtree):
+    nodes ``tree.num_nodes`` .. N - 1. Spelled ``TREE+lookupK`` (e.g. ``dynamic:4,4,16+lookup8``)."""
+
+    tree: Union[Chain, StaticTree, DynamicTree]
+    depth: int
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.tree, (Chain, StaticTree, DynamicTree)):
+            raise ValueError(f"WithLookup.tree must be a Chain, StaticTree or DynamicTree; got {self.tree!r}")
+        _check_int("WithLookup.depth", self.depth, 1)
+        _check_int("WithLookup.min_ngram", self.min_ngram, 1)
+        _check_int("WithLookup.max_ngram", self.max_ngram, self.min_ngram)
+        check_num_nodes(self.num_nodes, f"{self.tree} ({self.tree.num_nodes} nodes) with a {self.depth}-token lookup "
+                                        f"branch has {self.num_nodes} nodes; the number of tree nodes")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes + self.depth
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.tree.max_depth, self.depth)
+
+    def with_tree(self, tree) -> "WithLookup":
+        """The same lookup branch beside another tree (a smaller budget of the draft's)."""
+        return WithLookup(tree, self.depth, self.max_ngram, self.min_ngram)
+
+
+def join_lookup(tree: "Tree", lookup: torch.Tensor) -> "Tree":
+    """``tree`` [B, N] with ``lookup`` [B, K] as the root's last branch (a chain): [B, N + K] nodes.
+    Ranks: the draft tree's, and 0 for the branch (every node budget of the draft keeps it)."""
+    b, n = tree.tokens.shape
+    k = lookup.shape[1]
+    chain_parents = torch.tensor([0] + list(range(n, n + k - 1)), device=lookup.device)  # the root, then a chain
+    parents = torch.cat([tree.parents, chain_parents.expand(b, k)], 1)
+    joined = Tree.from_parents(torch.cat([tree.tokens, lookup.to(torch.int64)], 1), parents,
+                               max(tree.max_depth, k), validate=False)
+    if tree.rank is not None:
+        joined.rank = torch.cat([tree.rank, torch.zeros_like(lookup, dtype=torch.int64)], 1)
+    return joined
+
+
+TreeSpec = Union[Chain, StaticTree, DynamicTree, WithLookup]
 
 
 # ----------------------------------------------------------------------------- the shipped trees
@@ -171,7 +220,14 @@ NAMED_TREES = {"eagle1": EAGLE1_MC_SIM_7B_63, "medusa": MEDUSA_MC_SIM_7B_63}
 
 def parse_tree(text: str) -> TreeSpec:
     """A tree from its command-line spelling: ``chainK`` (``Chain(K)``), ``dynamic:STEPS,TOPK,NODES``
-    (``DynamicTree``), ``eagle1`` or ``medusa`` (the shipped ``mc_sim_7b_63`` trees)."""
+    (``DynamicTree``), ``eagle1`` or ``medusa`` (the shipped ``mc_sim_7b_63`` trees); any of them
+    ``+lookupK`` (``WithLookup(tree, K)``: a K-token prompt-lookup branch beside it)."""
+    base, plus, lookup = text.partition("+lookup")
+    if plus:
+        try:
+            return WithLookup(parse_tree(base), int(lookup))
+        except ValueError as err:
+            raise ValueError(f"tree {text!r}: {err}") from None
     if text in NAMED_TREES:
         return NAMED_TREES[text]
     try:
@@ -182,7 +238,7 @@ def parse_tree(text: str) -> TreeSpec:
             return DynamicTree(steps, topk, nodes)
     except ValueError as err:
         raise ValueError(f"tree {text!r}: {err}") from None
-    raise ValueError(f"tree {text!r}: expected chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
+    raise ValueError(f"tree {text!r}: expected chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa (+lookupK)")
 
 # ----------------------------------------------------------------------------- the batched tree
 @dataclass

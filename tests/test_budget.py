@@ -46,10 +46,11 @@ def test_the_key_separates_what_changes_a_step_cost():
     model = tiny_model("llama")
     other = tiny_model("llama")
     other.config.num_hidden_layers = 3  # another shape, same class
-    assert cost_key(model, NGram(), "eager") == cost_key(tiny_model("llama"), NGram(), "eager")
-    assert len({cost_key(model, NGram(), "eager"), cost_key(other, NGram(), "eager"),
-                cost_key(model, NGram(), "inductor"), cost_key(model, NGram(max_ngram=2), "eager"),
-                cost_key(model.to(torch.bfloat16), NGram(), "eager")}) == 5
+    key = lambda m=model, d=NGram(), backend="eager", tree=Chain(4): cost_key(m, d, backend, tree)  # noqa: E731
+    assert key() == key(tiny_model("llama"))
+    # a mode's name ("tree", "chain", "tree16") stands for a tree derived from the compiled one
+    assert len({key(), key(other), key(backend="inductor"), key(d=NGram(max_ngram=2)), key(tree=Chain(3)),
+                key(model.to(torch.bfloat16))}) == 6
 
 
 def test_chain_tau_is_one_plus_the_accepted_share_per_depth():

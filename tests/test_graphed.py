@@ -99,13 +99,16 @@ def _graphed_steps(spec):
 
 
 def _compile_on_cuda(kind, chain, dynamic, batch, max_length):
-    """A tiny Llama on CUDA with an n-gram draft over ``Chain(chain)`` or EAGLE-3 over ``DynamicTree(*dynamic)``."""
+    """A tiny Llama on CUDA with an n-gram draft over ``Chain(chain)`` or EAGLE-3 over ``DynamicTree(*dynamic)``
+    (``eagle3+lookup``: with a 6-token lookup branch beside it)."""
     model = tiny_model("llama").cuda()
     torch.manual_seed(0)
     if kind == "ngram":
         draft, tree = NGram(), Chain(chain)
     else:
         draft, tree = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)).cuda(), specgraph.DynamicTree(*dynamic)
+        if kind == "eagle3+lookup":  # a prompt-lookup branch beside the tree
+            tree = specgraph.WithLookup(tree, 6)
     return model, specgraph.compile(model, draft, tree=tree, max_batch=batch, max_cache_len=max_length,
                                     backend="inductor")
 
@@ -123,7 +126,7 @@ def _assert_matches_hf(model, spec, rows, new_tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,batch,skip,skip_fast", [
     ("eagle3", 1, "", ""), ("eagle3", 2, "", ""), ("eagle3", 2, "", "topk,fuse_projections"), ("ngram", 2, "", ""),
-    ("ngram", 2, "fold_norms_rows", "")])
+    ("ngram", 2, "fold_norms_rows", ""), ("eagle3+lookup", 2, "", "")])
 def test_recorded_step_is_token_exact_on_cuda(kind, batch, skip, skip_fast, settings):
     """Greedy generate through the recorded step graph equals HF's greedy on the GPU (ngram: the verify step
     of 2 x 5 rows takes fold_norms_rows' kernels; with skip, without them; EAGLE-3 with the draft fast paths,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specgraph
-from specgraph import Chain, DynamicTree, StaticTree
+from specgraph import Chain, DynamicTree, StaticTree, WithLookup
 from specgraph.drafts import Eagle, Eagle3, Medusa, NGram
 from specgraph.kernels import gumbel
 from specgraph.kernels.gumbel import (seeded_draws, seeded_exponentials, seeded_uniform_bits, stream_keys,
@@ -125,6 +125,8 @@ def drafts(model):
         "eagle-dynamic": (Eagle.for_target(model), DynamicTree(steps=3, topk=2, nodes=6)),
         "eagle3-dynamic": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), DynamicTree(steps=3, topk=3, nodes=8)),
         "eagle3-static": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), STATIC),
+        "eagle3-dynamic+lookup": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)),
+                                  WithLookup(DynamicTree(steps=3, topk=2, nodes=5), 4)),
     }
 
 

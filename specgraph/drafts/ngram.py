@@ -91,9 +91,12 @@ class NGramSession(DraftSession):
             self.seq[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
         self.length.copy_(torch.tensor([len(p) for p in prompts], device=self.device))  # in place: see ARSession
 
+    def continuation(self, k: int) -> torch.Tensor:
+        """[B, k]: each row's lookup proposal after its last committed token."""
+        return propose_on_device(self.seq, self.length, k, self.draft.max_ngram, self.draft.min_ngram)
+
     def propose(self, roots: torch.Tensor) -> Tree:
-        k = self.tree.num_nodes - 1
-        drafts = propose_on_device(self.seq, self.length, k, self.draft.max_ngram, self.draft.min_ngram)
+        drafts = self.continuation(self.tree.num_nodes - 1)
         return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts], 1))
 
     def commit(self, tree, acc, features, accept_len) -> None:

@@ -36,9 +36,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def cost_key(model, draft, backend: str) -> str:
-    """What a step's cost depends on besides batch and tree: the device, the model's architecture and
-    shapes (its config), its dtype, the draft's kind and tensor shapes, and the backend."""
+def cost_key(model, draft, backend: str, tree) -> str:
+    """What a step's cost depends on besides batch and mode: the device, the model's architecture and
+    shapes (its config), its dtype, the draft's kind and tensor shapes, the backend, and the compiled
+    tree (the modes' names, "tree", "chain", "tree16", stand for trees derived from it)."""
     import torch
 
     param = next(model.parameters())
@@ -48,7 +49,7 @@ def cost_key(model, draft, backend: str) -> str:
         if isinstance(draft, torch.nn.Module) else repr(vars(draft))
     model_digest = hashlib.sha256(config.encode()).hexdigest()[:16]
     draft_digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
-    return f"{device}|{type(model).__name__}:{model_digest}|{param.dtype}|{draft.kind}:{draft_digest}|{backend}"
+    return f"{device}|{type(model).__name__}:{model_digest}|{param.dtype}|{draft.kind}:{draft_digest}|{backend}|{tree}"
 
 
 class CostTable:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .. import config
+from ..drafts.lookup import open_session
 from .graphed import GraphedCall, StaticStep
 from .outputs import per_position
 from .step import DecodeStep, features_of
@@ -167,7 +168,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     if compiled:  # the first call of the bucket compiles it: say so, it is the one slow call
         log.info("the decode step for batch %d, %s compiles on its first call (about a minute on a GPU; "
                  "inductor's cache makes later processes faster)", batch, tree)
-    session = draft.session(tree, batch, max_length, device)
+    session = open_session(draft, tree, batch, max_length, device)  # a WithLookup tree: a lookup branch beside
     if whole_step:  # host-side per-call work (the EAGLE drafts' pass over the prompt; a no-op for others),
         # compiled, over static inputs, and on CUDA recorded as a graph like the target's prefill chunks
         session.compile_host_work(lambda method: GraphedCall(

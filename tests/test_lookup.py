@@ -1,0 +1,156 @@
+"""WithLookup: a prompt-lookup branch beside a draft's tree (trees.WithLookup, drafts/lookup.py).
+The joined tree keeps the numbering invariants; greedy output is token-exact with HF ``generate`` for
+every draft kind and tree shape, batch 1 and 3; steps accept past the draft tree's own depth (the
+branch did the work); sampling stays exact in distribution (chi-square against HF, with a negative
+control); seeded sampling equals plain sampling (test_seeded_sampling); bad trees are refused by name."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specgraph
+from specgraph import Chain, CompileError, DynamicTree, StaticTree, WithLookup
+from specgraph.drafts import Eagle3, Medusa, NGram
+from specgraph.trees import Tree, join_lookup, parse_tree, random_parents
+from test_capture import tiny_model
+from test_generate import _homogeneity_p, _marginals, _small_vocab_model, generated_rows, hf_greedy, left_pad, prompts
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 20), st.integers(0, 2**31 - 1))
+def test_the_joined_tree_keeps_the_numbering(n, k, seed):
+    """Depth-first numbering with the branch as the root's last subtree: parent[i] < i, depths, masks,
+    first-child / next-sibling links all as if built from the joined parents; ranks: the tree's, 0 after."""
+    import random
+
+    rng = random.Random(seed)
+    parents = torch.tensor([random_parents(rng, n), random_parents(rng, n)])
+    tokens = torch.randint(0, 50, (2, n))
+    tree = Tree.from_parents(tokens, parents)
+    tree.rank = torch.arange(-1, n - 1).expand(2, n)
+    lookup = torch.randint(0, 50, (2, k))
+    joined = join_lookup(tree, lookup)
+    joined.validate()
+    want = Tree.from_parents(torch.cat([tokens, lookup], 1),
+                             torch.cat([parents, torch.tensor([0] + list(range(n, n + k - 1))).expand(2, k)], 1))
+    for field in ("tokens", "parents", "depth", "mask", "first_child", "next_sibling"):
+        assert torch.equal(getattr(joined, field), getattr(want, field)), field
+    assert joined.max_depth == max(tree.max_depth, k) and int(joined.depth.max()) <= joined.max_depth
+    assert torch.equal(joined.rank, torch.cat([tree.rank, torch.zeros(2, k, dtype=torch.int64)], 1))
+
+
+def test_specs_and_spellings():
+    spec = WithLookup(DynamicTree(4, 4, 16), 8)
+    assert (spec.num_nodes, spec.max_depth) == (24, 8)
+    assert WithLookup(Chain(6), 2).max_depth == 6
+    assert parse_tree("dynamic:4,4,16+lookup8") == spec
+    assert parse_tree("eagle1+lookup4") == WithLookup(specgraph.EAGLE1_MC_SIM_7B_63, 4)
+    assert spec.with_tree(DynamicTree(4, 4, 8)) == WithLookup(DynamicTree(4, 4, 8), 8)
+    for bad, says in [("chain60+lookup8", "69 nodes"), ("chain4+lookup0", "depth must be an int >= 1"),
+                      ("chain4+lookupx", "invalid literal"), ("nope+lookup2", "expected chainK")]:
+        with pytest.raises(ValueError, match=says):
+            parse_tree(bad)
+    with pytest.raises(ValueError, match="max_ngram"):
+        WithLookup(Chain(2), 3, max_ngram=1, min_ngram=2)
+
+
+def drafts(model):
+    torch.manual_seed(0)
+    h, v = model.config.hidden_size, model.config.vocab_size
+    return {
+        "eagle3-dynamic": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), WithLookup(DynamicTree(3, 2, 5), 6)),
+        "eagle3-chain": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), WithLookup(Chain(1), 6)),
+        "medusa-static": (Medusa(h, v, num_heads=2), WithLookup(StaticTree([[0], [1], [0, 0]]), 5)),
+    }
+
+
+@pytest.mark.parametrize("name", ["eagle3-dynamic", "eagle3-chain", "medusa-static"])
+def test_greedy_is_token_exact_and_the_branch_is_used(name):
+    model = tiny_model("llama")
+    draft, tree = drafts(model)[name]
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_cache_len=256)
+    rows = prompts(4, [9, 40, 17])  # rows 1 repeats a pattern: lookup finds it
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None, return_dict_in_generate=True)
+    for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=30, eos_token_id=None)
+    single = spec.generate(torch.tensor([rows[0]]), max_new_tokens=30, eos_token_id=None)
+    assert single[0, len(rows[0]):].tolist() == hf_greedy(model, rows[0], max_new_tokens=30, eos_token_id=None)
+    # an untrained head rarely gets past its own tree's depth: steps that did came through the branch
+    assert max(max(step) for step in out["accept_lens"]) > tree.tree.max_depth + 1
+
+
+def test_the_whole_step_compiles_as_one_graph(aot_eager_compile):
+    """backend="inductor" (dynamo with fullgraph=True: no graph break, no host sync in the joined propose
+    and the two commits; aot_eager stands in for inductor's CPU codegen): the same tokens."""
+    model = tiny_model("llama")
+    draft, tree = drafts(model)["eagle3-dynamic"]
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=128, backend="inductor")
+    rows = prompts(5, [12, 40])
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
+
+
+def test_without_the_branch_the_same_head_accepts_less():
+    """Negative control for the test above: the head alone, same prompts, never passes its depth."""
+    model = tiny_model("llama")
+    draft, tree = drafts(model)["eagle3-chain"]
+    spec = specgraph.compile(model, draft, tree=tree.tree, max_batch=3, max_cache_len=256)
+    ids, mask = left_pad(prompts(4, [9, 40, 17]))
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None, return_dict_in_generate=True)
+    assert max(max(step) for step in out["accept_lens"]) <= tree.tree.max_depth + 1
+
+
+def test_sampling_is_exact_in_distribution():
+    """Token-wise rejection over the joined tree (its branch may repeat a sibling's token) samples the
+    target's distribution per position (chi-square against HF sampling; a hotter HF run must differ)."""
+    model = _small_vocab_model()
+    rows, positions, prompt = 2000, 4, [3, 4, 5, 3, 4, 5, 3, 4]
+    torch.manual_seed(0)
+    draft = Medusa(model.config.hidden_size, 12, num_heads=2)
+    spec = specgraph.compile(model, draft, tree=WithLookup(StaticTree([[0], [1], [0, 0]]), 3), max_batch=rows,
+                             max_cache_len=64)
+    ids = torch.tensor([prompt] * rows)
+    params = dict(temperature=0.8, top_k=0)
+    torch.manual_seed(10)
+    out = spec.generate(ids, do_sample=True, max_new_tokens=positions, eos_token_id=None, return_dict_in_generate=True,
+                        **params)
+    torch.manual_seed(11)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=positions,
+                           eos_token_id=None, pad_token_id=0, **params)
+    ours, theirs = _marginals(out["sequences"], len(prompt), positions, 12), _marginals(plain, len(prompt), positions, 12)
+    for i in range(positions):
+        assert _homogeneity_p(ours[i], theirs[i]) > 0.01, (i, ours[i], theirs[i])
+    assert max(max(step) for step in out["accept_lens"]) > 3  # past the static tree's depth 2 + bonus
+    torch.manual_seed(12)
+    hotter = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=positions,
+                            eos_token_id=None, pad_token_id=0, temperature=1.6, top_k=0)
+    assert min(_homogeneity_p(theirs[i], _marginals(hotter, len(prompt), positions, 12)[i])
+               for i in range(positions)) < 1e-3
+
+
+def test_bad_combinations_are_refused_at_compile():
+    model = tiny_model("llama")
+    with pytest.raises(CompileError) as err:
+        specgraph.compile(model, NGram(), tree=WithLookup(Chain(2), 4))
+    assert "an NGram draft proposes one continuation" in str(err.value)
+    with pytest.raises(CompileError) as err:  # the draft's own check sees its own tree
+        specgraph.compile(model, Medusa(model.config.hidden_size, model.config.vocab_size, num_heads=2),
+                          tree=WithLookup(DynamicTree(2, 2, 4), 4))
+    assert "DynamicTree" in str(err.value)
+    with pytest.raises(CompileError, match="with draft=None"):
+        specgraph.compile(model, None, tree=WithLookup(Chain(2), 4))
+    assert specgraph.compile(model, None).config.tree == Chain(0)
+
+
+def test_cost_policy_keeps_the_branch_on_every_budget():
+    model = tiny_model("llama")
+    draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
+    spec = specgraph.compile(model, draft, tree=WithLookup(DynamicTree(4, 4, 24), 6), policy="cost", max_cache_len=128)
+    trees = {mode: tree for mode, (_, tree) in spec.modes.items()}
+    assert trees == {"tree": WithLookup(DynamicTree(4, 4, 24), 6), "chain": Chain(4),
+                     "tree8": WithLookup(DynamicTree(4, 4, 8), 6), "tree16": WithLookup(DynamicTree(4, 4, 16), 6),
+                     "plain": Chain(0)}
+    assert spec.policy.budgets == {"tree": 24, "tree8": 8, "tree16": 16}
