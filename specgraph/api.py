@@ -21,7 +21,7 @@ from .fast_paths import draft_fast_paths
 from .generate_args import (max_new_tokens, repetition_penalty, sampling_settings, setting, stopping_criteria,
                             strip_left_padding, token_ids, unsupported_arguments)
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
-from .runtime.budget import CostPolicy, CostTable, budget_taus, cost_key
+from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
@@ -102,7 +102,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     ``policy="cost"``: per call, generate runs the tree, a chain as deep as the tree (when the tree
     is not one), a DynamicTree's smaller node budgets (BUDGET_LADDER: the same drafting, fewer nodes
     verified) or plain decoding, whichever is expected to give the most tokens per second: τ from the
-    latest calls (a smaller budget's from the larger one's steps) over the step cost measured once per
+    latest calls (a smaller budget's from a larger one's steps, a larger one's predicted by the draft's
+    confidence, ``Tree.confidence``) over the step cost measured once per
     device, model, draft and batch size and kept on disk (``runtime/budget.py``; all lossless). ``policy="measured"``: the same modes
     chosen by trial, each call timed whole (``runtime/policy.py``). Either way speculation that
     loses — a large batch, a CPU — shrinks or switches itself off. ``"fixed"`` (default): always
@@ -365,10 +366,13 @@ class SpecModel:
             if isinstance(self.policy, MeasuredPolicy):
                 self.policy.record(b, mode, seconds, sum(map(len, result.sequences)))
             elif self.policy:
-                smaller = [n for n in self.policy.budgets.values() if n < getattr(tree, "nodes", 0)]
-                self.policy.record(b, mode, seconds, len(result.accept_lens), self.last_stats.tau,
-                                   self.last_stats.position_rate,
-                                   budget_taus(result.accepted_ranks, result.accept_lens, self.last_stats.tau, smaller))
+                tau, running = self.last_stats.tau, getattr(draft_tree(tree), "nodes", 0)
+                budgets = set(self.policy.budgets.values()) if running else set()
+                figures = budget_taus(result.accepted_ranks, result.accept_lens, tau, [n for n in budgets if n < running])
+                figures.update(confidence_taus(result.confidence, result.accept_lens, tau, running,
+                                               [n for n in budgets if n > running]))
+                self.policy.record(b, mode, seconds, len(result.accept_lens), tau, self.last_stats.position_rate,
+                                   figures)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):

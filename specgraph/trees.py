@@ -189,10 +189,14 @@ def join_lookup(tree: "Tree", lookup: torch.Tensor) -> "Tree":
                                max(tree.max_depth, k), validate=False)
     if tree.rank is not None:
         joined.rank = torch.cat([tree.rank, torch.zeros_like(lookup, dtype=torch.int64)], 1)
+    joined.confidence = tree.confidence  # the draft's own: the branch is in every budget
     return joined
 
 
 TreeSpec = Union[Chain, StaticTree, DynamicTree, WithLookup]
+
+# node budgets whose expected acceptance a DynamicTree reports with each tree (``Tree.confidence``)
+CONFIDENCE_BUDGETS = (4, 8, 16, 24, 32, 48, 64)
 
 
 # ----------------------------------------------------------------------------- the shipped trees
@@ -255,6 +259,10 @@ class Tree:
     # [B, N] the order a budget keeps nodes in: a DynamicTree's top N' - 1 ranks (0 = best) are the tree that
     # DynamicTree(steps, topk, N') selects from the same candidates; elsewhere node order (i - 1); root -1
     rank: torch.Tensor | None = None
+    # [B, len(CONFIDENCE_BUDGETS)] fp32: a DynamicTree's own estimate of the drafted nodes a step accepts at
+    # each node budget n of the same drafting (EAGLE-2's: the sum of exp(cumulative log-probability) over
+    # its best n - 1 candidates, budgets past the candidates capped at all of them); [B, 0] for other trees
+    confidence: torch.Tensor | None = None
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int | None = None,
@@ -274,7 +282,8 @@ class Tree:
         if max_depth is None:
             max_depth = int(depth.max())
         order = torch.arange(-1, tokens.shape[1] - 1, device=tokens.device).expand_as(parents)
-        tree = cls(tokens.to(torch.int64), parents, depth, mask, first_child, next_sibling, max_depth, order)
+        tree = cls(tokens.to(torch.int64), parents, depth, mask, first_child, next_sibling, max_depth, order,
+                   tokens.new_zeros(tokens.shape[0], 0, dtype=torch.float32))
         if validate:
             tree.validate()
         return tree
@@ -488,7 +497,18 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     out_parents = torch.cat([root - 1, torch.zeros_like(node)], 1).scatter(1, node, parent_node)
     tree = Tree.from_parents(out_tokens, out_parents, spec.max_depth, validate=False)
     tree.rank = (root - 1).expand(b, n).scatter(1, node, torch.arange(n - 1, device=device).expand(b, n - 1))
+    tree.confidence = budget_confidence(clean)
     return tree
+
+
+def budget_confidence(clean: torch.Tensor) -> torch.Tensor:
+    """[B, E] clamped cumulative log-probabilities (-inf for NaN) -> [B, len(CONFIDENCE_BUDGETS)]: the
+    expected accepted drafted nodes of each budget n if the draft's probabilities were the target's
+    (a node is accepted iff its whole root path is: the product of the path's probabilities), over
+    the best n - 1 candidates (an ancestor-closed set, as the tree a budget keeps)."""
+    e = clean.shape[1]
+    best = clean.exp().sort(dim=1, descending=True).values.cumsum(1)  # [B, E]
+    return best[:, [min(n - 1, e) - 1 for n in CONFIDENCE_BUDGETS]]
 
 
 def _depth_first_numbers(parent_rank: torch.Tensor) -> torch.Tensor:

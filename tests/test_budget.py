@@ -8,7 +8,7 @@ import torch
 import specgraph
 from specgraph import Chain
 from specgraph.drafts import NGram
-from specgraph.runtime.budget import CostPolicy, CostTable, chain_tau, cost_key
+from specgraph.runtime.budget import CostPolicy, CostTable, chain_tau, confidence_taus, cost_key
 from test_capture import tiny_model
 from test_generate import hf_greedy, prompts
 
@@ -230,12 +230,48 @@ def test_cost_policy_runs_a_dynamic_trees_smaller_budgets_losslessly(tmp_path, s
     assert spec.policy.budgets == {"tree": 20, "tree8": 8, "tree16": 16}
     row = prompts(3, [12])[0]
     want = hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)
+    first_confidence = {}
     for mode, (d, t) in spec.modes.items():
         result = specgraph.runtime.generate.speculative_generate(spec.capture, d, t, [row], 16, set(), 160)
         assert result.sequences[0] == want, mode
         if isinstance(t, specgraph.DynamicTree):
             tau = sum(map(len, result.sequences)) / sum(n > 0 for s in result.accept_lens for n in s)
             assert budget_taus(result.accepted_ranks, result.accept_lens, tau, [t.nodes])[t.nodes] == pytest.approx(tau)
+            first_confidence[mode] = result.confidence[0][0]  # the first tree: the same drafting in every budget
+            assert all(len(c) == 7 for step in result.confidence for c in step)
+        else:
+            assert all(c == [] for step in result.confidence for c in step)
+    assert len(first_confidence) == 3 and all(c == first_confidence["tree"] for c in first_confidence.values())
+    conf = first_confidence["tree"]
+    assert all(a <= b + 1e-4 for a, b in zip(conf, conf[1:])) and 0 < conf[0]  # more nodes, more expected
     for _ in range(4):  # through generate: whatever the policy picks
         out = spec.generate(torch.tensor([row]), max_new_tokens=16, eos_token_id=None)
         assert out[0, len(row):].tolist() == want
+
+
+def test_a_larger_budget_is_predicted_from_the_drafts_confidence():
+    """confidence_taus: τ(N') = 1 + (τ - 1) · conf(N') / conf(running), conf averaged over live row-steps
+    and interpolated between CONFIDENCE_BUDGETS (4, 8, 16, 24, 32, ...)."""
+    conf = [[[0.5, 1.0, 1.5, 1.8, 2.0, 2.2, 2.3], []], [[1.5, 2.0, 2.5, 2.8, 3.0, 3.2, 3.3], [9.0] * 7]]
+    lens = [[2, 0], [3, 0]]  # row 1 finished: its confidence is not counted
+    got = confidence_taus(conf, lens, 2.0, 8, [16, 20, 32])
+    assert got == pytest.approx({16: 1 + 2.0 / 1.5, 20: 1 + 2.15 / 1.5, 32: 1 + 2.5 / 1.5})
+    assert confidence_taus(conf, [[0, 0], [0, 0]], 2.0, 8, [16]) == {}
+
+
+def test_the_policy_moves_up_the_ladder_on_the_drafts_confidence(tmp_path):
+    """A fake cost table and fake confidences give the expected budget: after one call of the 8-node budget,
+    the 32-node one (never run) is predicted to accept enough more to pay for its cost and is chosen; with
+    flat confidence it is not."""
+    for flat, want in ((False, "tree32"), (True, "tree8")):
+        table = CostTable(tmp_path / f"{flat}.json", "key")
+        for mode, ms in {"tree": 1.6, "tree32": 1.3, "tree16": 1.2, "tree8": 1.0, "plain": 0.6}.items():
+            table.put(1, mode, ms / 1e3)
+        policy = CostPolicy({"tree": None, "tree32": None, "tree16": None, "tree8": None, "plain": 0}, table,
+                            {"tree": 64, "tree32": 32, "tree16": 16, "tree8": 8})
+        confidence = [[[1.0] * 7]] if flat else [[[0.6, 1.0, 1.6, 2.0, 2.3, 2.6, 2.8]]]
+        figures = confidence_taus(confidence, [[3]], 2.0, 8, [16, 32, 64])
+        policy.record(1, "tree8", 1e-3, 1, 2.0, (0.7,), figures)
+        assert policy.expected_tau("tree32") == pytest.approx(1 + (2.3 if not flat else 1.0))
+        # tree8 runs at 2.0 / 1.0 ms; tree32 at 3.3 / 1.3 ms predicted (flat: 2.0 / 1.3); plain 1 / 0.6
+        assert policy.choose(1) == want

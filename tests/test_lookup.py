@@ -154,3 +154,8 @@ def test_cost_policy_keeps_the_branch_on_every_budget():
                      "tree8": WithLookup(DynamicTree(4, 4, 8), 6), "tree16": WithLookup(DynamicTree(4, 4, 16), 6),
                      "plain": Chain(0)}
     assert spec.policy.budgets == {"tree": 24, "tree8": 8, "tree16": 16}
+    ids = torch.tensor([prompts(4, [40])[0]])
+    want = hf_greedy(model, ids[0].tolist(), max_new_tokens=12, eos_token_id=None)
+    for _ in range(3):  # the first calls measure every mode; each one's steps inform the other budgets
+        assert spec.generate(ids, max_new_tokens=12, eos_token_id=None)[0, 40:].tolist() == want
+    assert set(spec.policy.budget_tau) >= {8, 16}  # the tree's smaller budgets, read off its ranks

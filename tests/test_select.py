@@ -259,3 +259,25 @@ def test_a_smaller_budget_is_the_best_ranks_of_the_same_candidates(case, smaller
         assert sorted(ranks) == list(range(-1, spec.nodes - 1))  # a permutation; the root -1
         assert all(ranks[i] > ranks[big.parents[b, i].item()] for i in range(1, spec.nodes))  # parents rank better
         assert _root_paths(big, b, lambda i: ranks[i] < smaller - 1) == _root_paths(small, b, lambda i: True)
+
+
+@given(draft_steps())
+@settings(max_examples=40, deadline=None)
+def test_confidence_is_the_expected_acceptance_of_every_budget(case):
+    """Tree.confidence[:, j]: sum of exp(clamped score) over the best CONFIDENCE_BUDGETS[j] - 1 candidates
+    (all of them past the candidate count), by the letter of the rule on Python lists; the same for any
+    node budget of the same candidates (the confidence does not depend on the tree kept)."""
+    spec, seed, later = case
+    scores, tokens, parents = run_draft(spec, seed, later)
+    root = torch.full((seed.shape[0],), 7)
+    trees_ = [select_tree(scores, tokens, parents, root, DynamicTree(spec.steps, spec.topk, n)) for n in (2, spec.nodes)]
+    for b in range(seed.shape[0]):
+        clamped = [float("-inf") if math.isnan(x) else x for x in scores[b].tolist()]  # NaN: worst, with its subtree
+        for c, p in enumerate(parents[b].tolist()):
+            if p >= 0:
+                clamped[c] = min(clamped[c], clamped[p])
+        probs = sorted((math.exp(s) for s in clamped), reverse=True)
+        want = [sum(probs[: n - 1]) for n in trees.CONFIDENCE_BUDGETS]
+        for tree in trees_:
+            assert tree.confidence[b].tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert Tree.from_spec(Chain(3), torch.zeros(2, 4, dtype=torch.long)).confidence.shape == (2, 0)

@@ -14,7 +14,11 @@ axes, so they are estimated apart:
   fewer nodes: ``budgets``) needs no run of its own to be known: it keeps the first N' - 1 of the
   same ranked candidates, so from each step of a larger one the host knows what it would have
   accepted (``budget_taus``: exact for greedy verification, whose accepted path in the smaller tree is
-  the prefix of the larger tree's that it kept; an estimate when sampling).
+  the prefix of the larger tree's that it kept; an estimate when sampling). A larger budget is
+  predicted from the draft's own confidence, which every DynamicTree step reports for every budget
+  (``Tree.confidence``: EAGLE-2's expected accepted nodes over the best N' - 1 candidates), calibrated
+  by what the running budget accepted (``confidence_taus``), so the policy can move up the ladder
+  without trial runs.
 
 ``CostPolicy.choose`` runs the mode with the most expected tokens per second. A mode whose cost at
 this batch is unknown runs first (its first call compiles, the next one is timed). While another
@@ -32,6 +36,8 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..trees import CONFIDENCE_BUDGETS
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +117,36 @@ def budget_taus(accepted_ranks: list[list[list[int]]], accept_lens: list[list[in
     return out
 
 
+def confidence_at(confidence: list[float], nodes: int) -> float:
+    """A tree's confidence row (``Tree.confidence``, at CONFIDENCE_BUDGETS) at any budget ``nodes``:
+    linear between the budgets it was given at (the sum over ranks is piecewise linear in between, to
+    within one candidate's probability)."""
+    budgets = CONFIDENCE_BUDGETS[: len(confidence)]
+    if nodes <= budgets[0]:
+        return confidence[0] * (nodes - 1) / (budgets[0] - 1)
+    for (lo, c_lo), (hi, c_hi) in zip(zip(budgets, confidence), zip(budgets[1:], confidence[1:])):
+        if nodes <= hi:
+            return c_lo + (c_hi - c_lo) * (nodes - lo) / (hi - lo)
+    return confidence[-1]
+
+
+def confidence_taus(confidence: list[list[list[float]]], accept_lens: list[list[int]], tau: float, running: int,
+                    budgets) -> dict[int, float]:
+    """τ per node budget N' of the same DynamicTree draft predicted from the draft's own confidence
+    (``Tree.confidence``) over one call's steps: the accepted drafted nodes scale as the draft's
+    expected ones do, calibrated by what the running budget (``running`` nodes) accepted: τ(N') =
+    1 + (τ - 1) · conf(N') / conf(running). For budgets larger than the running one (smaller ones
+    are known exactly: ``budget_taus``)."""
+    rows = [conf for step, lens in zip(confidence, accept_lens) for conf, n in zip(step, lens) if n > 0 and conf]
+    if not rows:
+        return {}
+    mean = [sum(col) / len(rows) for col in zip(*rows)]
+    base = confidence_at(mean, running)
+    if base <= 0:
+        return {}
+    return {nodes: 1 + (tau - 1) * confidence_at(mean, nodes) / base for nodes in budgets}
+
+
 def chain_tau(position_rate: tuple[float, ...], depth: int) -> float:
     """τ of a chain ``depth`` deep predicted from a deeper draft's per-depth acceptance:
     1 + the share of steps that accepted depth 1, 2, ..., ``depth``."""
@@ -181,7 +217,8 @@ class CostPolicy:
     def record(self, batch: int, mode: str, seconds: float, steps: int, tau: float,
                position_rate: tuple[float, ...], budget_tau: dict | None = None) -> None:
         """A finished call: ``steps`` target steps in ``seconds``, ``tau`` tokens per step; ``budget_tau``:
-        what the smaller budgets of a DynamicTree mode would have had (``budget_taus``)."""
+        what the other budgets of a DynamicTree mode would have had (the smaller ones exactly, ``budget_taus``;
+        the larger ones predicted from the draft's confidence, ``confidence_taus``)."""
         runs = self.calls.get((batch, mode), 0)
         self.calls[batch, mode] = runs + 1
         if self.modes[mode] != 0 and steps > 0:
@@ -190,7 +227,7 @@ class CostPolicy:
             if self.modes[mode] is None and self.budgets.get(mode, 0) == max(self.budgets.values(), default=0):
                 self.rates = tuple(position_rate)  # the (largest) tree: its per-depth acceptance predicts the chains
             for nodes, figure in (budget_tau or {}).items():
-                if nodes < self.budgets.get(mode, 0):  # the smaller budgets; a mode's own τ is its own run's
+                if nodes != self.budgets.get(mode):  # the other budgets; a mode's own τ is its own run's
                     old = self.budget_tau.get(nodes)
                     self.budget_tau[nodes] = figure if old is None else self.decay * old + (1 - self.decay) * figure
                     for other, n in self.budgets.items():  # their own figures age out: the text moved on

@@ -37,6 +37,8 @@ class GenerateResult:
     accept_lens: list[list[int]] = field(default_factory=list)  # per step, per row: tokens committed
     # per step, per row: the ranks (Tree.rank) of the accepted drafted nodes, in path order
     accepted_ranks: list[list[list[int]]] = field(default_factory=list)
+    # per step, per row: the verified tree's Tree.confidence (a DynamicTree's; [] for other trees)
+    confidence: list[list[list[float]]] = field(default_factory=list)
     scores: tuple | None = None  # with keep: per position, [B, V] (transformers' output_scores)
     logits: tuple | None = None  # with keep: per position, [B, V] raw (transformers' output_logits)
 
@@ -219,10 +221,15 @@ def own_code(method):
     return types.MethodType(clone, method.__self__)
 
 
+# Tree.confidence crosses to the host with the tokens, as int64 in units of 1 / CONFIDENCE_SCALE
+CONFIDENCE_SCALE = 10_000
+
+
 class _Readback:
-    """A step's emitted tokens, accept lengths and accepted path's ranks on their way to the host,
-    ``[B, 2D+3]`` int64 (emitted, accept_len, path_rank): on CUDA an async copy into pinned memory, two buffers taking turns, so the
-    next step can be launched before this one is read (it would overwrite the replay's outputs)."""
+    """A step's emitted tokens, accept lengths, accepted path's ranks and tree confidence on their way to the
+    host, ``[B, 2D+3+C]`` int64 (emitted, accept_len, path_rank, confidence in fixed point): on CUDA an async
+    copy into pinned memory, two buffers taking turns, so the next step can be launched before this one is
+    read (it would overwrite the replay's outputs)."""
 
     def __init__(self, device: torch.device, batch: int, width: int):
         self.pinned = device.type == "cuda"
@@ -233,8 +240,9 @@ class _Readback:
 
     def start(self, out):
         rank = out.path_rank if out.path_rank is not None else torch.full_like(out.emitted, -1)
+        confidence = out.confidence if out.confidence is not None else out.emitted.new_zeros(out.emitted.shape[0], 0)
         packed = torch.cat((out.emitted.to(torch.int64), out.accept_len.view(-1, 1).to(torch.int64),
-                            rank.to(torch.int64)), 1)
+                            rank.to(torch.int64), (confidence * CONFIDENCE_SCALE).round().to(torch.int64)), 1)
         if not self.pinned:
             return out, packed
         i, self.turn = self.turn, 1 - self.turn
@@ -292,7 +300,8 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     result = GenerateResult(generated)
     topology = propose(torch.tensor([seq[-1] for seq in sequences], device=device))  # each row's last token
     active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
-    width = 2 * tree.max_depth + 3
+    confidence_width = 0 if topology.confidence is None else topology.confidence.shape[1]
+    width = 2 * tree.max_depth + 3 + confidence_width
     if (b, width) not in capture.readbacks:  # kept: pinning host memory is slow
         capture.readbacks[b, width] = _Readback(device, b, width)
     readback = capture.readbacks[b, width]
@@ -321,6 +330,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
         emitted, lens = [row[:d1] for row in host], [0 if d else row[d1] for d, row in zip(done, host)]
         result.accept_lens.append(lens)
         result.accepted_ranks.append([row[d1 + 2: d1 + 1 + n] for row, n in zip(host, lens)])
+        result.confidence.append([[c / CONFIDENCE_SCALE for c in row[2 * d1 + 1:]] for row in host])
         for row in range(b):
             if done[row]:
                 continue

@@ -114,7 +114,7 @@ class StaticStep:
         if self.next_tree:
             for name in _TREE_TENSORS:
                 getattr(self.tree, name).copy_(getattr(out.next_tree, name))
-        return out.emitted, out.accept_len, out.scores, out.logits, out.path_rank
+        return out.emitted, out.accept_len, out.scores, out.logits, out.path_rank, out.confidence
 
     def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
         first = self.state is None
@@ -122,9 +122,9 @@ class StaticStep:
             self._bind(tree, cache_len, active)
         self._load(tree, cache_len, active)
         out = _run_recorded(self, self._body, first) if self.cuda_graph else self._body()
-        emitted, accept_len, scores, logits, path_rank = out
+        emitted, accept_len, scores, logits, path_rank, confidence = out
         return StepOut(emitted, accept_len, self.cache_len, self.tree if self.next_tree else None, scores, logits,
-                       path_rank)
+                       path_rank, confidence)
 
 
 class GraphedCall:

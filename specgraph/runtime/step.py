@@ -8,7 +8,7 @@
 Nothing in it reads a value back to the host and every shape is static per
 (B, N) bucket, so ``torch.compile(step, fullgraph=True)`` turns the whole
 iteration into one graph (and, with CUDA graphs, one replay). The host loop
-reads ``emitted``, ``accept_len`` and ``path_rank`` only.
+reads ``emitted``, ``accept_len``, ``path_rank`` and ``confidence`` only.
 """
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ class StepOut(NamedTuple):
     # [B, D+1] ``tree.rank`` along the accepted path (-1: the root and past the path): what a smaller budget
     # of the same draft would have accepted (``budget_accept_lens``)
     path_rank: torch.Tensor | None = None
+    # [B, C] the verified tree's ``Tree.confidence`` (C = 0 unless a DynamicTree's): its draft's estimate of
+    # the accepted drafted nodes at other node budgets, what ``policy="cost"`` predicts larger budgets from
+    confidence: torch.Tensor | None = None
 
 
 # The greedy argmax runs in two stages over chunks of this many logits (``greedy_tokens``; 0 would be one
@@ -145,4 +148,5 @@ class DecodeStep:
         next_tree = self.session.propose(acc.bonus)
         path_rank = None if tree.rank is None else \
             torch.where(acc.path >= 0, tree.rank.gather(1, acc.path.clamp(min=0)), -1)
-        return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree, scores, kept, path_rank)
+        return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree, scores, kept, path_rank,
+                       tree.confidence)
