@@ -26,7 +26,8 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
   sg_eagle3_treeN the same head and drafting, DynamicTree(8, 8, N): the tree budget (--budgets N ... adds them;
                   plots.py budget GEN.json out.png draws tokens/s against plain decode per budget)
   sg_ngram@chainK NGram (prompt lookup) K tokens deep (--ngram-trees chainK ...), inductor
-  sg_eagle3@TREE  the head on any tree spec (--trees TREE ...: chainK, dynamic:STEPS,TOPK,NODES, eagle1):
+  sg_eagle3@TREE  the head on any tree spec (--trees TREE ...: chainK, dynamic:STEPS,TOPK,NODES, eagle1; any of
+                  them +lookupK: a K-token prompt-lookup branch beside the head's tree, specgraph.WithLookup):
                   fewer draft steps cost fewer launches per step, at the price of depth
 (inductor methods replay the whole step as a CUDA graph; SPECGRAPH_CUDA_GRAPHS=0 turns that off:
 say so when reporting.)
@@ -196,7 +197,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="*", default=[],
                         help="also run sg_eagle3_treeN for each tree budget N (nodes, root included; 2 .. 64)")
     parser.add_argument("--trees", nargs="*", default=[], type=_tree_spec,
-                        help="also run sg_eagle3@TREE for each spec (chainK, dynamic:STEPS,TOPK,NODES, eagle1)")
+                        help="also run sg_eagle3@TREE for each spec (chainK, dynamic:STEPS,TOPK,NODES, eagle1; "
+                        "+lookupK adds a prompt-lookup branch)")
     parser.add_argument("--ngram-trees", nargs="*", default=[], type=_tree_spec,
                         help="also run sg_ngram@TREE for each chain (chainK: prompt lookup K tokens deep)")
     parser.add_argument("--out", type=Path, default=None)

@@ -38,6 +38,14 @@ def prompts(seed: int, lengths) -> list[list[int]]:
     return [(base * 10)[:n] if i % 2 else torch.randint(3, 101, (n,), generator=g).tolist() for i, n in enumerate(lengths)]
 
 
+def assert_greedy_matches_hf(model, spec, rows: list[list[int]], max_new_tokens: int) -> None:
+    """``rows`` left-padded into one batch through ``spec.generate``: each row's tokens are HF greedy's."""
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None)
+    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=max_new_tokens, eos_token_id=None)
+
+
 def left_pad(rows: list[list[int]]):
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
@@ -377,11 +385,7 @@ def test_argmax_in_chunks_is_token_exact(monkeypatch, chunk):
     monkeypatch.setattr(step_module, "ARGMAX_CHUNK", chunk)
     model = tiny_model("llama")
     spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=2, max_cache_len=128)
-    rows = prompts(6, [9, 30])
-    ids, mask = left_pad(rows)
-    out = spec.generate(ids, attention_mask=mask, max_new_tokens=25, eos_token_id=None)
-    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
-        assert got == hf_greedy(model, row, max_new_tokens=25, eos_token_id=None)
+    assert_greedy_matches_hf(model, spec, prompts(6, [9, 30]), 25)
 
 
 def test_synthetic_acceptance_is_forced_and_labelled():

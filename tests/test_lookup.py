@@ -13,7 +13,8 @@ from specgraph import Chain, CompileError, DynamicTree, StaticTree, WithLookup
 from specgraph.drafts import Eagle3, Medusa, NGram
 from specgraph.trees import Tree, join_lookup, parse_tree, random_parents
 from test_capture import tiny_model
-from test_generate import _homogeneity_p, _marginals, _small_vocab_model, generated_rows, hf_greedy, left_pad, prompts
+from test_generate import (_homogeneity_p, _marginals, _small_vocab_model, assert_greedy_matches_hf, generated_rows,
+                           hf_greedy, left_pad, prompts)
 
 
 @settings(max_examples=60, deadline=None)
@@ -86,11 +87,7 @@ def test_the_whole_step_compiles_as_one_graph(aot_eager_compile):
     model = tiny_model("llama")
     draft, tree = drafts(model)["eagle3-dynamic"]
     spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=128, backend="inductor")
-    rows = prompts(5, [12, 40])
-    ids, mask = left_pad(rows)
-    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
-    for row, got in zip(rows, generated_rows(out, ids.shape[1])):
-        assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
+    assert_greedy_matches_hf(model, spec, prompts(5, [12, 40]), 20)
 
 
 def test_without_the_branch_the_same_head_accepts_less():

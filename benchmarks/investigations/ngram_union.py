@@ -7,9 +7,10 @@ records every verify step's start position and accepted length. At each step sta
 host reference of the device draft) proposes ``--ngram-depth`` tokens from the sequence so far; its accepted
 length is 1 + the prefix of them that the (greedy, fixed) continuation matches. A tree holding both (the
 n-gram chain as one more branch of the root) accepts the longer of the two. Reported per prompt set: τ of the
-tree, of the n-gram chain at the same positions, and of the union. Approximate: the union's steps would
-start at other positions than the tree's (they advance further), so this is the union's acceptance at the
-tree's step starts, not a run of it.
+tree, of the n-gram chain at the same positions, and of the union. An upper estimate: the union's steps
+start at other positions than the tree's, and averaging over the tree's steps weights the stretches where
+the tree needs many steps (a loop, which lookup takes whole) more than a run of the union does. The run
+itself: ``specgraph.WithLookup`` (``acceptance.py --sweep-trees dynamic:4,4,16+lookup8``).
 
     python3 benchmarks/investigations/ngram_union.py --questions 20 --max-new-tokens 128 --out FILE.json
 """
