@@ -31,6 +31,7 @@ TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterD
 log = logging.getLogger("specgraph")
 _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
 BUDGET_LADDER = (8, 16, 32)  # policy="cost": the node budgets of a DynamicTree it may run below the tree's own
+CHAIN_LADDER = (2, 4, 8, 16, 32)  # policy="cost": the depths of a chain it may run below the chain's own
 # use_cache is accepted and ignored: speculation always keeps its cache
 @dataclass(frozen=True)
 class SpecConfig:
@@ -101,7 +102,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     the engine at a given τ without a trained head. Greedy only; generate warns on every call.
     ``policy="cost"``: per call, generate runs the tree, a chain as deep as the tree (when the tree
     is not one), a DynamicTree's smaller node budgets (BUDGET_LADDER: the same drafting, fewer nodes
-    verified) or plain decoding, whichever is expected to give the most tokens per second: τ from the
+    verified), a chain's shallower depths (CHAIN_LADDER: the same proposal, cut shorter) or plain decoding, whichever is expected to give the most tokens per second: τ from the
     latest calls (a smaller budget's from a larger one's steps, a larger one's predicted by the draft's
     confidence, ``Tree.confidence``) over the step cost measured once per
     device, model, draft and batch size and kept on disk (``runtime/budget.py``; all lossless). ``policy="measured"``: the same modes
@@ -260,6 +261,10 @@ class SpecModel:
                         smaller = DynamicTree(own.steps, own.topk, nodes)
                         self.modes[f"tree{nodes}"] = (draft, config.tree.with_tree(smaller)
                                                       if isinstance(config.tree, WithLookup) else smaller)
+            if config.policy == "cost" and isinstance(config.tree, Chain):  # the same proposal, cut shorter
+                for depth in CHAIN_LADDER:
+                    if depth < config.tree.depth:
+                        self.modes[f"chain{depth}"] = (draft, Chain(depth))
             self.modes["plain"] = (_PLAIN, Chain(0))
         self.policy = None
         if config.policy == "measured":
@@ -268,7 +273,8 @@ class SpecModel:
             from .models import cache_root
 
             table = CostTable(cache_root() / "step-costs.json", cost_key(model, draft, config.backend, config.tree))
-            depths = {"chain": own.max_depth, "plain": 0}  # the tree's budgets: τ observed (None)
+            # chains: τ predicted from the tree's per-depth acceptance until they run; the tree's budgets: observed
+            depths = {"chain": own.max_depth, "plain": 0, **{f"chain{d}": d for d in CHAIN_LADDER}}
             budgets = {m: draft_tree(tree).nodes for m, (_, tree) in self.modes.items()
                        if isinstance(draft_tree(tree), DynamicTree)}
             self.policy = CostPolicy({m: depths.get(m) for m in self.modes}, table, budgets)

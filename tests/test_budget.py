@@ -275,3 +275,25 @@ def test_the_policy_moves_up_the_ladder_on_the_drafts_confidence(tmp_path):
         assert policy.expected_tau("tree32") == pytest.approx(1 + (2.3 if not flat else 1.0))
         # tree8 runs at 2.0 / 1.0 ms; tree32 at 3.3 / 1.3 ms predicted (flat: 2.0 / 1.3); plain 1 / 0.6
         assert policy.choose(1) == want
+
+
+def test_cost_policy_runs_a_chains_shallower_depths_losslessly(tmp_path, settings):
+    """policy="cost" with a chain: its depths below its own (CHAIN_LADDER) are modes, every one token-exact;
+    until one runs, its τ is the chain's: 1 + the share of the chain's steps that accepted each depth."""
+    settings(cache=tmp_path)
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(8), max_cache_len=160, policy="cost")
+    assert list(spec.modes) == ["tree", "chain2", "chain4", "plain"]
+    assert {m: t for m, (_, t) in spec.modes.items()} == {"tree": Chain(8), "chain2": Chain(2), "chain4": Chain(4),
+                                                          "plain": Chain(0)}
+    row = prompts(3, [40])[0]  # a repeating prompt: lookup gets accepted
+    want = hf_greedy(model, row, max_new_tokens=24, eos_token_id=None)
+    out = spec.generate(torch.tensor([row]), max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
+    assert out.sequences[0, len(row):].tolist() == want
+    assert spec.policy.calls == {(1, "tree"): 1}  # the speculating modes first, the tree first among them
+    rates = out.acceptance.position_rate
+    assert max(rates) > 0
+    for depth in (2, 4):
+        assert spec.policy.expected_tau(f"chain{depth}") == pytest.approx(chain_tau(rates, depth))
+    for _ in range(4):  # whatever the policy runs next
+        assert spec.generate(torch.tensor([row]), max_new_tokens=24, eos_token_id=None)[0, len(row):].tolist() == want
