@@ -107,12 +107,12 @@ def test_cost_policy_is_lossless_and_persists_across_spec_models(tmp_path, setti
     row = prompts(2, [10, 24])[1]
     want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
     spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy="cost")
-    assert list(spec.policy.modes) == ["tree", "plain"]
-    for _ in range(5):
+    assert list(spec.policy.modes) == ["tree", "chain2", "plain"]
+    for _ in range(6):  # each mode: a first call (it may compile), then a measured one
         out = spec.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
         assert out[0, len(row):].tolist() == want
     saved = json.loads((cache_root() / "step-costs.json").read_text())
-    assert set(next(iter(saved.values()))) == {"1/tree", "1/plain"}
+    assert set(next(iter(saved.values()))) == {"1/tree", "1/chain2", "1/plain"}
     again = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy="cost")
     assert again.policy.table.get(1, "tree") == next(iter(saved.values()))["1/tree"] > 0
     out = again.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
@@ -128,10 +128,10 @@ def test_warmup_compiles_every_mode_and_fills_the_cost_table(tmp_path, settings)
     want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
     spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, max_batch=2, policy="cost")
     first = spec.warmup(batch_sizes=(1, 2), sampling=True)
-    assert set(first) == {(b, m) for b in (1, 2) for m in ("tree", "plain")}
+    assert set(first) == {(b, m) for b in (1, 2) for m in ("tree", "chain2", "plain")}
     assert all(spec.policy.table.get(b, m) > 0 for b, m in first)
     steps = set(spec.capture.decode_steps)
-    assert len(steps) == 2 * 2 * 2  # batch sizes x modes x (greedy, sampled)
+    assert len(steps) == 2 * 3 * 2  # batch sizes x modes x (greedy, sampled)
     for _ in range(3):
         out = spec.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
         assert out[0, len(row):].tolist() == want
