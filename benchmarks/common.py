@@ -44,6 +44,13 @@ def load_target(name: str | None, dtype: torch.dtype = torch.bfloat16):
     return load_gguf(None if name in (None, "smollm2") else name, dtype=dtype)
 
 
+def first_turn_ids(tokenizer, question: dict) -> list[int]:
+    """A prompt set entry's first turn under the chat template, as token ids (the generation prompt added)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question["turns"][0]}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text).input_ids
+
+
 def attention_shape(shape: dict) -> tuple[int, int, int]:
     """(H, H_kv, D) of a shape's attention."""
     heads = shape["num_attention_heads"]

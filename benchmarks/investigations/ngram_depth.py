@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import MODELS, load_target  # noqa: E402
+from common import MODELS, first_turn_ids, load_target  # noqa: E402
 
 import specgraph  # noqa: E402
 from specgraph.drafts import NGram  # noqa: E402
@@ -58,9 +58,7 @@ def main() -> None:
     spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(8), max_cache_len=args.max_new_tokens + 1536)
     started, rows, engine_steps = time.time(), [], 0
     for question in tqdm(prompt_set(args.prompts, args.questions), desc="greedy answers"):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question["turns"][0]}], tokenize=False,
-                                             add_generation_prompt=True)
-        prompt = tokenizer(text).input_ids
+        prompt = first_turn_ids(tokenizer, question)
         out = spec.generate(torch.tensor([prompt], device=device), max_new_tokens=args.max_new_tokens,
                             eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True)
         rows.append((prompt, out.sequences[0, len(prompt):].tolist()))

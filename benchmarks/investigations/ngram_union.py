@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import load_target  # noqa: E402
+from common import first_turn_ids, load_target  # noqa: E402
 
 import specgraph  # noqa: E402
 from specgraph.drafts import NGram  # noqa: E402
@@ -67,9 +67,7 @@ def main() -> None:
     steps = {d: [] for d in args.ngram_depth}
     started = time.time()
     for question in tqdm(prompt_set(args.prompts, args.questions), desc="prompts"):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question["turns"][0]}], tokenize=False,
-                                             add_generation_prompt=True)
-        prompt = tokenizer(text).input_ids
+        prompt = first_turn_ids(tokenizer, question)
         out = spec.generate(torch.tensor([prompt], device=device), max_new_tokens=args.max_new_tokens,
                             eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True)
         answer = out["sequences"][0, len(prompt):].tolist()
