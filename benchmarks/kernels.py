@@ -141,11 +141,11 @@ TOPK_CASES = ((1, 8192), (8, 8192), (64, 8192), (8, 49152), (8, 128256), (64, 12
 
 
 def topk_sweep(bandwidth: float, k: int, out: Path) -> list[dict]:
-    """A draft level's top k of float32 log-probs: ``torch.topk``, ``trees.top_k`` (chunked torch, what the
+    """A draft level's top k of float32 log-probs: ``torch.topk``, ``selection.top_k`` (chunked torch, what the
     drafts run) and ``specgraph::topk`` (the Triton kernel), each a CUDA-graph replay, against the
     floor (the rows read once / copy bandwidth); the kernel's indices checked against its reference."""
     from specgraph.kernels.topk import topk_reference
-    from specgraph.trees import top_k
+    from specgraph.selection import top_k
 
     rows = []
     for r, vocab in TOPK_CASES:
@@ -158,7 +158,7 @@ def topk_sweep(bandwidth: float, k: int, out: Path) -> list[dict]:
                    kernel_us=graphed_ms(lambda: torch.ops.specgraph.topk(x, k)) * 1e3)
         rows.append(row)
         print(f"# topk rows={r} V={vocab} k={k}: floor {row['floor_us']:.2f} us | torch.topk {row['torch_topk_us']:.2f} | "
-              f"trees.top_k {row['chunked_us']:.2f} | specgraph::topk {row['kernel_us']:.2f} | exact {row['exact']}")
+              f"selection.top_k {row['chunked_us']:.2f} | specgraph::topk {row['kernel_us']:.2f} | exact {row['exact']}")
     out.write_text(json.dumps(dict(bandwidth=bandwidth, topk=rows), indent=1))
     return rows
 
@@ -284,7 +284,7 @@ def main() -> None:
     parser.add_argument("--decode-flush-l2", action="store_true",
                         help="overwrite 256 MB before each replay (the L2 cold, as in the step) and subtract that")
     parser.add_argument("--topk", type=int, nargs="?", const=8, metavar="K",
-                        help="only the draft top-k comparison (torch.topk, trees.top_k, specgraph::topk), k = K (8)")
+                        help="only the draft top-k comparison (torch.topk, selection.top_k, specgraph::topk), k = K (8)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     from tqdm import tqdm

@@ -19,8 +19,8 @@ from .trees import (
     Tree,
     TreeSpec,
     WithLookup,
-    select_tree,
 )
+from .selection import select_tree
 
 __version__ = "0.1.0.dev0"
 

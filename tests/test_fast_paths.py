@@ -40,11 +40,11 @@ def test_draft_fast_paths_are_token_exact(monkeypatch, settings, backend):
     calls.clear()
     specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_cache_len=128)
     assert attn.fused_qkv is None and draft.midlayer.fused_gate_up is None  # off at the next compile
-    specgraph.trees.top_k(torch.randn(2, 50), 3)
+    specgraph.selection.top_k(torch.randn(2, 50), 3)
     assert not calls  # torch.topk
     settings(skip_fast_paths="topk,cub")
     with pytest.raises(ValueError, match=r"SPECGRAPH_SKIP_FAST_PATHS names \['cub'\]"):
-        specgraph.trees.top_k(torch.randn(2, 50), 3)
+        specgraph.selection.top_k(torch.randn(2, 50), 3)
 
 
 @pytest.mark.model

@@ -5,7 +5,7 @@ import torch
 
 from specgraph import DynamicTree, select_tree
 from specgraph.kernels.verify import sampling_probs, verify_greedy, verify_sample
-from specgraph.trees import expand_frontier, seed_frontier
+from specgraph.selection import expand_frontier, seed_frontier
 
 pytestmark = pytest.mark.gpu
 

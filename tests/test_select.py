@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import specgraph.selection as selection
 import specgraph.trees as trees
 from specgraph import Chain, DynamicTree, Tree, config, select_tree
-from specgraph.trees import expand_frontier, seed_frontier
+from specgraph.selection import expand_frontier, seed_frontier
 from oracles import dfs_order_ok, select_oracle
 
 @pytest.fixture(scope="module", params=["", "topk"], autouse=True)
@@ -153,12 +154,12 @@ def test_probability_one_edge_keeps_parent_before_child():
 def test_ties_to_the_higher_id_break_closure(monkeypatch):
     """Keep the suite honest: break the tie rule and the closure check must fail."""
 
-    real_rule = trees.rank_order
+    real_rule = selection.rank_order
 
     def ties_to_higher_id(scores, nan, k=None):  # rank the reversed ids, then map back
         return (scores.shape[-1] - 1 - real_rule(scores.flip(-1), nan.flip(-1)))[..., :k]
 
-    monkeypatch.setattr(trees, "rank_order", ties_to_higher_id)
+    monkeypatch.setattr(selection, "rank_order", ties_to_higher_id)
     spec = DynamicTree(steps=2, topk=2, nodes=2)
     scores = torch.tensor([[-1.0, -1.0, -1.0, -5.0, -5.0, -5.0]])
     parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
@@ -212,7 +213,7 @@ def test_top_k_matches_torch_topk(v, k):
     x = torch.randn(2, 3, v, generator=g)
     x[0, 0, :: 7] = x[0, 0, 5]  # many exact ties
     x[1, 2, 17] = float("inf")
-    values, indices = trees.top_k(x, k)
+    values, indices = selection.top_k(x, k)
     want = x.topk(k, -1)
     assert values.shape == indices.shape == (2, 3, k) and indices.dtype == torch.int64
     assert torch.equal(values, want.values)
@@ -225,7 +226,7 @@ def test_top_k_matches_torch_topk(v, k):
 def test_top_k_on_hard_rows(row, k):
     """Ties, infinities and NaN (torch.topk ranks NaN first): same values as torch.topk."""
     x = torch.tensor(row).view(1, -1)
-    values, indices = trees.top_k(x, k)
+    values, indices = selection.top_k(x, k)
     torch.testing.assert_close(values, x.topk(k, -1).values, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(x.gather(-1, indices), values, rtol=0, atol=0, equal_nan=True)
 

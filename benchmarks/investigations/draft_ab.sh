@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of the draft fast paths (specgraph/fast_paths.py) on the H200: the draft top-k kernel against
-# torch.topk and trees.top_k, its GPU tests, then whole SmolLM2-shape EAGLE-2 (64-node) steps profiled
+# torch.topk and selection.top_k, its GPU tests, then whole SmolLM2-shape EAGLE-2 (64-node) steps profiled
 # with the fast paths switched off one by one (SPECGRAPH_SKIP_FAST_PATHS), and a 64-node verify-only step
 # for the draft's share (a chain's top 1 is a max either way). Logs and JSON in DIR.
 #

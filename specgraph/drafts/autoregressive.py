@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..kernels.bitmask import MAX_NODES
-from ..trees import Chain, DynamicTree, StaticTree, Tree, expand_frontier, seed_frontier, select_tree, top_k
+from ..selection import expand_frontier, seed_frontier, select_tree, top_k
+from ..trees import Chain, DynamicTree, StaticTree, Tree
 from .base import Draft, DraftSession
 
 CHAIN_CHUNK = 32  # rows per call when the draft reads a prompt

@@ -29,7 +29,8 @@ from ..passes import HiddenTaps
 from .checkpoint import read_checkpoint, write_checkpoint
 from .base import Draft, DraftSession
 from .eagle import _Borrowed
-from ..trees import Chain, StaticTree, Tree, top_k
+from ..selection import top_k
+from ..trees import Chain, StaticTree, Tree
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 LAYOUTS = ("fasterdecoding", "fasterdecoding_pt", "vllm")

@@ -9,7 +9,7 @@ Order: larger first; equal values (-0.0 = +0.0) by lower index (so the result
 is one exact answer, unlike ``torch.topk``'s); NaN ranks with +inf (ties by index).
 
 Why: ``torch.topk`` over a few long rows runs one block per row, and the
-chunked form in ``trees.top_k`` costs two launches of 9 + 4 µs at a draft
+chunked form in ``selection.top_k`` costs two launches of 9 + 4 µs at a draft
 level (a profile of a SmolLM2 EAGLE-2 step on the H200, 2026-12-01: 0.20 ms
 of its 0.82 ms draft). Here program (row, chunk) keeps its chunk in registers and
 takes its k best by k rounds of one int64 max over (value, lane) packed; rows longer

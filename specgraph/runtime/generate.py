@@ -22,7 +22,7 @@ from .. import config
 from ..drafts.lookup import open_session
 from .graphed import GraphedCall, StaticStep
 from .outputs import per_position
-from .step import DecodeStep, features_of
+from .step import CONFIDENCE_SCALE, DecodeStep, features_of
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +221,6 @@ def own_code(method):
     return types.MethodType(clone, method.__self__)
 
 
-# Tree.confidence crosses to the host with the tokens, as int64 in units of 1 / CONFIDENCE_SCALE
-CONFIDENCE_SCALE = 10_000
-
-
 class _Readback:
     """A step's emitted tokens, accept lengths, accepted path's ranks and tree confidence on their way to the
     host, ``[B, 2D+3+C]`` int64 (emitted, accept_len, path_rank, confidence in fixed point): on CUDA an async
@@ -242,7 +238,7 @@ class _Readback:
         rank = out.path_rank if out.path_rank is not None else torch.full_like(out.emitted, -1)
         confidence = out.confidence if out.confidence is not None else out.emitted.new_zeros(out.emitted.shape[0], 0)
         packed = torch.cat((out.emitted.to(torch.int64), out.accept_len.view(-1, 1).to(torch.int64),
-                            rank.to(torch.int64), (confidence * CONFIDENCE_SCALE).round().to(torch.int64)), 1)
+                            rank.to(torch.int64), confidence.to(torch.int64)), 1)
         if not self.pinned:
             return out, packed
         i, self.turn = self.turn, 1 - self.turn

@@ -35,9 +35,13 @@ class StepOut(NamedTuple):
     # [B, D+1] ``tree.rank`` along the accepted path (-1: the root and past the path): what a smaller budget
     # of the same draft would have accepted (``budget_accept_lens``)
     path_rank: torch.Tensor | None = None
-    # [B, C] the verified tree's ``Tree.confidence`` (C = 0 unless a DynamicTree's): its draft's estimate of
-    # the accepted drafted nodes at other node budgets, what ``policy="cost"`` predicts larger budgets from
+    # [B, C] int64: the verified tree's ``Tree.confidence`` (C = 0 unless a DynamicTree's) in units of
+    # 1 / CONFIDENCE_SCALE, ready for the host read: its draft's estimate of the accepted drafted nodes at
+    # other node budgets, what ``policy="cost"`` predicts larger budgets from
     confidence: torch.Tensor | None = None
+
+
+CONFIDENCE_SCALE = 10_000  # StepOut.confidence's fixed point (converted in the step's graph, not per read)
 
 
 # The greedy argmax runs in two stages over chunks of this many logits (``greedy_tokens``; 0 would be one
@@ -148,5 +152,6 @@ class DecodeStep:
         next_tree = self.session.propose(acc.bonus)
         path_rank = None if tree.rank is None else \
             torch.where(acc.path >= 0, tree.rank.gather(1, acc.path.clamp(min=0)), -1)
+        confidence = None if tree.confidence is None else (tree.confidence * CONFIDENCE_SCALE).round().to(torch.int64)
         return StepOut(acc.emitted, accept_len, cache_len + accept_len, next_tree, scores, kept, path_rank,
-                       tree.confidence)
+                       confidence)

@@ -15,7 +15,7 @@ from specgraph.capture import Capture
 from specgraph.drafts import Eagle, Eagle3
 from specgraph.drafts.autoregressive import chain_mask
 from specgraph.runtime.generate import prefill
-from specgraph.trees import expand_frontier, seed_frontier, select_tree
+from specgraph.selection import expand_frontier, seed_frontier, select_tree
 from test_capture import tiny_model
 from test_generate import (_homogeneity_p, _marginals, _small_vocab_model, assert_one_compile_across_lengths,
                            generated_rows, hf_greedy, left_pad, prompts)
