@@ -1,6 +1,7 @@
 """End-to-end generate benchmark (GPU): specgraph against HF decoding, measured in one run.
 
-    python benchmarks/generate.py [--prompts 8] [--max-new-tokens 128] [--methods ...] [--temperature T] [--out DIR]
+    python benchmarks/generate.py [--prompt-set mt-bench humaneval] [--prompts 8] [--max-new-tokens 128] [--methods ...]
+        [--temperature T] [--out DIR]
         [--profile]
 
 Target (--model): the embedded SmolLM2-135M-Instruct (SPECGRAPH_GGUF=path where the
@@ -180,12 +181,87 @@ def profile_generate(spec, row, max_new, path: Path) -> None:
                     + table.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=100))
 
 
+def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
+    """One method over every prompt set (a specgraph method compiled once): {prompt set: entry}. hf_eager's
+    greedy tokens go into ``references`` (per set); the other methods' match rates are against them."""
+    t, entries = args.temperature, {}
+    start = time.perf_counter()
+    if method.startswith("hf"):
+        # hf_static: a static cache makes generate compile the decode step itself (transformers' auto-compile)
+        kwargs = {"hf_lookup": dict(prompt_lookup_num_tokens=4),
+                  "hf_static": dict(static_cache=StaticCache(config=model.config, max_cache_len=1024))}.get(method, {})
+        first_rows = next(iter(sets.values()))
+        run_hf(model, first_rows[:1], args.max_new_tokens, temperature=t, **kwargs)  # warm-up (and compile)
+        for name, rows in sets.items():
+            outs, elapsed = run_hf(model, rows, args.max_new_tokens, temperature=t, **kwargs)
+            first = [run_hf(model, [row], 1, temperature=t, **kwargs)[1] for row in rows]
+            entries[name] = (outs, elapsed, None, first, {})
+    else:
+        draft, tree, backend = specgraph_method(model, method, args.eagle3)
+        policy = {"sg_eagle3_measured": "measured", "sg_eagle3_cost": "cost"}.get(method, "fixed")
+        spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_cache_len=1024, policy=policy)
+        if policy == "cost":  # every mode compiled and its step timed (where the table lacks it), then τ learnt
+            spec.warmup((1,), sampling=t > 0)
+        first_rows = next(iter(sets.values()))
+        for _ in range(2 * len(spec.modes) if policy == "measured" else 1):  # warm-up: compile (measure each mode)
+            run_specgraph(spec, first_rows[:1], args.max_new_tokens, t)
+        for name, rows in sets.items():
+            before = dict(spec.policy.calls) if spec.policy else {}
+            outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens, t)
+            chosen = {}
+            if policy == "measured":
+                chosen = dict(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
+                    m: c * 1e3 for (b, m), c in spec.policy.cost.items() if b == 1})
+            elif policy == "cost":  # which modes the timed calls ran, and what the policy knew
+                chosen = dict(policy_calls={m: n - before.get((b, m), 0) for (b, m), n in spec.policy.calls.items()
+                                            if b == 1 and n > before.get((b, m), 0)},
+                              policy_ms_per_step={m: spec.policy.table.get(1, m) * 1e3 for m in spec.modes
+                                                  if spec.policy.table.get(1, m) is not None},
+                              policy_tau={m: spec.policy.expected_tau(m) for m in spec.modes})
+            first = [run_specgraph(spec, [row], 1, t)[1] for row in rows]
+            if args.profile and args.out and name == next(iter(sets)):  # one profile, on the first set
+                profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{method}.txt")
+            entries[name] = (outs, elapsed, tau, first, chosen)
+    setup = time.perf_counter() - start - sum(e[1] + sum(e[3]) for e in entries.values())
+    done = {}
+    for name, (outs, elapsed, tau, first, chosen) in entries.items():
+        entry = dict(tokens_per_s=sum(map(len, outs)) / elapsed, tau=tau,
+                     first_token_ms=sorted(first)[len(first) // 2] * 1e3, setup_s=setup)
+        entry.update(chosen)
+        reference = references.get(name)
+        if method == "hf_eager" and t == 0:  # sampled tokens are not comparable one by one
+            references[name] = outs
+        elif reference is not None:
+            flips = [d for d in (divergence(model, r, w, g) for r, w, g in zip(sets[name], reference, outs)) if d]
+            entry.update(match_rate=1 - len(flips) / len(outs), divergences=flips,
+                         near_tie_divergences=sum(abs(d["gap"]) <= NEAR_TIE for d in flips))
+        done[name] = entry
+    return done
+
+
+def print_table(result: dict) -> None:
+    base = result["methods"].get("hf_eager", {}).get("tokens_per_s")
+    print(f"{result['gpu']}, torch {result['torch']}, {result['model']}, {result['prompts']} {result['prompt_set']} "
+          f"prompts x {result['max_new_tokens']} tokens, "
+          f"{'greedy' if result['temperature'] == 0 else 'T = %g' % result['temperature']}, bf16, batch 1; "
+          f"copy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s; floor {result['floor_ms_per_step']:.3f} ms/step")
+    print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8} {'1st tok ms':>10}")
+    for method, e in result["methods"].items():
+        ratio = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
+        match = f"{e['match_rate']:.2f}" if "match_rate" in e else "-"
+        ties = f"{e['near_tie_divergences']}/{len(e['divergences'])}" if "divergences" in e else "-"
+        tau = f"{e['tau']:.2f}" if e["tau"] else "-"
+        print(f"{method:<12} {e['tokens_per_s']:>8.1f} {ratio:>10} {tau:>5} {match:>6} {ties:>8} {e['first_token_ms']:>10.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=8, help="the first N of the prompt set")
-    parser.add_argument("--prompt-set", default="mt-bench", choices=list(PROMPT_SETS),
+    parser.add_argument("--prompts", type=int, nargs="+", default=[8],
+                        help="the first N of each prompt set (one N for all, or one per --prompt-set)")
+    parser.add_argument("--prompt-set", nargs="+", default=["mt-bench"], choices=list(PROMPT_SETS),
                         help="MT-bench first turns, HumanEval's function prompts (code), "
-                        "or the first turns of the ShareGPT conversations training holds out")
+                        "or the first turns of the ShareGPT conversations training holds out; several: each "
+                        "method is compiled once and runs them in turn (one results file per set)")
     parser.add_argument("--model", default="smollm2",
                         help=f"the target: {' | '.join(MODELS)} | a .gguf path (default smollm2)")
     parser.add_argument("--eagle3", default=None, help="the EAGLE-3 head of the sg_eagle3_* methods (default: "
@@ -216,79 +292,32 @@ def main() -> None:
         eagle = [m for m in args.methods if m.startswith("sg_eagle3")]
         if eagle:
             parser.error(f"--model {args.model} with {eagle}: the shipped head is SmolLM2's; pass --eagle3 DIR")
+    if len(args.prompts) not in (1, len(args.prompt_set)):
+        parser.error(f"--prompts {args.prompts}: one N, or one per --prompt-set ({len(args.prompt_set)})")
     model, tokenizer = load_target(args.model, torch.bfloat16)
     model = model.cuda().eval()
-    rows = prompts(tokenizer, args.prompts, args.prompt_set)
+    counts = args.prompts * len(args.prompt_set) if len(args.prompts) == 1 else args.prompts
+    sets = {name: prompts(tokenizer, n, name) for name, n in zip(args.prompt_set, counts)}
     bandwidth = copy_bandwidth()
     weight_bytes = streamed_bytes(model)
-    result = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  model=args.model, prompt_set=args.prompt_set, eagle3=args.eagle3, streamed_bytes=weight_bytes,
-                  prompts=len(rows), max_new_tokens=args.max_new_tokens, temperature=args.temperature, copy_bandwidth_gbs=bandwidth / 1e9,
-                  floor_ms_per_step=weight_bytes / bandwidth * 1e3, inductor=inductor, **run_settings(), methods={})
-    reference = None
+    results = {name: dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                          model=args.model, prompt_set=name, eagle3=args.eagle3, streamed_bytes=weight_bytes,
+                          prompts=len(rows), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          copy_bandwidth_gbs=bandwidth / 1e9, floor_ms_per_step=weight_bytes / bandwidth * 1e3,
+                          inductor=inductor, **run_settings(), methods={})
+               for name, rows in sets.items()}
+    references = {}  # hf_eager's tokens per set
     # hf_eager first whatever the order asked: the others' match rates are against its tokens
     for method in tqdm(sorted(args.methods, key=lambda m: m != "hf_eager"), desc="methods"):
-        start = time.perf_counter()
-        if method.startswith("hf"):
-            # hf_static: a static cache makes generate compile the decode step itself (transformers' auto-compile)
-            kwargs = {"hf_lookup": dict(prompt_lookup_num_tokens=4),
-                      "hf_static": dict(static_cache=StaticCache(config=model.config, max_cache_len=1024))}.get(method, {})
-            t = args.temperature
-            run_hf(model, rows[:1], args.max_new_tokens, temperature=t, **kwargs)  # warm-up (and compile)
-            outs, elapsed = run_hf(model, rows, args.max_new_tokens, temperature=t, **kwargs)
-            first = [run_hf(model, [row], 1, temperature=t, **kwargs)[1] for row in rows]
-            tau, chosen = None, {}
-        else:
-            draft, tree, backend = specgraph_method(model, method, args.eagle3)
-            policy = {"sg_eagle3_measured": "measured", "sg_eagle3_cost": "cost"}.get(method, "fixed")
-            spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_cache_len=1024, policy=policy)
-            t = args.temperature
-            if policy == "cost":  # every mode compiled and its step timed (where the table lacks it), then τ learnt
-                spec.warmup((1,), sampling=t > 0)
-            for _ in range(2 * len(spec.modes) if policy == "measured" else 1):  # warm-up: compile (measure each mode)
-                run_specgraph(spec, rows[:1], args.max_new_tokens, t)
-            before = dict(spec.policy.calls) if spec.policy else {}
-            outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens, t)
-            if policy == "measured":
-                chosen = dict(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
-                    m: c * 1e3 for (b, m), c in spec.policy.cost.items() if b == 1})
-            elif policy == "cost":  # which modes the timed calls ran, and what the policy knew
-                chosen = dict(policy_calls={m: n - before.get((b, m), 0) for (b, m), n in spec.policy.calls.items()
-                                            if b == 1 and n > before.get((b, m), 0)},
-                              policy_ms_per_step={m: spec.policy.table.get(1, m) * 1e3 for m in spec.modes
-                                                  if spec.policy.table.get(1, m) is not None},
-                              policy_tau={m: spec.policy.expected_tau(m) for m in spec.modes})
-            else:
-                chosen = {}
-            first = [run_specgraph(spec, [row], 1, t)[1] for row in rows]
-            if args.profile and args.out:
-                profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{method}.txt")
-        tokens = sum(map(len, outs))
-        entry = dict(tokens_per_s=tokens / elapsed, tau=tau, first_token_ms=sorted(first)[len(first) // 2] * 1e3,
-                     setup_s=time.perf_counter() - start - elapsed - sum(first))
-        entry.update(chosen)
-        if method == "hf_eager" and args.temperature == 0:  # sampled tokens are not comparable one by one
-            reference = outs
-        elif reference is not None:
-            flips = [d for d in (divergence(model, r, w, g) for r, w, g in zip(rows, reference, outs)) if d]
-            entry.update(match_rate=1 - len(flips) / len(rows), divergences=flips,
-                         near_tie_divergences=sum(abs(d["gap"]) <= NEAR_TIE for d in flips))
-        result["methods"][method] = entry
-        tqdm.write(f"{method}: {json.dumps(entry)}")
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"generate-{result['date']}.json").write_text(json.dumps(result, indent=2))
-    base = result["methods"].get("hf_eager", {}).get("tokens_per_s")
-    print(f"{result['gpu']}, torch {result['torch']}, {args.model}, {len(rows)} {args.prompt_set} prompts x "
-          f"{args.max_new_tokens} tokens, "
-          f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g}'}, bf16, batch 1; copy bandwidth {bandwidth / 1e9:.0f} GB/s; floor {result['floor_ms_per_step']:.3f} ms/step")
-    print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8} {'1st tok ms':>10}")
-    for method, e in result["methods"].items():
-        ratio = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
-        match = f"{e['match_rate']:.2f}" if "match_rate" in e else "-"
-        ties = f"{e['near_tie_divergences']}/{len(e['divergences'])}" if "divergences" in e else "-"
-        tau = f"{e['tau']:.2f}" if e["tau"] else "-"
-        print(f"{method:<12} {e['tokens_per_s']:>8.1f} {ratio:>10} {tau:>5} {match:>6} {ties:>8} {e['first_token_ms']:>10.1f}")
+        for name, entry in run_method(method, model, sets, args, references).items():
+            results[name]["methods"][method] = entry
+            tqdm.write(f"{name} {method}: {json.dumps(entry)}")
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / f"generate-{name}-{results[name]['date']}.json").write_text(
+                    json.dumps(results[name], indent=2))
+    for result in results.values():
+        print_table(result)
 
 
 if __name__ == "__main__":
