@@ -46,6 +46,20 @@ def assert_greedy_matches_hf(model, spec, rows: list[list[int]], max_new_tokens:
         assert got == hf_greedy(model, row, max_new_tokens=max_new_tokens, eos_token_id=None)
 
 
+def assert_batch_and_single_match_hf(model, spec, rows: list[list[int]], max_new_tokens: int) -> dict:
+    """``rows`` as one left-padded batch, then ``rows[0]`` alone: every row's tokens are HF greedy's.
+    Returns the batch's ``return_dict_in_generate`` output (accept_lens for the caller's checks)."""
+    ids, mask = left_pad(rows)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None,
+                        return_dict_in_generate=True)
+    for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
+        assert got == hf_greedy(model, row, max_new_tokens=max_new_tokens, eos_token_id=None)
+    single = spec.generate(torch.tensor([rows[0]]), max_new_tokens=max_new_tokens, eos_token_id=None)
+    assert single[0, len(rows[0]):].tolist() == hf_greedy(model, rows[0], max_new_tokens=max_new_tokens,
+                                                          eos_token_id=None)
+    return out
+
+
 def left_pad(rows: list[list[int]]):
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])

@@ -13,8 +13,8 @@ from specgraph import Chain, CompileError, DynamicTree, StaticTree, WithLookup
 from specgraph.drafts import Eagle3, Medusa, NGram
 from specgraph.trees import Tree, join_lookup, parse_tree, random_parents
 from test_capture import tiny_model
-from test_generate import (_homogeneity_p, _marginals, _small_vocab_model, assert_greedy_matches_hf, generated_rows,
-                           hf_greedy, left_pad, prompts)
+from test_generate import (_homogeneity_p, _marginals, _small_vocab_model, assert_batch_and_single_match_hf,
+                           assert_greedy_matches_hf, hf_greedy, left_pad, prompts)
 
 
 @settings(max_examples=60, deadline=None)
@@ -71,12 +71,7 @@ def test_greedy_is_token_exact_and_the_branch_is_used(name):
     draft, tree = drafts(model)[name]
     spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_cache_len=256)
     rows = prompts(4, [9, 40, 17])  # rows 1 repeats a pattern: lookup finds it
-    ids, mask = left_pad(rows)
-    out = spec.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None, return_dict_in_generate=True)
-    for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
-        assert got == hf_greedy(model, row, max_new_tokens=30, eos_token_id=None)
-    single = spec.generate(torch.tensor([rows[0]]), max_new_tokens=30, eos_token_id=None)
-    assert single[0, len(rows[0]):].tolist() == hf_greedy(model, rows[0], max_new_tokens=30, eos_token_id=None)
+    out = assert_batch_and_single_match_hf(model, spec, rows, max_new_tokens=30)
     # an untrained head rarely gets past its own tree's depth: steps that did came through the branch
     assert max(max(step) for step in out["accept_lens"]) > tree.tree.max_depth + 1
 

@@ -17,7 +17,8 @@ from specgraph.drafts.autoregressive import chain_mask
 from specgraph.runtime.generate import prefill
 from specgraph.selection import expand_frontier, seed_frontier, select_tree
 from test_capture import tiny_model
-from test_generate import (_homogeneity_p, _marginals, _small_vocab_model, assert_one_compile_across_lengths,
+from test_generate import (_homogeneity_p, _marginals, _small_vocab_model, assert_batch_and_single_match_hf,
+                           assert_one_compile_across_lengths,
                            generated_rows, hf_greedy, left_pad, prompts)
 
 SMALL_STATIC = StaticTree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)))
@@ -136,13 +137,7 @@ def test_every_proposed_node_is_what_the_draft_picks_on_its_root_path(kind, tree
 def test_greedy_with_random_heads_is_token_exact(arch, kind, tree):
     model = tiny_model(arch)
     spec = specgraph.compile(model, make_draft(kind, model), tree=tree, max_batch=4, max_cache_len=200)
-    rows = prompts(4, [5, 17, 11, 8])
-    ids, mask = left_pad(rows)
-    out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
-    for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
-        assert got == hf_greedy(model, row, max_new_tokens=24, eos_token_id=None)
-    single = spec.generate(torch.tensor([rows[0]]), max_new_tokens=24, eos_token_id=None)
-    assert single[0, len(rows[0]):].tolist() == hf_greedy(model, rows[0], max_new_tokens=24, eos_token_id=None)
+    assert_batch_and_single_match_hf(model, spec, prompts(4, [5, 17, 11, 8]), max_new_tokens=24)
 
 
 def test_reduced_draft_vocabulary_maps_to_target_ids():
