@@ -176,7 +176,8 @@ def budget_confidence(clean: torch.Tensor) -> torch.Tensor:
     the best n - 1 candidates (an ancestor-closed set, as the tree a budget keeps)."""
     e = clean.shape[1]
     best = clean.exp().sort(dim=1, descending=True).values.cumsum(1)  # [B, E]
-    return best[:, [min(n - 1, e) - 1 for n in CONFIDENCE_BUDGETS]]
+    # columns by slicing, not a list index: that would copy the index to the device (a host sync)
+    return torch.stack([best[:, min(n - 1, e) - 1] for n in CONFIDENCE_BUDGETS], 1)
 
 
 def _depth_first_numbers(parent_rank: torch.Tensor) -> torch.Tensor:

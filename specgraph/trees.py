@@ -91,12 +91,12 @@ class StaticTree:
 
     @property
     def max_depth(self) -> int:
-        return max((len(p) for p in self.choices), default=0)
+        return max([0] + [len(p) for p in self.choices])  # no max(default=): dynamo 2.11 cannot trace it
 
     @property
     def topk(self) -> int:
         """Candidates a draft must score per node: the largest sibling rank + 1."""
-        return max((p[-1] for p in self.choices), default=-1) + 1
+        return max([-1] + [p[-1] for p in self.choices]) + 1
 
     def parents(self) -> list[int]:
         node = {p: i + 1 for i, p in enumerate(self.choices)}
