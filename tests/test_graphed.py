@@ -23,6 +23,9 @@ class Session:
         self.length = torch.zeros(2, dtype=torch.int64)
         self.table = torch.zeros(2, 4)
 
+    def state_owners(self) -> list[object]:  # DraftSession's default
+        return [self]
+
 
 def make_step(session):
     def fn(tree, cache_len, active):
@@ -55,6 +58,40 @@ def test_state_is_carried_in_place_and_host_changes_are_copied_in():
     out = step(tree, torch.tensor([0, 0]), torch.tensor([True, True]))
     assert session.length is length_buffer and session.length.tolist() == [104, 204]
     assert out.emitted.tolist() == [[0, 1], [4, 5]]  # a new first tree was copied in
+
+
+class Joined:
+    """A session made of two (as LookupSession is): its state lives in them, not in itself."""
+
+    def __init__(self):
+        self.inner, self.other = Session(), Session()
+
+    def state_owners(self) -> list[object]:
+        return self.inner.state_owners() + self.other.state_owners()
+
+
+@pytest.mark.parametrize("cuda_graph", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_the_state_of_a_joined_session_is_carried(cuda_graph):
+    """Each part's reassigned state goes back into its static buffer after every step; with a CUDA graph,
+    state left out of ``state_owners`` would stay frozen at the recording (negative control: the count
+    of replays that advanced it)."""
+    if cuda_graph and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    device = "cuda" if cuda_graph else "cpu"
+    joined = Joined()
+    for part in (joined.inner, joined.other):
+        part.length, part.table = part.length.to(device), part.table.to(device)
+
+    def fn(tree, cache_len, active):
+        for part in (joined.inner, joined.other):
+            part.length = part.length + torch.where(active, 1, 0)
+        return make_step(Session())(tree, cache_len, active)  # the StepOut of a throwaway session
+
+    step = StaticStep(fn, joined, cuda_graph=cuda_graph)
+    tree = Tree.from_spec(Chain(3), torch.arange(8, device=device).view(2, 4))
+    for _ in range(4):  # warm-up, record, two replays
+        step(tree, torch.tensor([5, 7], device=device), torch.tensor([True, False], device=device))
+    assert joined.inner.length.tolist() == [4, 0] and joined.other.length.tolist() == [4, 0]
 
 
 def test_a_mismatched_input_is_refused_by_name():

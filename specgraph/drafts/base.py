@@ -39,6 +39,12 @@ class DraftSession(ABC):
     def compile_host_work(self, compile_fn) -> None:
         """Wrap host-side per-call work (e.g. a pass over the prompt) with ``compile_fn``; default: none."""
 
+    def state_owners(self) -> list[object]:
+        """The objects whose tensor attributes are this session's state (a recorded CUDA-graph step keeps
+        them in static buffers and carries reassignments back into them); default: the session itself.
+        A session made of others lists theirs: state it leaves out stays frozen at the recording."""
+        return [self]
+
 
 class Draft(ABC):
     """A draft kind: checks itself against the target and the tree at ``compile``, then opens sessions."""

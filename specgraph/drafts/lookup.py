@@ -30,6 +30,9 @@ class LookupSession(DraftSession):
     def compile_host_work(self, compile_fn) -> None:
         self.inner.compile_host_work(compile_fn)
 
+    def state_owners(self) -> list[object]:
+        return self.inner.state_owners() + self.lookup.state_owners()
+
     def prefill(self, prompts, features) -> None:
         self.inner.prefill(prompts, features)
         self.lookup.prefill(prompts, None)

@@ -75,22 +75,25 @@ class StaticStep:
     def __init__(self, fn: Callable[..., StepOut], session, cuda_graph: bool):
         self.fn, self.session, self.cuda_graph = fn, session, cuda_graph
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.state: dict[str, torch.Tensor] | None = None  # the session's tensors, adopted as static
+        # the session's tensors, adopted as static: (owner, attribute) -> buffer, owners from state_owners()
+        self.state: dict[tuple[object, str], torch.Tensor] | None = None
         self.recordings = 0  # CUDA graphs recorded (1 for the life of the bucket)
 
     def _bind(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> None:
-        self.state = {name: value for name, value in vars(self.session).items() if torch.is_tensor(value)}
+        self.state = {(owner, name): value for owner in self.session.state_owners()
+                      for name, value in vars(owner).items() if torch.is_tensor(value)}
         self.tree = dataclasses.replace(tree, **{name: getattr(tree, name).clone() for name in _TREE_TENSORS})
         self.cache_len, self.active = cache_len.clone(), active.clone()
 
     def _load(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> None:
         """Copy every input that is not its static buffer into it (session state reassigned on the host
         since the last step: prefill)."""
-        for name, static in self.state.items():
-            value = getattr(self.session, name)
+        for (owner, name), static in self.state.items():
+            value = getattr(owner, name)
             if value is not static:
-                _copy_in(static, value, f"session.{name}")
-                setattr(self.session, name, static)
+                where = "session" if owner is self.session else f"session.{type(owner).__name__}"
+                _copy_in(static, value, f"{where}.{name}")
+                setattr(owner, name, static)
         if tree is not self.tree:
             if tree.max_depth != self.tree.max_depth:
                 raise RuntimeError(f"tree.max_depth: the decode step was recorded for {self.tree.max_depth}, "
@@ -104,11 +107,11 @@ class StaticStep:
     def _body(self) -> tuple[torch.Tensor | None, ...]:
         """One step and the copies that carry it into the next: the part a CUDA graph records."""
         out = self.fn(self.tree, self.cache_len, self.active)
-        for name, static in self.state.items():
-            value = getattr(self.session, name)
+        for (owner, name), static in self.state.items():
+            value = getattr(owner, name)
             if value is not static:  # the step reassigned it: back into the static buffer, in place
                 static.copy_(value)
-                setattr(self.session, name, static)
+                setattr(owner, name, static)
         self.cache_len.copy_(out.cache_len)
         self.next_tree = out.next_tree is not None  # the draft proposes inside the step
         if self.next_tree:
