@@ -71,12 +71,17 @@ def cache_len_argument(max_cache_len: int, max_length: int | None, where: str) -
 DEFAULT_CACHE_LEN = 2048
 
 
+def model_device(model) -> torch.device:
+    """Where the target's weights are (its first parameter's device)."""
+    return next(model.parameters()).device
+
+
 def resolve_backend(backend: str, model) -> str:
     """``"auto"``: the compiled whole-step graph (``"inductor"``) when the model is on CUDA, ``"eager"``
     elsewhere (on a CPU compiling costs more than it saves); any other name as given."""
     if backend != "auto":
         return backend
-    on_cuda = next(model.parameters()).device.type == "cuda"
+    on_cuda = model_device(model).type == "cuda"
     chosen = "inductor" if on_cuda else "eager"
     log.info("backend 'auto' -> %r%s", chosen, " (each batch size's first generate compiles its "
              "step once, about a minute)" if on_cuda else " (the model is not on CUDA)")
@@ -91,6 +96,10 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
 
     ``max_cache_len``: KV cache slots per row; ``generate`` needs prompt + max_new_tokens + tree
     nodes to fit. ``max_length=`` is its old spelling (a FutureWarning; it goes after 0.1).
+
+    ``tree=None``: the draft's own default for the model's device and ``max_batch``
+    (``Draft.default_tree``): for EAGLE-3 on one CUDA row, ``WithLookup(DynamicTree(3, 4, 8), 8)``,
+    the measured best; otherwise ``Chain(4)``. Logged on the ``specgraph`` logger.
 
     ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
     graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"`` or ``"inductor"``.
@@ -143,13 +152,16 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         if tree is not None and tree != Chain(0):
             blockers.append(f"tree={tree} with draft=None: plain decoding verifies the root only; pass tree=None")
         draft, tree = _PLAIN, Chain(0)
-    tree = tree if tree is not None else Chain(4)
     if backend not in BACKENDS:
         blockers.append(f"backend={backend!r}: available now: {', '.join(BACKENDS)}")
     if not isinstance(draft, Draft):  # nothing else can be checked against it
         blockers.append(f"draft={type(draft).__name__}: not a specgraph draft (see specgraph.drafts; a new kind "
                         f"implements specgraph.drafts.base.Draft)")
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
+    if tree is None:
+        tree = draft.default_tree(model_device(model), max_batch if isinstance(max_batch, int) else 1)
+        log.info("tree=None -> %s (%s's default on %s, max_batch=%s)", tree, type(draft).__name__,
+                 model_device(model).type, max_batch)
     if isinstance(draft, NGram) and not isinstance(tree, Chain):
         blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
     blockers += draft.tree_problems(draft_tree(tree))

@@ -278,9 +278,10 @@ def _demo(args: argparse.Namespace) -> int:
                                          add_generation_prompt=True)
     ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
     if args.draft == "eagle3":
-        # the measured best tree on the GPU; on a CPU every node costs compute, so a small tree
-        tree = DynamicTree(8, 8, 64) if device == "cuda" else DynamicTree(3, 4, 8)
-        draft, label = load_default_draft(), f"the shipped EAGLE-3 head, {tree}"
+        # the measured best tree on the GPU (the head's default there); on a CPU every node costs compute
+        draft = load_default_draft()
+        tree = draft.default_tree(torch.device(device), 1) if device == "cuda" else DynamicTree(3, 4, 8)
+        label = f"the shipped EAGLE-3 head, {tree}"
     else:
         tree, draft, label = Chain(args.depth), drafts.NGram(), f"n-gram prompt lookup, Chain({args.depth})"
     # on a GPU the whole decode step compiles into one CUDA graph (a minute, once); a CPU runs it op by op

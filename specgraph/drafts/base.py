@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..passes import HiddenTaps
-from ..trees import Tree
+from ..trees import Chain, Tree
 
 
 class DraftSession(ABC):
@@ -58,6 +58,11 @@ class Draft(ABC):
     def tree_problems(self, tree) -> list[str]:
         """Why this draft cannot fill ``tree`` (empty: it can)."""
         return []
+
+    def default_tree(self, device: torch.device, max_batch: int):
+        """The tree ``compile(tree=None)`` takes for this draft on ``device`` up to ``max_batch`` rows: the
+        measured best where one was measured (docs/benchmarks.md), else a 4-deep chain."""
+        return Chain(4)
 
     def bind(self, model) -> list[str]:
         """Check against the target and borrow what the draft shares with it; returns blockers."""

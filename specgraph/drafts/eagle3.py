@@ -44,6 +44,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..passes import HiddenTaps
+from ..trees import Chain, DynamicTree, WithLookup
 from .checkpoint import read_checkpoint, write_checkpoint
 from .eagle import WEIGHT_FILES, FeatureDraft, draft_config_for
 from .layer import DraftLayer
@@ -148,6 +149,14 @@ class Eagle3(FeatureDraft):
 
     def to_target(self, draft_ids):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def default_tree(self, device: torch.device, max_batch: int):
+        """On one CUDA row, DynamicTree(3, 4, 8) with an 8-deep prompt-lookup chain beside it: the fastest of
+        the trees measured end to end with the shipped SmolLM2 head (docs/benchmarks.md, SmolLM2 speculation).
+        Larger batches and CPUs pay for every verified node: a 4-deep chain."""
+        if device.type == "cuda" and max_batch == 1:
+            return WithLookup(DynamicTree(3, 4, 8), 8)
+        return Chain(4)
 
     def bind(self, model) -> list[str]:
         t = model.config.get_text_config()

@@ -171,6 +171,23 @@ def test_trees_the_draft_window_cannot_hold_are_refused():
         specgraph.compile(model, make_draft("eagle", model), tree=DynamicTree(steps=9, topk=9, nodes=60))
 
 
+def test_tree_none_takes_the_drafts_default_for_the_device_and_batch():
+    """EAGLE-3 on one CUDA row: the measured best, DynamicTree(3, 4, 8) with a lookup chain of 8 (a tree the head
+    can fill); more rows, a CPU, or another draft: Chain(4). compile(tree=None) takes it."""
+    from specgraph import WithLookup
+    from specgraph.api import draft_tree
+
+    model = tiny_model("llama")
+    eagle3, eagle = make_draft("eagle3", model), make_draft("eagle", model)
+    best = WithLookup(DynamicTree(3, 4, 8), 8)
+    assert eagle3.default_tree(torch.device("cuda"), 1) == best
+    assert eagle3.tree_problems(draft_tree(best)) == []
+    assert eagle3.default_tree(torch.device("cuda"), 4) == Chain(4)
+    assert eagle3.default_tree(torch.device("cpu"), 1) == Chain(4)
+    assert eagle.default_tree(torch.device("cuda"), 1) == Chain(4)
+    assert specgraph.compile(model, eagle3, max_cache_len=64).config.tree == Chain(4)  # the model is on the CPU
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_sampling_with_a_dynamic_tree_matches_plain_sampling(kind):
     model = _small_vocab_model()
