@@ -48,3 +48,23 @@ def test_whole_step_is_token_exact(smollm2_cuda, kind, batch, cuda_graphs, setti
                               eos_token_id=None, pad_token_id=0)[0, len(row):]
         assert got[i, width:].tolist() == want.tolist(), f"row {i}"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the prefill bucket and the decode step
+
+
+@torch.no_grad()
+def test_the_default_configuration_is_token_exact(smollm2_cuda):
+    """What a user gets with no tree and no backend named: the shipped head's default tree on one CUDA row
+    (a dynamic tree with a lookup branch, Draft.default_tree) under inductor + CUDA graphs."""
+    from specgraph.models import load_default_draft
+    from specgraph.trees import WithLookup
+
+    model, tokenizer = smollm2_cuda
+    spec = specgraph.compile(model, load_default_draft().to(device="cuda", dtype=torch.float32), max_cache_len=512)
+    assert isinstance(spec.config.tree, WithLookup) and spec.config.backend == "inductor"
+    for question in QUESTIONS:
+        row = chat(tokenizer, question)
+        ids = torch.tensor([row], device="cuda")
+        out = spec.generate(ids, max_new_tokens=64, eos_token_id=None, return_dict_in_generate=True)
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
+                              eos_token_id=None, pad_token_id=0)
+        assert out.sequences.tolist() == want.tolist(), question
+        assert max(max(step) for step in out.accept_lens) > 1  # it speculated
