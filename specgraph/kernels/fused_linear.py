@@ -174,21 +174,19 @@ TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = No
 def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
                 silu_mul: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight (silu_mul: N output
-    columns of a [2N, K] weight), from the sweeps of ``benchmarks/fused_linear.py`` (H200, 2026-12-01,
-    docs/benchmarks.md): one row on the CUDA cores in 8-row slices of the weight; small weights
-    the whole of K per step (up to 2048) in 8 warps, 8B-sized ones 1024 columns a step in 4 warps with the
-    norm, 512 in 8 without; mid-sized ones (Qwen2.5-1.5B's, 2026-12-03) as small ones when N / 8 programs
-    are under two waves (down [1536 x 8960]: 10.95 us against 15.22) and, with the norm and K not a multiple of
-    1024, 512 columns a step over 16 rows (gate/up [17920 x 1536]: 17.21 us against 19.63); more rows, 16-row tl.dot tiles (the 8B gate/up with silu_mul: 64 x 128 in 3
-    stages, 57.6 us at 8 rows against 61.4 in the others' 32 x 256 in 4, cuBLAS 55.9), except a few rows of
-    a small weight without silu_mul: a program per row while the grid stays within ROW_GRID_PROGRAMS (about
-    one wave; past it the re-reads lose: q/k/v at 8 rows 5.8 us against 4.5, 2026-12-03)."""
+    columns of a [2N, K] weight), from the sweeps of ``benchmarks/fused_linear.py`` (H200; figures in
+    docs/benchmarks.md). One row: on the CUDA cores in 8-row slices of the weight; small weights, and those
+    whose N / 8 programs stay under two waves, the whole of K per step (up to 2048) in 8 warps; larger ones
+    1024 columns a step in 4 warps with the norm (512 over 16 rows where that pads K less: Qwen2.5-1.5B's
+    gate/up), 512 in 8 without. More rows: 16-row tl.dot tiles (64 x 128 in 3 stages for a large gate/up
+    with silu_mul), except a few rows of a small weight without silu_mul: a program per row while the grid
+    stays within ROW_GRID_PROGRAMS (about one wave; past it the re-reads from L2 lose)."""
     if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
         return TILE_OVERRIDE[(n, k)]
     small = n * k * itemsize <= SMALL_WEIGHT_BYTES
     if m == 1 and (small or triton.cdiv(n, 8) < FEW_PROGRAMS):  # few programs: each streams the whole of K fast
         return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))), 8, 3
-    if m == 1 and norm and k % 1024:  # 1024-column steps would leave a last one part empty: 512 and 16 rows
+    if m == 1 and norm and triton.cdiv(k, 512) < 2 * triton.cdiv(k, 1024):  # 512-column steps pad K less
         return 1, 16, 512, 4, 3
     if m == 1:
         return (1, 8, 1024, 4, 3) if norm else (1, 8, 512, 8, 3)

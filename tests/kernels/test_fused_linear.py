@@ -229,11 +229,12 @@ def test_tile_config_takes_the_row_grid_for_a_few_rows_of_small_weights():
 
 def test_tile_config_at_one_row_by_weight_size_and_grid():
     """One row: small weights and few-program grids stream the whole of K (up to 2048) a step; a normed product
-    whose K is not a multiple of 1024 takes 512-column steps; 8B-sized weights keep their own tiles."""
+    whose K 512-column steps pad less than 1024-column ones takes them; 8B-sized weights keep their own tiles."""
     from specgraph.kernels.fused_linear import tile_config
 
     assert tile_config(1, 1536, 8960, 2) == (1, 8, 2048, 8, 3)  # Qwen2.5-1.5B's down: 192 programs
     assert tile_config(1, 17920, 1536, 2, norm=True) == (1, 16, 512, 4, 3)  # its gate/up, K 1536
+    assert tile_config(1, 9728, 896, 2, norm=True) == (1, 8, 1024, 4, 3)  # K 896: one 1024 step pads no more
     assert tile_config(1, 2048, 1536, 2, norm=True) == (1, 8, 2048, 8, 3)  # its q/k/v: a small weight
     assert tile_config(1, 4096, 14336, 2) == (1, 8, 512, 8, 3)  # 8B down: 512 programs
     assert tile_config(1, 28672, 4096, 2, norm=True) == (1, 8, 1024, 4, 3)  # 8B gate/up
