@@ -126,7 +126,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     ``tp=True`` (or a ``torch.distributed.ProcessGroup``): tensor parallelism. Every rank of a
     ``torchrun`` launch calls compile with the same full model and draft; the target's attention
     heads, KV heads and MLP are sharded over the group (in place; specgraph/parallel.py), the draft
-    and LM head stay whole on every rank, and every rank returns the same tokens (greedy only).
+    and LM head stay whole on every rank, and every rank returns the same tokens; sampling is seeded
+    (``seed=``, the same on every rank, or one drawn on rank 0 and broadcast once per call).
     Everything that cannot be supported is refused here, all blockers at once.
     """
     max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")
@@ -189,7 +190,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     if tp is not None:
         blockers += parallel.shard_problems(model, tp, policy, draft)
         if verify != "exact":
-            blockers.append(f"verify={verify!r} with tp: tensor parallelism is greedy only; use verify='exact'")
+            blockers.append(f"verify={verify!r} with tp: the ranks sample alike only through seeded exact "
+                            f"verification; use verify='exact'")
     elif not tp_blockers and parallel.sharded(model) is not None:
         blockers.append(f"tp={tp!r}: the model was sharded over {parallel.sharded(model).world_size} ranks by an "
                         f"earlier compile or parallel.shard; pass tp=True (or its group) again")
@@ -316,9 +318,8 @@ class SpecModel:
         if sampling is not None and sampling.seed is not None and self.config.verify == "typical":
             raise ValueError(f"seed={sampling.seed} with verify='typical': seeded sampling is exact (the tokens plain "
                              f"sampling with that seed emits); compile with verify='exact' to use it, or drop seed")
-        if sampling is not None and parallel.sharded(self.model) is not None:
-            raise ValueError("do_sample=True on a tensor-parallel target (compile(tp=...)): the ranks would draw "
-                             "different samples; greedy only (do_sample=False)")
+        if sampling is not None and parallel.sharded(self.model) is not None:  # every rank draws alike: seeded
+            sampling = replace(sampling, seed=parallel.call_seed(parallel.sharded(self.model), sampling.seed))
         if sampling is not None and self.config.verify == "typical":  # lossy, opted in at compile
             sampling = replace(sampling, typical=self.config.typical)
         penalty = repetition_penalty(kwargs, gen)

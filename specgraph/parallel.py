@@ -268,3 +268,22 @@ def shard(model, tp=True, policy: str = "fixed", draft=None) -> TensorParallel |
 def sharded(model) -> TensorParallel | None:
     """The TensorParallel ``model`` was sharded over by compile, or None."""
     return model.__dict__.get("_specgraph_tp")
+
+
+def call_seed(tp: TensorParallel, seed: int | None) -> int:
+    """The seed every rank samples one generate call with (seeded sampling, kernels/gumbel.py: the same
+    logits and the same seed give the same draws on every rank, so the ranks accept alike with no
+    collective per step). The caller's, when every rank passed the same one; without one, a seed drawn
+    on the group's rank 0 from torch's global RNG and broadcast. A host collective once per call."""
+    import torch.distributed as dist
+
+    seeds = [None] * tp.world_size
+    dist.all_gather_object(seeds, seed, group=tp.group)
+    if len(set(seeds)) > 1:  # every rank sees the same list, so every rank refuses
+        raise ValueError(f"seed: the ranks of a tensor-parallel target passed different seeds {seeds}; pass the same "
+                         f"seed on every rank (or none: rank 0 draws one for all)")
+    if seeds[0] is not None:
+        return seeds[0]
+    drawn = [int(torch.randint(0, 2**63 - 1, ()).item()) if tp.rank == 0 else None]
+    dist.broadcast_object_list(drawn, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+    return drawn[0]

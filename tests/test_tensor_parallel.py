@@ -1,7 +1,7 @@
 """Tensor parallelism (specgraph/parallel.py): the target sharded over 2 ranks (torchrun, gloo on the CPU).
 
 Each rank's speculative greedy output must equal HF's ``model.generate`` of the whole model in one
-process, token for token, on every rank; the graph holds the all-reduces; each rank's KV cache holds
+process, token for token, on every rank, and its seeded sampling the whole model's seeded plain sampling; the graph holds the all-reduces; each rank's KV cache holds
 its own KV heads; what cannot be sharded is refused at compile, every blocker listed.
 """
 import json
@@ -61,8 +61,40 @@ def test_sharded_greedy_equals_hf_generate_on_every_rank(tmp_path):
         assert len(refusals["measured"]) == 1 and "policy='measured' with tp" in refusals["measured"][0]
         assert len(refusals["no_tp"]) == 1 and "the model was sharded over 2 ranks" in refusals["no_tp"][0]
         assert len(refusals["typical"]) == 1 and "verify='typical' with tp" in refusals["typical"][0]
-        assert "do_sample=True on a tensor-parallel target" in refusals["sampling"]
         assert "export of a tensor-parallel target" in refusals["export"]
+
+
+def pooled_chi_square_p(counts: torch.Tensor, probs: torch.Tensor, least: float = 5.0) -> float:
+    """Goodness of fit of ``counts`` to ``probs``, tokens expected fewer than ``least`` times pooled into one."""
+    expected = probs.double() * counts.sum()
+    rare = expected < least
+    counts = torch.cat([counts[~rare].double(), counts[rare].double().sum().view(1)])
+    expected = torch.cat([expected[~rare], expected[rare].sum().view(1)])
+    keep = expected > 0
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    return torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64), stat / 2).item()
+
+
+def test_sharded_sampling_is_seeded_plain_sampling_and_exact_in_distribution(tmp_path):
+    """do_sample=True on 2 ranks, NGram chain on Llama and an EAGLE-3 tree on Qwen2: with a seed (T = 0.1), every
+    rank emits what seeded plain sampling of the whole, unsharded model emits (tokens and the ranks' accept
+    lengths alike); without one, 512 first tokens fit the whole model's distribution (chi-square; the negative control,
+    the same draws against the distribution one temperature step colder, fails); differing seeds are refused
+    on every rank."""
+    reports = torchrun(tmp_path, "llama:ngram:sampled", "qwen2:eagle3:sampled")
+    for rank, report in enumerate(reports):
+        assert report["every_rank_same"]
+        for run in report["runs"]:
+            assert run["got"] == run["expected"], (rank, run["arch"], run["kind"])
+            counts = torch.bincount(torch.tensor(run["firsts"]), minlength=len(run["probs"]))
+            probs = torch.tensor(run["probs"], dtype=torch.float64)
+            assert counts.sum() == 512 and (counts > 0).sum() >= 5  # a spread, not one token
+            assert pooled_chi_square_p(counts, probs) > 1e-3
+            colder = probs ** 1.5 / (probs ** 1.5).sum()  # negative control (T = 2/3): the test tells them apart
+            assert pooled_chi_square_p(counts, colder) < 1e-3
+            assert "the ranks of a tensor-parallel target passed different seeds" in run["mismatch"]
+        ngram = report["runs"][0]  # the repeating prompt's chain is accepted: verify and compaction ran sampled
+        assert max(max(step) for step in ngram["accept_lens"][0]) > 1
 
 
 def test_sharded_whole_step_under_torch_compile(tmp_path):
