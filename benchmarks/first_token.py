@@ -6,7 +6,8 @@ Each run is a new Python process that imports specgraph, loads the target (the e
 on CUDA, or with ``--tiny`` a 4-layer random Llama on the CPU), compiles it with the default draft and
 settings (``specgraph.compile(model, load_default_draft())``: backend "auto"; NGram with ``--tiny``)
 and generates one token of an MT-bench prompt; it reports the seconds from process start to that token
-and how many of inductor's FX-graph and AOTAutograd cache lookups hit. The first run uses an empty
+how much of it the captures took (torch.export and the passes, per bucket), and how many of inductor's
+FX-graph and AOTAutograd cache lookups hit. The first run uses an empty
 inductor cache folder (cold); the later ones reuse it (warm: what a second process on the same machine
 sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
 """
@@ -22,11 +23,18 @@ import time
 from pathlib import Path
 
 CHILD = r"""
-import json, sys, time
+import json, logging, sys, time
 start = float(sys.argv[1]); tiny = sys.argv[2] == "1"; warm = sys.argv[3] == "1"; backend = sys.argv[4]
 import torch
 import specgraph
 from torch._dynamo.utils import counters
+captures = []  # seconds of each bucket's capture (torch.export and the passes), from specgraph's log
+class Captured(logging.Handler):
+    def emit(self, record):
+        if record.msg.startswith("captured in"):
+            captures.append(record.args[0])
+logging.getLogger("specgraph.capture").addHandler(Captured())
+logging.getLogger("specgraph.capture").setLevel(logging.INFO)
 marks = {"import": time.time() - start}
 if tiny:
     import transformers
@@ -50,7 +58,8 @@ if warm:
 marks["compile"] = time.time() - start
 out = spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
 marks["first_token"] = time.time() - start
-print(json.dumps({"marks": marks, "backend": spec.config.backend, "inductor": dict(counters["inductor"]),
+print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(spec.config.tree),
+                  "capture_s": captures, "inductor": dict(counters["inductor"]),
                   "aot_autograd": dict(counters["aot_autograd"])}))
 """
 
@@ -84,7 +93,8 @@ def main() -> None:
             misses = r["inductor"].get("fxgraph_cache_miss", 0)
             print(f"{r['run']:>5} ({r['backend']}): first token {m['first_token']:6.1f} s  (import {m['import']:.1f}, "
                   f"load {m['load'] - m['import']:.1f}, compile {m['compile'] - m['load']:.1f}, generate "
-                  f"{m['first_token'] - m['compile']:.1f}); FX-graph cache {hits} hits / {misses} misses", flush=True)
+                  f"{m['first_token'] - m['compile']:.1f} of which capture {sum(r['capture_s']):.1f}); FX-graph cache "
+                  f"{hits} hits / {misses} misses; {r['tree']}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 
