@@ -17,7 +17,8 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
   sg_inductor     the same with backend="inductor"
   sg_plain        specgraph.compile(model, None): plain decoding on the same engine, inductor
   sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
-  sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64) (the measured best), inductor
+  sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64), inductor
+  sg_default      the shipped EAGLE-3 head with compile's defaults (no tree, no backend named): what a user gets
   sg_eagle3_cost  the tree with policy="cost": per call the tree, its 8/16/32-node budgets, a chain as deep or
                   plain decoding by τ (a budget's from the tree's steps) over the step costs warmup() measured
                   (the calls each mode ran and the policy's figures are recorded)
@@ -60,7 +61,7 @@ import specgraph  # noqa: E402
 from specgraph.train.evaluate import PROMPT_SETS, prompt_set as questions  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
-METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_eagle3_chain", "sg_eagle3_tree",
+METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_default", "sg_eagle3_chain", "sg_eagle3_tree",
            "sg_eagle3_measured", "sg_eagle3_cost", "hf_lookup", "hf_static")
 
 
@@ -89,6 +90,7 @@ def specgraph_method(model, method: str, eagle3: str | None = None):
         "sg_eager": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "eager"),
         "sg_inductor": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "inductor"),
         "sg_plain": lambda: (None, None, "inductor"),
+        "sg_default": lambda: (head(), None, "auto"),
         "sg_eagle3_chain": lambda: (head(), specgraph.Chain(4), "inductor"),
         "sg_eagle3_tree": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),
         "sg_eagle3_measured": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),
@@ -221,6 +223,7 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
             first = [run_specgraph(spec, [row], 1, t)[1] for row in rows]
             if args.profile and args.out and name == next(iter(sets)):  # one profile, on the first set
                 profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{method}.txt")
+            chosen["tree"] = str(spec.config.tree)  # sg_default: the tree compile chose
             entries[name] = (outs, elapsed, tau, first, chosen)
     setup = time.perf_counter() - start - sum(e[1] + sum(e[3]) for e in entries.values())
     done = {}
