@@ -189,7 +189,7 @@ def build(tokenizer, cache_dir: str | Path, model=None, limit: int = 1000, max_l
     ``regenerate`` (both give the target's greedy answers, so it is not part of the cache key)."""
     path = Path(source or sharegpt_path())
     model_id = None if model is None else (getattr(model, "name_or_path", "") or type(model).__name__,
-                                           sum(float(p.float().sum()) for p in model.parameters()))
+                                           sum(float(p.detach().float().sum()) for p in model.parameters()))
     common = (str(path), path.stat().st_size, tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template, seed,
               max_turns)
     key = content_hash(*common, limit, max_length, max_new_tokens, model_id)
