@@ -160,9 +160,10 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                         f"implements specgraph.drafts.base.Draft)")
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
     if tree is None:
-        tree = draft.default_tree(model_device(model), max_batch if isinstance(max_batch, int) else 1)
-        log.info("tree=None -> %s (%s's default on %s, max_batch=%s)", tree, type(draft).__name__,
-                 model_device(model).type, max_batch)
+        device = model_device(model)
+        tree = draft.default_tree(device, max_batch if isinstance(max_batch, int) else 1)
+        log.info("tree=None -> %s (%s's default on %s, max_batch=%s)", tree, type(draft).__name__, device.type,
+                 max_batch)
     if isinstance(draft, NGram) and not isinstance(tree, Chain):
         blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
     blockers += draft.tree_problems(draft_tree(tree))

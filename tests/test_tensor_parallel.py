@@ -17,6 +17,7 @@ import torch
 import specgraph
 from specgraph import Chain, CompileError
 from specgraph.drafts import NGram
+from test_seeded_sampling import chi_square_p
 
 HERE = Path(__file__).parent
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
@@ -65,14 +66,10 @@ def test_sharded_greedy_equals_hf_generate_on_every_rank(tmp_path):
 
 
 def pooled_chi_square_p(counts: torch.Tensor, probs: torch.Tensor, least: float = 5.0) -> float:
-    """Goodness of fit of ``counts`` to ``probs``, tokens expected fewer than ``least`` times pooled into one."""
-    expected = probs.double() * counts.sum()
-    rare = expected < least
-    counts = torch.cat([counts[~rare].double(), counts[rare].double().sum().view(1)])
-    expected = torch.cat([expected[~rare], expected[rare].sum().view(1)])
-    keep = expected > 0
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    return torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64), stat / 2).item()
+    """``chi_square_p`` with the tokens expected fewer than ``least`` times pooled into one."""
+    rare = probs.double() * counts.sum() < least
+    return chi_square_p(torch.cat([counts[~rare], counts[rare].sum().view(1)]),
+                        torch.cat([probs[~rare], probs[rare].sum().view(1)]))
 
 
 def test_sharded_sampling_is_seeded_plain_sampling_and_exact_in_distribution(tmp_path):

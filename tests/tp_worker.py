@@ -68,6 +68,14 @@ def hf_tp_plan_model():
     return whole, transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
 
 
+def draft_and_tree(kind: str, model):
+    """NGram on a chain, or a random EAGLE-3 head (seeded: the same on every rank) on a dynamic tree."""
+    torch.manual_seed(1)
+    if kind == "ngram":
+        return NGram(), Chain(3)
+    return Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), DynamicTree(steps=3, topk=2, nodes=6)
+
+
 def speculate(arch: str, kind: str, n: int) -> dict:
     if arch == "hf_tp_plan":  # transformers shards it; compile adopts the shards
         whole, model = hf_tp_plan_model()
@@ -75,9 +83,7 @@ def speculate(arch: str, kind: str, n: int) -> dict:
         whole = model = tiny(arch)
     rows = prompts()
     expected = [hf_greedy(whole, p, n) for p in rows]  # the oracle: the whole model, one process
-    torch.manual_seed(1)  # the same (random) head on every rank
-    draft, tree = ((NGram(), Chain(3)) if kind == "ngram" else
-                   (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), DynamicTree(steps=3, topk=2, nodes=6)))
+    draft, tree = draft_and_tree(kind, model)
     start = time.perf_counter()
     if kind == "eagle3":  # sharded first (as before moving a large model to its device), then compiled
         specgraph.parallel.shard(model)
@@ -115,9 +121,7 @@ def sampled(arch: str, kind: str, n: int) -> dict:
     with torch.no_grad():
         probs = torch.softmax(whole(torch.tensor([rows[1]])).logits[0, -1].double(), -1)  # ~20 tokens likely
     model = tiny(arch)
-    torch.manual_seed(1)  # the same (random) head on every rank
-    draft, tree = ((NGram(), Chain(3)) if kind == "ngram" else
-                   (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), DynamicTree(steps=3, topk=2, nodes=6)))
+    draft, tree = draft_and_tree(kind, model)
     spec = specgraph.compile(model, draft, tree=tree, max_batch=64, max_cache_len=96, tp=True, backend=BACKEND)
     outs = [spec.generate(torch.tensor([p]), max_new_tokens=n, return_dict_in_generate=True, **seeded) for p in rows]
     firsts = []
