@@ -85,15 +85,15 @@ def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[
         chain = [(layer[index], layer[4]) for layer in weights]
         row = dict(M=m, kind=kind, N=n, K=k, floor_us=n * k * 2 / bandwidth * 1e6,
                    cublas_us=graphed_ms(lambda: [cublas(w, g) for w, g in chain]) * 1e3 / len(chain))  # noqa: B023
+        default = fl.tile_config(m, *key, 2, kind in ("qkv", "gate_up"), kind == "gate_up_silu")
         timings = {}
-        for tile in tiles:
+        for tile in dict.fromkeys([*tiles, default]):  # the default timed too, where the sweep lacks it
             fl.TILE_OVERRIDE = {key: tile}
             try:
                 timings[tile] = graphed_ms(lambda: [with_fused(w, g) for w, g in chain]) * 1e3 / len(chain)  # noqa: B023
             except Exception as error:  # noqa: BLE001  (a tile that does not compile is skipped, and said)
                 print(f"#   tile {tile} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
         fl.TILE_OVERRIDE = None
-        default = fl.tile_config(m, *key, 2, kind in ("qkv", "gate_up"), kind == "gate_up_silu")
         row["default_tile"], row["default_us"] = list(default), timings.get(default)
         tile = min(timings, key=timings.get)
         row["best_tile"], row["best_us"] = list(tile), timings[tile]

@@ -19,9 +19,9 @@ from test_generate import generated_rows, left_pad, prompts
 class Session:
     """A stand-in draft session: ``length`` reassigned by the step, ``table`` mutated in place."""
 
-    def __init__(self):
-        self.length = torch.zeros(2, dtype=torch.int64)
-        self.table = torch.zeros(2, 4)
+    def __init__(self, device: str = "cpu"):
+        self.length = torch.zeros(2, dtype=torch.int64, device=device)
+        self.table = torch.zeros(2, 4, device=device)
 
     def state_owners(self) -> list[object]:  # DraftSession's default
         return [self]
@@ -81,11 +81,12 @@ def test_the_state_of_a_joined_session_is_carried(cuda_graph):
     joined = Joined()
     for part in (joined.inner, joined.other):
         part.length, part.table = part.length.to(device), part.table.to(device)
+    throwaway = make_step(Session(device))  # only its StepOut is used
 
     def fn(tree, cache_len, active):
         for part in (joined.inner, joined.other):
             part.length = part.length + torch.where(active, 1, 0)
-        return make_step(Session())(tree, cache_len, active)  # the StepOut of a throwaway session
+        return throwaway(tree, cache_len, active)
 
     step = StaticStep(fn, joined, cuda_graph=cuda_graph)
     tree = Tree.from_spec(Chain(3), torch.arange(8, device=device).view(2, 4))
