@@ -43,6 +43,12 @@ class SpecConfig:
     policy: str = "fixed"  # "fixed": always the tree; "measured"/"cost": per batch size, the tree, a chain or plain
     verify: str = "exact"  # "typical": Medusa's typical acceptance when sampling, NOT lossless
     typical: tuple[float, float] | None = None  # (posterior_threshold, posterior_alpha) with verify="typical"
+    one_row_tree: Chain | StaticTree | DynamicTree | WithLookup | None = None  # tree=None, max_batch > 1: B = 1's own
+
+    def tree_for(self, batch: int):
+        """The tree a call of ``batch`` rows speculates with: ``one_row_tree`` for one row where compile
+        chose one (``tree=None``), else ``tree``."""
+        return self.one_row_tree if batch == 1 and self.one_row_tree is not None else self.tree
 
     @property
     def max_length(self) -> int:
@@ -97,9 +103,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     ``max_cache_len``: KV cache slots per row; ``generate`` needs prompt + max_new_tokens + tree
     nodes to fit. ``max_length=`` is its old spelling (a FutureWarning; it goes after 0.1).
 
-    ``tree=None``: the draft's own default for the model's device and ``max_batch``
+    ``tree=None``: the draft's own default for the model's device and batch size
     (``Draft.default_tree``): for EAGLE-3 on one CUDA row, ``WithLookup(DynamicTree(3, 4, 8), 8)``,
-    the measured best; otherwise ``Chain(4)``. Logged on the ``specgraph`` logger.
+    the measured best; otherwise ``Chain(4)``. With ``max_batch > 1`` (and ``policy="fixed"``) one-row
+    calls still take the one-row default (``SpecConfig.tree_for``): buckets are per batch size anyway.
+    Logged on the ``specgraph`` logger.
 
     ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
     graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"`` or ``"inductor"``.
@@ -159,14 +167,20 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         blockers.append(f"draft={type(draft).__name__}: not a specgraph draft (see specgraph.drafts; a new kind "
                         f"implements specgraph.drafts.base.Draft)")
         raise CompileError(f"cannot compile {type(model).__name__} with {type(draft).__name__}", blockers)
+    one_row_tree = None
     if tree is None:
         device = model_device(model)
         tree = draft.default_tree(device, max_batch if isinstance(max_batch, int) else 1)
-        log.info("tree=None -> %s (%s's default on %s, max_batch=%s)", tree, type(draft).__name__, device.type,
-                 max_batch)
+        if policy == "fixed" and synthetic_accept is None and isinstance(max_batch, int) and max_batch > 1:
+            one_row_tree = draft.default_tree(device, 1)  # the policies' modes all derive from one tree
+            one_row_tree = None if one_row_tree == tree else one_row_tree
+        log.info("tree=None -> %s (%s's default on %s, max_batch=%s)%s", tree, type(draft).__name__, device.type,
+                 max_batch, f"; one-row calls: {one_row_tree}" if one_row_tree is not None else "")
     if isinstance(draft, NGram) and not isinstance(tree, Chain):
         blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
     blockers += draft.tree_problems(draft_tree(tree))
+    if one_row_tree is not None:
+        blockers += draft.tree_problems(draft_tree(one_row_tree))
     blockers += draft.bind(model)
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
@@ -179,11 +193,12 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     blockers += _verify_problems(verify, typical, synthetic_accept)
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
-    if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
-        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
+    widest = max(tree.num_nodes, one_row_tree.num_nodes if one_row_tree is not None else 0)
+    if not isinstance(max_cache_len, int) or max_cache_len <= widest:
+        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({widest} nodes)")
     try:
-        blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
-                     for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
+        blockers += [f"layer {i}: sliding window {w} <= tree of {widest} nodes; use a smaller tree"
+                     for i, w in TargetInfo.from_model(model).narrow_windows(widest)]
     except CompileError as err:
         blockers += err.blockers
     tp, tp_blockers = parallel.resolve(tp)
@@ -208,7 +223,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                       f"is not distributed as the target's (greedy stays exact); verify='exact' is lossless",
                       stacklevel=2)
     return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy,
-                                              verify, typical))
+                                              verify, typical, one_row_tree))
 
 
 def draft_tree(tree):
@@ -353,7 +368,7 @@ class SpecModel:
         max_new = max_new_tokens(kwargs, gen, t)
         eos = set(eos_list)
         pad = given_pad[0] if given_pad else eos_list[0] if eos_list else 0  # model.generate pads with eos[0]
-        n = self.config.tree.num_nodes
+        n = self.config.tree_for(b).num_nodes
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_new + n > self.config.max_cache_len]
         if too_long:
             raise ValueError(f"rows {too_long}: prompt + max_new_tokens ({max_new}) + tree ({n} nodes) exceeds "
@@ -374,6 +389,7 @@ class SpecModel:
         with self.capture.lock:  # SpecModels of one model share its caches: one call at a time
             mode = self.policy.choose(b) if self.policy else "tree"
             draft, tree = self.modes[mode]
+            tree = self.config.tree_for(b) if mode == "tree" else tree
             start = time.perf_counter()
             result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
                                           self.config.max_cache_len, sampling, stopping, streamer,
@@ -421,6 +437,7 @@ class SpecModel:
         with self.capture.lock:
             for b in batch_sizes:
                 for mode, (draft, tree) in self.modes.items():
+                    tree = self.config.tree_for(b) if mode == "tree" else tree
                     for s in samplings:
                         start = time.perf_counter()
                         run(draft, tree, b, 4, s)
@@ -448,4 +465,4 @@ class SpecModel:
             raise ValueError(f"format={format!r}: one of {sorted(exporters)}")
         if not isinstance(batch, int) or not 1 <= batch <= self.config.max_batch:
             raise ValueError(f"batch={batch!r}: an int in 1 .. max_batch={self.config.max_batch}")
-        return exporters[format](self.capture, self.config.tree, path, batch)
+        return exporters[format](self.capture, self.config.tree_for(batch), path, batch)

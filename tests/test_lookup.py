@@ -151,3 +151,26 @@ def test_cost_policy_keeps_the_branch_on_every_budget():
     for _ in range(3):  # the first calls measure every mode; each one's steps inform the other budgets
         assert spec.generate(ids, max_new_tokens=12, eos_token_id=None)[0, 40:].tolist() == want
     assert set(spec.policy.budget_tau) >= {8, 16}  # the tree's smaller budgets, read off its ranks
+
+
+def test_one_row_calls_take_the_one_row_default_under_a_larger_max_batch(monkeypatch):
+    """compile(tree=None, max_batch=3) keeps the draft's one-row default for B = 1 calls and its batch default
+    for more rows (the one-row tree here stands in for CUDA's, where Eagle3 returns it): both token-exact, and the
+    one-row call ran the lookup tree (accepted past what Chain(4) can) where the batch ran Chain(4)."""
+    model = tiny_model("llama")
+    draft, one_row = drafts(model)["eagle3-dynamic"]
+    monkeypatch.setattr(Eagle3, "default_tree", lambda self, device, max_batch: one_row if max_batch == 1 else Chain(4))
+    spec = specgraph.compile(model, draft, max_batch=3, max_cache_len=256)
+    assert spec.config.tree == Chain(4) and spec.config.one_row_tree == one_row
+    assert spec.config.tree_for(1) == one_row and spec.config.tree_for(2) == Chain(4)
+    rows = prompts(4, [9, 40, 17])
+    batch = assert_batch_and_single_match_hf(model, spec, rows, max_new_tokens=30)
+    assert len(batch["acceptance"].position_rate) == Chain(4).max_depth  # rates per depth of the tree it ran
+    single = spec.generate(torch.tensor([rows[1]]), max_new_tokens=30, eos_token_id=None, return_dict_in_generate=True)
+    assert single["sequences"][0, len(rows[1]):].tolist() == hf_greedy(model, rows[1], max_new_tokens=30,
+                                                                      eos_token_id=None)
+    assert len(single["acceptance"].position_rate) == one_row.max_depth
+    assert max(max(step) for step in single["accept_lens"]) > Chain(4).max_depth + 1  # only the lookup branch reaches
+    # a tree named by the user is every call's; so is the one a policy's modes derive from
+    assert specgraph.compile(model, draft, tree=Chain(4), max_batch=3, max_cache_len=256).config.tree_for(1) == Chain(4)
+    assert specgraph.compile(model, draft, max_batch=3, max_cache_len=256, policy="cost").config.one_row_tree is None
