@@ -7,9 +7,9 @@ on CUDA, or with ``--tiny`` a 4-layer random Llama on the CPU), compiles it with
 settings (``specgraph.compile(model, load_default_draft())``: backend "auto"; NGram with ``--tiny``)
 and generates one token of an MT-bench prompt; it reports the seconds from process start to that token
 how much of it the captures took (torch.export and the passes, per bucket), and how many of inductor's
-FX-graph and AOTAutograd cache lookups hit. The first run uses an empty
-inductor cache folder (cold); the later ones reuse it (warm: what a second process on the same machine
-sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
+FX-graph and AOTAutograd cache lookups hit, and how many buckets came from specgraph's capture cache
+(capture_cache.py). The first run uses empty inductor and capture cache folders (cold); the later ones
+reuse them (warm: what a second process on the same machine sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
 """
 from __future__ import annotations
 
@@ -25,14 +25,16 @@ from pathlib import Path
 CHILD = r"""
 import json, logging, sys, time
 start = float(sys.argv[1]); tiny = sys.argv[2] == "1"; warm = sys.argv[3] == "1"; backend = sys.argv[4]
+capture_dir = sys.argv[5]
 import torch
 import specgraph
 from torch._dynamo.utils import counters
 captures = []  # seconds of each bucket's capture (torch.export and the passes), from specgraph's log
+loaded = []  # the same for buckets loaded from specgraph's capture cache (capture_cache.py)
 class Captured(logging.Handler):
     def emit(self, record):
-        if record.msg.startswith("captured in"):
-            captures.append(record.args[0])
+        if record.msg.endswith(" in %.1f s"):
+            (loaded if record.args[0].startswith("loaded") else captures).append(record.args[1])
 logging.getLogger("specgraph.capture").addHandler(Captured())
 logging.getLogger("specgraph.capture").setLevel(logging.INFO)
 marks = {"import": time.time() - start}
@@ -52,21 +54,23 @@ else:
                                    add_generation_prompt=True)
     ids = tok(text, return_tensors="pt").input_ids.tolist()
 marks["load"] = time.time() - start
-spec = specgraph.compile(model, draft, backend=backend)
-if warm:
-    spec.warmup()
-marks["compile"] = time.time() - start
-out = spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
-marks["first_token"] = time.time() - start
+with specgraph.config.patch(cache=capture_dir):  # the captures' own folder: cold in the first run
+    spec = specgraph.compile(model, draft, backend=backend)
+    if warm:
+        spec.warmup()
+    marks["compile"] = time.time() - start
+    out = spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
+    marks["first_token"] = time.time() - start
 print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(spec.config.tree),
-                  "capture_s": captures, "inductor": dict(counters["inductor"]),
+                  "capture_s": captures, "capture_loaded_s": loaded, "inductor": dict(counters["inductor"]),
                   "aot_autograd": dict(counters["aot_autograd"])}))
 """
 
 
 def run_once(cache: str, tiny: bool, warmup: bool, backend: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend],
+    done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend,
+                           str(Path(cache) / "specgraph")],
                           env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"child failed:\n{done.stderr[-3000:]}")
@@ -93,7 +97,8 @@ def main() -> None:
             misses = r["inductor"].get("fxgraph_cache_miss", 0)
             print(f"{r['run']:>5} ({r['backend']}): first token {m['first_token']:6.1f} s  (import {m['import']:.1f}, "
                   f"load {m['load'] - m['import']:.1f}, compile {m['compile'] - m['load']:.1f}, generate "
-                  f"{m['first_token'] - m['compile']:.1f} of which capture {sum(r['capture_s']):.1f}); FX-graph cache "
+                  f"{m['first_token'] - m['compile']:.1f} of which capture {sum(r['capture_s']):.1f}, "
+                  f"{len(r['capture_loaded_s'])} loaded in {sum(r['capture_loaded_s']):.1f}); FX-graph cache "
                   f"{hits} hits / {misses} misses; {r['tree']}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))

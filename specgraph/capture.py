@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import config, kernels  # noqa: F401  (kernels registers the specgraph ops)
+from . import capture_cache, config, kernels  # noqa: F401  (kernels registers the specgraph ops)
 from .errors import CompileError
 from .kernels.bitmask import MAX_NODES
 from .passes.fuse_projections import pack_projections
@@ -185,8 +185,9 @@ def no_stack_traces():
         fx_config.do_not_emit_stack_traces = before
 
 
-def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.Tensor | None = None):
-    """Export one (B, N) bucket. returns (ExportedProgram, TargetInfo)."""
+def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.Tensor | None = None,
+                     module: TreeStep | None = None):
+    """Export one (B, N) bucket (of ``module``, or a TreeStep made here). returns (ExportedProgram, TargetInfo)."""
     if not 1 <= nodes <= MAX_NODES:
         raise ValueError(f"nodes={nodes}: a tree has 1 .. {MAX_NODES} nodes")
     if max_length < nodes:
@@ -196,7 +197,7 @@ def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.T
     if narrow:
         raise CompileError("sliding window narrower than the tree", [
             f"layer {i}: window {w} <= tree of {nodes} nodes (depth up to {nodes - 1}); use a smaller tree" for i, w in narrow])
-    step = TreeStep(model.eval(), info, batch, max_length, kv)
+    step = module if module is not None else TreeStep(model.eval(), info, batch, max_length, kv)
     device = next(model.parameters()).device
     with torch.no_grad(), no_stack_traces():
         program = torch.export.export(step, example_inputs(batch, nodes, device), strict=False)
@@ -230,16 +231,25 @@ class CapturedStep:
                  debug: bool | None = None, taps=None, logits_rows: tuple[int, int] | None = None):
         from .passes import run_pipeline
 
-        self.program, self.info = export_tree_step(model, batch, nodes, max_length, kv)
-        self.context = graph_context(self.program, self.info, taps, logits_rows, model.__dict__.get("_specgraph_tp"))
-        self.pass_results = run_pipeline(self.program.graph_module, self.context, debug)
-        self.graph = self.program.graph_module
-        state = {**self.program.state_dict, **self.program.constants}
-        specs = [s for s in self.program.graph_signature.input_specs if s.kind.name != "USER_INPUT"]
-        self._state = [state[s.target] for s in specs]
-        self._kv_index = [s.target for s in specs].index("kv")
-        if kv is not None:
-            self._state[self._kv_index] = kv
+        tp = model.__dict__.get("_specgraph_tp")
+        self.info = TargetInfo.from_model(model)
+        module = TreeStep(model.eval(), self.info, batch, max_length, kv)  # what export traces; names the state
+        cache_key = (capture_cache.key(model, module, batch, nodes, max_length, taps, logits_rows)
+                     if capture_cache.enabled(debug, tp) else None)
+        loaded = capture_cache.load(cache_key, module) if cache_key else None
+        self.from_cache = loaded is not None  # no torch.export, no passes: an earlier process's graph
+        if loaded is None:
+            program, _ = export_tree_step(model, batch, nodes, max_length, module=module)
+            context = graph_context(program, self.info, taps, logits_rows, tp)
+            pass_results = run_pipeline(program.graph_module, context, debug)
+            state = {**program.state_dict, **program.constants}
+            targets = [s.target for s in program.graph_signature.input_specs if s.kind.name != "USER_INPUT"]
+            loaded = program.graph_module, [state[t] for t in targets], pass_results
+            if cache_key:  # through the same round trip as a warm start's load: both run the same code
+                loaded = capture_cache.store(cache_key, loaded[0], targets, loaded[1], module, pass_results)
+        self.graph, self._state, self.pass_results = loaded
+        self._kv_index = next(i for i, t in enumerate(self._state) if capture_cache.same_tensor(t, module.kv))
+        self._state[self._kv_index] = module.kv  # the batch size's live cache, shared by its buckets
         self.batch, self.nodes, self.max_length = batch, nodes, max_length
         self.tapped = taps is not None and (bool(taps.layer_ids) or taps.final)
         self.run = self.graph  # what __call__ executes: the graph itself, or its torch.compile'd form
@@ -291,7 +301,8 @@ class Capture:
             if self.backend == "inductor":
                 step.run = torch.compile(step.graph, backend="inductor", fullgraph=True, dynamic=False)
             self._steps[key] = step
-            log.info("captured in %.1f s", time.perf_counter() - start)
+            log.info("%s in %.1f s", "loaded from the capture cache" if step.from_cache else "captured",
+                     time.perf_counter() - start)
         return self._steps[key]
 
     def kv(self, batch: int) -> torch.Tensor:

@@ -54,6 +54,9 @@ class Settings:
     gguf: Path | None = _setting(None, _path, "GGUF file used instead of the embedded SmolLM2")
     cache: Path = _setting(None, _path, "where gemma3_gguf assembles its file and load_gguf keeps converted "
                            "models", factory=lambda: Path.home() / ".cache" / "specgraph")
+    capture_cache: bool = _setting(True, _flag, "keep each captured step (the exported graph after the passes) "
+                                   "under <cache>/captures, so that a new process skips torch.export and the "
+                                   "passes (0: capture every time)")
     cuda_graphs: bool = _setting(True, _flag, "inductor backend on CUDA: replay the whole step as one "
                                  "hand-recorded CUDA graph (0: no graphs)")
     overlap: bool | None = _setting(None, _auto_flag, "launch step k+1 before reading step k's tokens "

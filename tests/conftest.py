@@ -68,8 +68,9 @@ def settings():
 
 @pytest.fixture(scope="session", autouse=True)
 def check_graph_after_every_pass():
-    """Every test's captures check the graph invariants after every pass (passes/invariants.py)."""
+    """Every test's captures check the graph invariants after every pass (passes/invariants.py), and
+    are captured afresh (tests that patch a pass must see it run; test_capture_cache.py turns the cache on)."""
     from specgraph import config
 
-    with config.patch(check_graph=True):
+    with config.patch(check_graph=True, capture_cache=False):
         yield

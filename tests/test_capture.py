@@ -76,7 +76,7 @@ def test_pass_counters(driver):
     assert result.counters["sdpa_replaced"] == info.num_layers
     assert result.counters["cache_writes_kept"] == 2 * info.num_layers
     assert result.counters["sliding_window_layers"] == sum(w > 0 for w in info.layer_windows)
-    graph = step.program.graph_module.graph
+    graph = step.graph.graph
     assert not graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
     assert dict(step.pass_results)["inplace_cache_writes"].counters["kv_writes"] == info.num_layers
     fusion = dict(step.pass_results)["fuse_projections"].counters  # q/k/v and gate/up, each one product; Phi-3 ships them fused
@@ -88,7 +88,7 @@ def test_pass_counters(driver):
     # every layer's write folded into its attention: one launch reads the step's K/V and writes them to the cache
     assert dict(step.pass_results)["fold_cache_writes"].counters == {"writes_folded": info.num_layers,
                                                                       "writes_unfolded": 0}
-    kv = [n for n in graph.find_nodes(op="placeholder") if n.name == step.context.kv][0]
+    kv = graph.find_nodes(op="placeholder")[step._kv_index]  # the state comes first, in the step's order
     for target in (torch.ops.specgraph.kv_write.default, torch.ops.specgraph.tree_attention.default,
                    torch.ops.aten.scatter_.src):
         assert not graph.find_nodes(op="call_function", target=target), target
@@ -113,7 +113,7 @@ def _assert_rope_folded(step, model):
     one cos/sin pair per rotary table."""
     layers = step.info.num_layers
     assert dict(step.pass_results)["fold_rotary"].counters == {"rotary_folded": layers, "rotary_unfolded": 0}
-    graph = step.program.graph_module.graph
+    graph = step.graph.graph
     folded = graph.find_nodes(op="call_function", target=torch.ops.specgraph.tree_attention_write.default)
     assert len(folded) == layers and all(len(n.args) == 11 for n in folded)
     assert not graph.find_nodes(op="call_function", target=torch.ops.aten.neg.default)
@@ -244,7 +244,7 @@ def test_skipping_speed_up_passes_keeps_logits_and_cache(settings):
     settings(skip_passes="fold_rotary, fold_cache_writes, fold_norms, fold_norms_rows")
     bare = Capture(model, 64).step(2, 1)
     assert [name for name, _ in bare.pass_results][-1] == "inplace_cache_writes"
-    graph = bare.program.graph_module.graph
+    graph = bare.graph.graph
     assert graph.find_nodes(op="call_function", target=torch.ops.aten.neg.default)  # RoPE left in the graph
     for step in (full, bare):
         step.kv.copy_(torch.randn(step.kv.shape, generator=torch.Generator().manual_seed(4)))

@@ -35,11 +35,11 @@ def test_multi_row_step_matches_the_unfolded_one(name, silu):
     else:
         assert counters == {"norms_folded": 2 * layers - 1, "silu_mul_folded": layers if silu else 0,
                             "rows_out_of_range": 0}
-        graph = step.program.graph_module.graph
+        graph = step.graph.graph
         assert len(graph.find_nodes(op="call_function", target=NORM_OUT)) == 2 * layers - 1
         readers = [n for n in graph.find_nodes(op="call_function", target=FUSED) if n.args[7] is not None]
         assert len(readers) == 2 * layers - 1  # one packed q/k/v or gate/up product per norm
-        rsqrts = [len(s.program.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default))
+        rsqrts = [len(s.graph.graph.find_nodes(op="call_function", target=torch.ops.aten.rsqrt.default))
                   for s in (plain, step)]
         assert rsqrts[0] - rsqrts[1] == 2 * layers - 1  # the folded norms' (Qwen3's q/k norms stay)
     assert_same_step(plain, step, torch.randint(3, 101, (1, 8), generator=torch.Generator().manual_seed(5)))
@@ -62,7 +62,7 @@ def test_rows_outside_the_kernels_range_are_left_alone(rows, out_of_range):
     step = _step(tiny_model("llama"), rows, True)
     assert dict(step.pass_results)["fold_norms_rows"].counters == {"norms_folded": 0, "silu_mul_folded": 0,
                                                                    "rows_out_of_range": out_of_range}
-    assert not step.program.graph_module.graph.find_nodes(op="call_function", target=NORM_OUT)
+    assert not step.graph.graph.find_nodes(op="call_function", target=NORM_OUT)
 
 
 def test_a_product_added_to_itself_is_not_a_producer():

@@ -1,0 +1,173 @@
+"""Captured steps kept on disk: a new process skips torch.export and the passes.
+
+A captured bucket (``capture.CapturedStep``) is the exported step rewritten by the pass pipeline:
+a flat ``torch.fx.GraphModule`` whose state (parameters, buffers, the KV cache) is passed in by
+position. What is kept is the graph's code and, for that state, where each tensor comes from:
+
+  - a tensor of the exported module (``capture.TreeStep``: the model's parameters and buffers, the
+    KV cache) by its qualified name, looked up again on the live model;
+  - a buffer a pass registered on the graph as a view of state (``fuse_projections``' joined
+    weights) by (state index, storage offset, size, stride), rebuilt over the live storage;
+  - anything else (a constant torch.export lifted) by value.
+
+The key covers what the graph depends on: specgraph's and the model class's source, torch and
+transformers versions, the model's config, the bucket, every state tensor's shape, dtype, stride and
+storage layout (the passes read the layout ``pack_projections`` made, never the values), the
+device and the settings. Whatever changes, the key does, and the step is captured afresh. Files are
+written atomically; one that cannot be read is ignored and rewritten. ``config.capture_cache``
+(``SPECGRAPH_CAPTURE_CACHE=0``) turns it off. A graph always goes through the same save / load
+round trip when the cache is on, so a cold and a warm process run the same code (and hit the same
+inductor cache entries).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+from . import config
+
+log = logging.getLogger(__name__)
+FORMAT = 1  # bump when what is stored changes
+
+
+def enabled(debug: bool | None, tp) -> bool:
+    """On unless switched off, debugging (each pass's log and dumps are wanted) or tensor-parallel
+    (the graph holds a rank's collectives)."""
+    return config.capture_cache and not debug and not config.debug and config.dump is None and tp is None
+
+
+@functools.cache
+def _package_digest() -> str:
+    """sha256 over specgraph's own source files: any code change makes new keys."""
+    root, digest = Path(__file__).parent, hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _file_digest(module_name: str) -> str:
+    path = getattr(sys.modules.get(module_name), "__file__", None)
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path and os.path.exists(path) else ""
+
+
+def key(model, module: torch.nn.Module, batch: int, nodes: int, max_length: int, taps, logits_rows) -> str:
+    """The cache key of one bucket of ``model`` (``module``: the TreeStep that would be exported)."""
+    tensors = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    storages: dict[int, int] = {}  # which tensors share a storage, numbered by first appearance
+    layout = [(name, tuple(t.shape), tuple(t.stride()), t.storage_offset(), str(t.dtype),
+               storages.setdefault(t.untyped_storage().data_ptr(), len(storages))) for name, t in tensors]
+    device = next(model.parameters()).device
+    settings = {k: sorted(v) if isinstance(v, frozenset) else str(v) for k, v in vars(config.settings()).items()
+                if k not in ("gguf", "cache", "dump")}
+    parts = dict(format=FORMAT, specgraph=_package_digest(), model_source=_file_digest(type(model).__module__),
+                 torch=torch.__version__, transformers=transformers.__version__, model=type(model).__name__,
+                 config=model.config.to_json_string(use_diff=False), bucket=[batch, nodes, max_length],
+                 taps=repr(taps), logits_rows=repr(logits_rows), layout=layout, device=device.type,
+                 capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+                 settings=settings)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _path(cache_key: str) -> Path:
+    return config.cache / "captures" / f"{cache_key}.pt"
+
+
+def store(cache_key: str, graph: torch.fx.GraphModule, targets: list[str], state: list[torch.Tensor],
+          module: torch.nn.Module, pass_results) -> tuple:
+    """Write the bucket (``graph``'s code, the sources of its state, ``targets[i]`` naming ``state[i]``,
+    and the passes' counters) and return what a load of it gives: (graph, state, pass_results). A graph
+    that cannot be kept, or a file that cannot be written, costs a later start its speed (logged), no
+    more: the graph comes back as it was."""
+    try:
+        blob = _dumps(graph, targets, state, module, pass_results)
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        log.warning("capture cache: this graph cannot be kept (%s: %s)", type(err).__name__, err)
+        return graph, state, pass_results
+    try:
+        path = _path(cache_key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+    except OSError as err:
+        log.warning("capture cache: not written (%s)", err)
+    return _loads(blob, module, module.kv.device)
+
+
+def load(cache_key: str, module: torch.nn.Module) -> tuple | None:
+    """(graph, state, pass_results) of the bucket, or None if it is not on disk or not readable."""
+    path = _path(cache_key)
+    if not path.exists():
+        return None
+    try:
+        return _loads(path.read_bytes(), module, module.kv.device)
+    except Exception as err:  # noqa: BLE001  (a stale or torn file: capture afresh, and overwrite it)
+        log.warning("capture cache: %s unreadable (%s: %s); capturing afresh", path.name, type(err).__name__, err)
+        return None
+
+
+def _dumps(graph, targets, state, module, pass_results) -> bytes:
+    named = {n: t for n, t in [*module.named_parameters(remove_duplicate=False),
+                               *module.named_buffers(remove_duplicate=False)]}
+    sources = [("module", target) if target in named and same_tensor(named[target], tensor) else ("value", tensor.cpu())
+               for target, tensor in zip(targets, state)]
+    by_storage = {t.untyped_storage().data_ptr(): i for i, t in enumerate(state)}
+    views, fused_from = {}, {}
+    for name, buffer in graph.named_buffers():
+        base = by_storage.get(buffer.untyped_storage().data_ptr())
+        if base is None:
+            raise TypeError(f"graph buffer {name} is no view of the step's state")
+        views[name] = (base, buffer.storage_offset(), tuple(buffer.shape), tuple(buffer.stride()))
+    for node in graph.graph.find_nodes(op="get_attr"):
+        if "fused_from" in node.meta:  # export.py reads it to un-join the weights
+            fused_from[node.target] = list(node.meta["fused_from"])
+    buffers, tracer = dict(graph.named_buffers()), graph._tracer_cls
+    try:  # the code alone: the buffers stand in empty, the exporting tracer (it needs a scope) left out
+        for name in buffers:
+            graph.register_buffer(name, torch.empty(0), persistent=False)
+        graph._tracer_cls = None
+        code = pickle.dumps(graph)
+    finally:
+        graph._tracer_cls = tracer
+        for name, buffer in buffers.items():
+            graph.register_buffer(name, buffer, persistent=False)
+    counters = [(name, r.modified, dict(r.counters)) for name, r in pass_results]
+    out = io.BytesIO()
+    torch.save(dict(format=FORMAT, code=code, sources=sources, views=views, fused_from=fused_from,
+                    counters=counters), out)
+    return out.getvalue()
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same tensor, maybe through another Python object (export's state dict holds its own)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+
+
+def _loads(blob: bytes, module, device) -> tuple:
+    from .passes.pass_result import PassResult
+
+    stored = torch.load(io.BytesIO(blob), weights_only=False)
+    if stored["format"] != FORMAT:
+        raise ValueError(f"format {stored['format']} != {FORMAT}")
+    named = {n: t for n, t in [*module.named_parameters(remove_duplicate=False),
+                               *module.named_buffers(remove_duplicate=False)]}
+    state = [named[ref] if kind == "module" else ref.to(device) for kind, ref in stored["sources"]]
+    graph = pickle.loads(stored["code"])
+    for name, (base, offset, size, stride) in stored["views"].items():
+        graph.register_buffer(name, torch.as_strided(state[base], size, stride, offset), persistent=False)
+    for node in graph.graph.find_nodes(op="get_attr"):
+        if node.target in stored["fused_from"]:
+            node.meta["fused_from"] = stored["fused_from"][node.target]
+    pass_results = [(name, PassResult(graph, modified, counters)) for name, modified, counters in stored["counters"]]
+    return graph, state, pass_results
