@@ -91,7 +91,8 @@ def store(cache_key: str, graph: torch.fx.GraphModule, targets: list[str], state
     more: the graph comes back as it was."""
     try:
         blob = _dumps(graph, targets, state, module, pass_results)
-    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        loaded = _loads(blob, module, module.kv.device)
+    except Exception as err:  # noqa: BLE001  (the cache may cost speed, never a compile)
         log.warning("capture cache: this graph cannot be kept (%s: %s)", type(err).__name__, err)
         return graph, state, pass_results
     try:
@@ -102,7 +103,7 @@ def store(cache_key: str, graph: torch.fx.GraphModule, targets: list[str], state
         os.replace(tmp, path)
     except OSError as err:
         log.warning("capture cache: not written (%s)", err)
-    return _loads(blob, module, module.kv.device)
+    return loaded
 
 
 def load(cache_key: str, module: torch.nn.Module) -> tuple | None:

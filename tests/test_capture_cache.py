@@ -73,14 +73,17 @@ def test_the_loaded_step_reads_the_live_weights_not_a_copy(cache_on, monkeypatch
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_generate_from_a_warm_cache_is_token_exact(cache_on, monkeypatch):
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_generate_from_a_warm_cache_is_token_exact(backend, cache_on, monkeypatch, aot_eager_compile):
+    """Eager, and the whole step compiled (dynamo over the loaded graph; aot_eager stands in for inductor)."""
     model = tiny_model("qwen3")
     rows = prompts(3, [9, 30])
-    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_batch=2, max_cache_len=128)
+    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_batch=2, max_cache_len=128, backend=backend)
     assert_greedy_matches_hf(model, spec, rows, 16)
     Capture.release(model)  # a new process: nothing of the first compile's captures in memory
+    torch._dynamo.reset()
     no_export(monkeypatch)
-    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_batch=2, max_cache_len=128)
+    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_batch=2, max_cache_len=128, backend=backend)
     assert_greedy_matches_hf(model, spec, rows, 16)
 
 
