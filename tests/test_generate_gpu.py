@@ -68,3 +68,28 @@ def test_the_default_configuration_is_token_exact(smollm2_cuda):
                               eos_token_id=None, pad_token_id=0)
         assert out.sequences.tolist() == want.tolist(), question
         assert max(max(step) for step in out.accept_lens) > 1  # it speculated
+
+
+@torch.no_grad()
+def test_the_default_configuration_from_a_warm_capture_cache_is_token_exact(smollm2_cuda, settings, tmp_path,
+                                                                           monkeypatch):
+    """A user's second process: the captured buckets come from the capture cache (on by default; the suite
+    turns it off), then inductor and the CUDA graphs over the loaded graphs: the same tokens as HF."""
+    from specgraph.capture import Capture
+    from specgraph.models import load_default_draft
+
+    settings(capture_cache=True, cache=tmp_path)
+    model, tokenizer = smollm2_cuda
+    draft = load_default_draft().to(device="cuda", dtype=torch.float32)
+    ids = torch.tensor([chat(tokenizer, QUESTIONS[0])], device="cuda")
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
+                          eos_token_id=None, pad_token_id=0)
+    for warm in (False, True):
+        Capture.release(model)  # a new process: no captured bucket in memory
+        torch._dynamo.reset()
+        if warm:
+            monkeypatch.setattr(torch.export, "export", lambda *a, **k: pytest.fail("torch.export ran on a warm start"))
+        spec = specgraph.compile(model, draft, max_cache_len=512)
+        assert spec.generate(ids, max_new_tokens=64, eos_token_id=None).tolist() == want.tolist(), f"warm={warm}"
+    assert any((tmp_path / "captures").glob("*.pt"))
+    Capture.release(model)
