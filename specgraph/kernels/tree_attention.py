@@ -410,6 +410,17 @@ def tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale: f
     return out.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
 
 
+def slots_in_use(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor):
+    """CPU op bodies: the caches cut after the last slot any row may read (its committed slots and the
+    window after them), so the reference's cost follows the context, not max_cache_len; the slots cut
+    are masked anyway. Real tensors only (an op body, never the decomposition), and only on the CPU,
+    where reading cache_len is no device sync."""
+    if k_cache.device.type != "cpu":
+        return k_cache, v_cache
+    used = min(k_cache.shape[2], int(cache_len.max()) + WINDOW_SLOTS)
+    return k_cache[:, :, :used], v_cache[:, :, :used]
+
+
 @torch.library.custom_op("specgraph::tree_attention_mask", mutates_args=())
 def tree_attention_mask(cache_len: torch.Tensor, tree_mask: torch.Tensor, s_max: int, window: int) -> torch.Tensor:
     """The tree_attention contract as a dense boolean SDPA mask ``[B, 1, R, S_max]``.
@@ -435,9 +446,9 @@ def reference_only(q: torch.Tensor) -> bool:
 @torch.library.custom_op("specgraph::tree_attention", mutates_args=())
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor,
                    tree_mask: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """Tree-masked attention (contract in the module docstring). CPU: the reference."""
+    """Tree-masked attention (contract in the module docstring). CPU: the reference over the slots in use."""
     _check(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
-    return tree_attention_reference(q, k_cache, v_cache, cache_len, tree_mask, scale, window)
+    return tree_attention_reference(q, *slots_in_use(k_cache, v_cache, cache_len), cache_len, tree_mask, scale, window)
 
 
 @tree_attention.register_kernel("cuda")

@@ -15,7 +15,7 @@ import torch
 
 from .bitmask import low_bits
 from .kv_write import kv_write_reference
-from .tree_attention import (WINDOW_SLOTS, _check, reference_only, rows_major, tree_attention_reference,
+from .tree_attention import (WINDOW_SLOTS, _check, reference_only, rows_major, slots_in_use, tree_attention_reference,
                              tree_attention_triton)
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -26,17 +26,20 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def tree_attention_write_reference(q, kv, layer: int, key, value, cache_len, tree_mask, scale: float,
-                                   window: int, cos=None, sin=None) -> torch.Tensor:
+                                   window: int, cos=None, sin=None, trim: bool = False) -> torch.Tensor:
     """Plain torch: write row i's K/V at slot ``cache_len + i`` of layer ``layer`` (in place), then
     ``tree_attention`` over the layer's caches with only window slots ``0 .. R-1`` nameable. With
-    ``cos``/``sin``, q and key are rotated first (``rotary_reference``)."""
+    ``cos``/``sin``, q and key are rotated first (``rotary_reference``). ``trim`` (the CPU op body):
+    attend over ``slots_in_use`` only."""
     if cos is not None:
         q, key = rotary_reference(q, cos, sin), rotary_reference(key, cos, sin)
     b, _, r, _ = key.shape
     slots = cache_len.to(torch.int64).view(b, 1) + torch.arange(r, device=key.device)  # [B, R]
     kv_write_reference(kv, layer, slots.view(b, 1, r, 1).expand_as(key), key, value)
     own = tree_mask if r == WINDOW_SLOTS else low_bits(tree_mask, r)
-    return tree_attention_reference(q, kv[2 * layer], kv[2 * layer + 1], cache_len, own, scale, window)
+    caches = kv[2 * layer], kv[2 * layer + 1]
+    return tree_attention_reference(q, *(slots_in_use(*caches, cache_len) if trim else caches), cache_len, own, scale,
+                                    window)
 
 
 def _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos=None, sin=None) -> None:
@@ -69,9 +72,10 @@ def tree_attention_write(q: torch.Tensor, kv: torch.Tensor, layer: int, key: tor
     [B, H_kv, R, D]; kv [2L, B, H_kv, S_max, D] written in place; out [B, H, R, D] (``rows_major``).
     Window slots >= R are not read (in a step the mask names only rows of this step). With ``cos``,
     ``sin`` [B, R, D], q and key arrive unrotated and the op applies RoPE (``rotary_reference``) first.
-    CPU: the reference."""
+    CPU: the reference over the slots in use."""
     _check_write(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
-    return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin)
+    return tree_attention_write_reference(q, kv, layer, key, value, cache_len, tree_mask, scale, window, cos, sin,
+                                          trim=True)
 
 
 @tree_attention_write.register_kernel("cuda")

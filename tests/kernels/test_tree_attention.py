@@ -25,6 +25,21 @@ def test_reference_matches_per_path_sdpa(seed):
     torch.testing.assert_close(got.double(), oracle(case), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_cpu_op_reads_only_the_slots_in_use(seed):
+    """The CPU op body attends over the slots up to the last one a row may read (slots_in_use): the same
+    output as the float64 oracle and the reference over the whole cache, with NaN in every slot past
+    the window (a read of one would show), in a cache far longer than the context."""
+    case = make_case(seed, s_max=600, dtype=torch.float64)
+    case.cache_len.clamp_(max=200)
+    for row in range(case.q.shape[0]):
+        case.k[row, :, int(case.cache_len[row]) + 64:] = float("nan")
+        case.v[row, :, int(case.cache_len[row]) + 64:] = float("nan")
+    got = torch.ops.specgraph.tree_attention(*case.args())
+    torch.testing.assert_close(got.double(), oracle(case), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, tree_attention_reference(*case.args()), atol=1e-12, rtol=1e-12)
+
+
 def test_chain_mask_is_causal_attention():
     b, h, n, d, s_max = 2, 4, 12, 32, 64
     g = torch.Generator().manual_seed(0)
