@@ -1,9 +1,9 @@
 """Time to first token in a fresh process, cold and warm (issue: a fast start).
 
-    python3 benchmarks/first_token.py [--tiny] [--backend auto] [--runs 2] [--warmup] [--out FILE.json]
+    python3 benchmarks/first_token.py [--tiny] [--device cuda|cpu] [--backend auto] [--runs 2] [--warmup] [--out FILE.json]
 
 Each run is a new Python process that imports specgraph, loads the target (the embedded SmolLM2 in bf16
-on CUDA, or with ``--tiny`` a 4-layer random Llama on the CPU), compiles it with the default draft and
+on CUDA, in fp32 on the CPU with ``--device cpu``, or with ``--tiny`` a 4-layer random Llama on the CPU), compiles it with the default draft and
 settings (``specgraph.compile(model, load_default_draft())``: backend "auto"; NGram with ``--tiny``)
 and generates one token of an MT-bench prompt; it reports the seconds from process start to that token
 how much of it the captures took (torch.export and the passes, per bucket), and how many of inductor's
@@ -25,7 +25,7 @@ from pathlib import Path
 CHILD = r"""
 import json, logging, sys, time
 start = float(sys.argv[1]); tiny = sys.argv[2] == "1"; warm = sys.argv[3] == "1"; backend = sys.argv[4]
-capture_dir = sys.argv[5]
+capture_dir, device = sys.argv[5], sys.argv[6]
 import torch
 import specgraph
 from torch._dynamo.utils import counters
@@ -48,9 +48,9 @@ else:
     from specgraph.models import load_default_draft, load_gguf
     from specgraph.train.evaluate import prompt_set
     model, tok = load_gguf()
-    model = model.to("cuda", torch.bfloat16)
+    model = model.to("cuda", torch.bfloat16) if device == "cuda" else model  # the CPU: fp32, as loaded
     draft = load_default_draft()
-    text = tok.apply_chat_template([{"role": "user", "content": prompt_set("mt-bench", 1)[0]}], tokenize=False,
+    text = tok.apply_chat_template([{"role": "user", "content": prompt_set("mt-bench", 1)[0]["turns"][0]}], tokenize=False,
                                    add_generation_prompt=True)
     ids = tok(text, return_tensors="pt").input_ids.tolist()
 marks["load"] = time.time() - start
@@ -67,10 +67,10 @@ print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(sp
 """
 
 
-def run_once(cache: str, tiny: bool, warmup: bool, backend: str) -> dict:
+def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend,
-                           str(Path(cache) / "specgraph")],
+                           str(Path(cache) / "specgraph"), device],
                           env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"child failed:\n{done.stderr[-3000:]}")
@@ -84,12 +84,14 @@ def main() -> None:
     parser.add_argument("--warmup", action="store_true", help="call spec.warmup() before the first generate")
     parser.add_argument("--backend", default="auto", choices=["auto", "eager", "inductor"],
                         help="compile's backend (auto, the default: inductor on CUDA, eager on the CPU)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="where SmolLM2 runs: cuda (bf16, the default) or cpu (fp32); --tiny is always the CPU")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="inductor-cache-") as cache:
         for i in range(args.runs):
-            r = run_once(cache, args.tiny, args.warmup, args.backend)
+            r = run_once(cache, args.tiny, args.warmup, args.backend, args.device)
             r["run"] = "cold" if i == 0 else "warm"
             rows.append(r)
             m = r["marks"]
@@ -101,7 +103,12 @@ def main() -> None:
                   f"{len(r['capture_loaded_s'])} loaded in {sum(r['capture_loaded_s']):.1f}); FX-graph cache "
                   f"{hits} hits / {misses} misses; {r['tree']}", flush=True)
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=2))
+        import torch
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
+                                        "command": "python3 benchmarks/first_token.py " + " ".join(sys.argv[1:]),
+                                        "device": args.device, "runs": rows}, indent=2))
 
 
 if __name__ == "__main__":
