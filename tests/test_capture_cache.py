@@ -135,3 +135,20 @@ def test_onnx_export_of_a_loaded_step_still_unjoins_the_weights(cache_on, tmp_pa
     step = driver.capture.step(1, 4)
     assert any("fused_from" in n.meta for n in step.graph.graph.find_nodes(op="get_attr"))
     export_onnx(driver.capture, specgraph.Chain(3), tmp_path / "step.onnx", batch=1)
+
+
+def test_a_second_process_loads_every_bucket(tmp_path):
+    """Across processes (benchmarks/first_token.py --tiny: each run a fresh Python, sharing the cache folders):
+    the first captures its buckets, the second loads all of them and captures none."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_token.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--runs", "2", "--out", str(tmp_path / "ft.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cold, warm = json.loads((tmp_path / "ft.json").read_text())["runs"]
+    assert len(cold["capture_s"]) >= 2 and cold["capture_loaded_s"] == []
+    assert warm["capture_s"] == [] and len(warm["capture_loaded_s"]) == len(cold["capture_s"])
