@@ -173,14 +173,13 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         tree = draft.default_tree(device, max_batch if isinstance(max_batch, int) else 1)
         if policy == "fixed" and synthetic_accept is None and isinstance(max_batch, int) and max_batch > 1:
             one_row_tree = draft.default_tree(device, 1)  # the policies' modes all derive from one tree
-            one_row_tree = None if one_row_tree == tree else one_row_tree
+            if one_row_tree == tree or not _default_fits(model, draft, one_row_tree, max_cache_len):
+                one_row_tree = None  # a default the user did not ask for is dropped, never a refusal
         log.info("tree=None -> %s (%s's default on %s, max_batch=%s)%s", tree, type(draft).__name__, device.type,
                  max_batch, f"; one-row calls: {one_row_tree}" if one_row_tree is not None else "")
     if isinstance(draft, NGram) and not isinstance(tree, Chain):
         blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
     blockers += draft.tree_problems(draft_tree(tree))
-    if one_row_tree is not None:
-        blockers += draft.tree_problems(draft_tree(one_row_tree))
     blockers += draft.bind(model)
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
@@ -193,12 +192,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     blockers += _verify_problems(verify, typical, synthetic_accept)
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
-    widest = max(tree.num_nodes, one_row_tree.num_nodes if one_row_tree is not None else 0)
-    if not isinstance(max_cache_len, int) or max_cache_len <= widest:
-        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({widest} nodes)")
+    if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
+        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
     try:
-        blockers += [f"layer {i}: sliding window {w} <= tree of {widest} nodes; use a smaller tree"
-                     for i, w in TargetInfo.from_model(model).narrow_windows(widest)]
+        blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
+                     for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
     except CompileError as err:
         blockers += err.blockers
     tp, tp_blockers = parallel.resolve(tp)
@@ -224,6 +222,17 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                       stacklevel=2)
     return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy,
                                               verify, typical, one_row_tree))
+
+
+def _default_fits(model, draft, tree, max_cache_len) -> bool:
+    """Whether ``draft`` can fill ``tree``, the cache holds it and no sliding window of ``model`` is narrower."""
+    if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
+        return False
+    try:
+        return not draft.tree_problems(draft_tree(tree)) and not TargetInfo.from_model(model).narrow_windows(
+            tree.num_nodes)
+    except CompileError:  # the model itself is refused below, with every blocker
+        return False
 
 
 def draft_tree(tree):

@@ -174,3 +174,6 @@ def test_one_row_calls_take_the_one_row_default_under_a_larger_max_batch(monkeyp
     # a tree named by the user is every call's; so is the one a policy's modes derive from
     assert specgraph.compile(model, draft, tree=Chain(4), max_batch=3, max_cache_len=256).config.tree_for(1) == Chain(4)
     assert specgraph.compile(model, draft, max_batch=3, max_cache_len=256, policy="cost").config.one_row_tree is None
+    # a default the cache cannot hold is dropped, not refused (the user asked for neither tree)
+    small = specgraph.compile(model, draft, max_batch=3, max_cache_len=one_row.num_nodes)
+    assert small.config.one_row_tree is None and small.config.tree_for(1) == Chain(4)
