@@ -38,6 +38,7 @@ from . import config
 
 log = logging.getLogger(__name__)
 FORMAT = 1  # bump when what is stored changes
+KEEP = 256  # files kept (the least recently used go): a few hundred kB each, and any code change makes new keys
 
 
 def enabled(debug: bool | None, tp) -> bool:
@@ -101,6 +102,9 @@ def store(cache_key: str, graph: torch.fx.GraphModule, targets: list[str], state
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(blob)
         os.replace(tmp, path)
+        others = sorted((p for p in path.parent.glob("*.pt") if p != path), key=lambda p: p.stat().st_mtime)
+        for old in others[: max(0, len(others) - (KEEP - 1))]:  # this one stays, whatever the clock says
+            old.unlink(missing_ok=True)
     except OSError as err:
         log.warning("capture cache: not written (%s)", err)
     return loaded
@@ -112,7 +116,9 @@ def load(cache_key: str, module: torch.nn.Module) -> tuple | None:
     if not path.exists():
         return None
     try:
-        return _loads(path.read_bytes(), module, module.kv.device)
+        loaded = _loads(path.read_bytes(), module, module.kv.device)
+        os.utime(path)  # recently used: kept the longest
+        return loaded
     except Exception as err:  # noqa: BLE001  (a stale or torn file: capture afresh, and overwrite it)
         log.warning("capture cache: %s unreadable (%s: %s); capturing afresh", path.name, type(err).__name__, err)
         return None

@@ -152,3 +152,14 @@ def test_a_second_process_loads_every_bucket(tmp_path):
     cold, warm = json.loads((tmp_path / "ft.json").read_text())["runs"]
     assert len(cold["capture_s"]) >= 2 and cold["capture_loaded_s"] == []
     assert warm["capture_s"] == [] and len(warm["capture_loaded_s"]) == len(cold["capture_s"])
+
+
+def test_only_the_most_recently_used_files_are_kept(cache_on, monkeypatch):
+    monkeypatch.setattr(capture_cache, "KEEP", 2)
+    model = tiny_model("llama")
+    capture = Capture(model, 64)
+    for nodes in (1, 2, 3):
+        capture.step(1, nodes)
+    assert len(list(cache_on.glob("*.pt"))) == 2
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: pytest.fail("the newest file was deleted"))
+    Capture(model, 64).step(1, 3)
