@@ -331,7 +331,7 @@ def main() -> None:
             head = head.to(device, torch.bfloat16)
             trees = {text: parse_tree(text) for text in args.profile_draft_trees}
             save(section, **{text: profile_section(spec_for(head, tree, accept=1), prompt, args, device,
-                                                   f"profile-draft-{text.replace(':', '').replace(',', '-')}",
+                                                   f"profile-draft-{text.replace(':', '').replace(',', '-').replace('+', '_')}",
                                                    nodes=tree.num_nodes)
                              for text, tree in trees.items()})
     print(json.dumps(res, indent=2))
