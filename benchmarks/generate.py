@@ -48,6 +48,7 @@ steps and wall time of that (profiled, so slower) call.
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import time
 from pathlib import Path
@@ -222,7 +223,7 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
                               policy_tau={m: spec.policy.expected_tau(m) for m in spec.modes})
             first = [run_specgraph(spec, [row], 1, t)[1] for row in rows]
             if args.profile and args.out and name == next(iter(sets)):  # one profile, on the first set
-                profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{method}.txt")
+                profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{re.sub(r'[^A-Za-z0-9._-]', '_', method)}.txt")
             chosen["tree"] = str(spec.config.tree)  # sg_default: the tree compile chose
             entries[name] = (outs, elapsed, tau, first, chosen)
     setup = time.perf_counter() - start - sum(e[1] + sum(e[3]) for e in entries.values())
