@@ -48,8 +48,8 @@ steps and wall time of that (profiled, so slower) call.
 from __future__ import annotations
 
 import argparse
-import re
 import json
+import re
 import time
 from pathlib import Path
 
