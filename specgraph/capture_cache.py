@@ -64,7 +64,7 @@ def _file_digest(module_name: str) -> str:
 
 def key(model, module: torch.nn.Module, batch: int, nodes: int, max_length: int, taps, logits_rows) -> str:
     """The cache key of one bucket of ``model`` (``module``: the TreeStep that would be exported)."""
-    tensors = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    tensors = _named_tensors(module).items()
     storages: dict[int, int] = {}  # which tensors share a storage, numbered by first appearance
     layout = [(name, tuple(t.shape), tuple(t.stride()), t.storage_offset(), str(t.dtype),
                storages.setdefault(t.untyped_storage().data_ptr(), len(storages))) for name, t in tensors]
@@ -78,6 +78,11 @@ def key(model, module: torch.nn.Module, batch: int, nodes: int, max_length: int,
                  capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
                  settings=settings)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by qualified name, tied ones under each of their names."""
+    return dict([*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)])
 
 
 def _path(cache_key: str) -> Path:
@@ -125,8 +130,7 @@ def load(cache_key: str, module: torch.nn.Module) -> tuple | None:
 
 
 def _dumps(graph, targets, state, module, pass_results) -> bytes:
-    named = {n: t for n, t in [*module.named_parameters(remove_duplicate=False),
-                               *module.named_buffers(remove_duplicate=False)]}
+    named = _named_tensors(module)
     sources = [("module", target) if target in named and same_tensor(named[target], tensor) else ("value", tensor.cpu())
                for target, tensor in zip(targets, state)]
     by_storage = {t.untyped_storage().data_ptr(): i for i, t in enumerate(state)}
@@ -167,8 +171,7 @@ def _loads(blob: bytes, module, device) -> tuple:
     stored = torch.load(io.BytesIO(blob), weights_only=False)
     if stored["format"] != FORMAT:
         raise ValueError(f"format {stored['format']} != {FORMAT}")
-    named = {n: t for n, t in [*module.named_parameters(remove_duplicate=False),
-                               *module.named_buffers(remove_duplicate=False)]}
+    named = _named_tensors(module)
     state = [named[ref] if kind == "module" else ref.to(device) for kind, ref in stored["sources"]]
     graph = pickle.loads(stored["code"])
     for name, (base, offset, size, stride) in stored["views"].items():
