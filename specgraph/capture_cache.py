@@ -13,7 +13,7 @@ position. What is kept is the graph's code and, for that state, where each tenso
 The key covers what the graph depends on: specgraph's and the model class's source, torch and
 transformers versions, the model's config, the bucket, every state tensor's shape, dtype, stride and
 storage layout (the passes read the layout ``pack_projections`` made, never the values), the
-device and the settings. Whatever changes, the key does, and the step is captured afresh. Files are
+device (with its index: an exported graph names it) and the settings. Whatever changes, the key does, and the step is captured afresh. Files are
 written atomically; one that cannot be read is ignored and rewritten. ``config.capture_cache``
 (``SPECGRAPH_CAPTURE_CACHE=0``) turns it off. A graph always goes through the same save / load
 round trip when the cache is on, so a cold and a warm process run the same code (and hit the same
@@ -74,7 +74,7 @@ def key(model, module: torch.nn.Module, batch: int, nodes: int, max_length: int,
     parts = dict(format=FORMAT, specgraph=_package_digest(), model_source=_file_digest(type(model).__module__),
                  torch=torch.__version__, transformers=transformers.__version__, model=type(model).__name__,
                  config=model.config.to_json_string(use_diff=False), bucket=[batch, nodes, max_length],
-                 taps=repr(taps), logits_rows=repr(logits_rows), layout=layout, device=device.type,
+                 taps=repr(taps), logits_rows=repr(logits_rows), layout=layout, device=str(device),
                  capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
                  settings=settings)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
