@@ -12,9 +12,10 @@ position. What is kept is the graph's code and, for that state, where each tenso
 
 The key covers what the graph depends on: specgraph's and the model class's source, torch and
 transformers versions, the model's config, the bucket, every state tensor's shape, dtype, stride and
-storage layout (the passes read the layout ``pack_projections`` made, never the values), the
-device (with its index: an exported graph names it) and the settings. Whatever changes, the key does, and the step is captured afresh. Files are
-written atomically; one that cannot be read is ignored and rewritten. ``config.capture_cache``
+storage layout (the passes read the layout ``pack_projections`` made, never the values), the device
+with its index (an exported graph names it) and the settings. Whatever changes, the key does, and
+the step is captured afresh. Files are written atomically; one that cannot be read is ignored and
+rewritten; the ``KEEP`` most recently used stay. ``config.capture_cache``
 (``SPECGRAPH_CAPTURE_CACHE=0``) turns it off. A graph always goes through the same save / load
 round trip when the cache is on, so a cold and a warm process run the same code (and hit the same
 inductor cache entries).
