@@ -173,13 +173,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         tree = draft.default_tree(device, max_batch if isinstance(max_batch, int) else 1)
         if policy == "fixed" and synthetic_accept is None and isinstance(max_batch, int) and max_batch > 1:
             one_row_tree = draft.default_tree(device, 1)  # the policies' modes all derive from one tree
-            if one_row_tree == tree or not _default_fits(model, draft, one_row_tree, max_cache_len):
+            if one_row_tree == tree or _tree_blockers(model, draft, one_row_tree, max_cache_len):
                 one_row_tree = None  # a default the user did not ask for is dropped, never a refusal
         log.info("tree=None -> %s (%s's default on %s, max_batch=%s)%s", tree, type(draft).__name__, device.type,
                  max_batch, f"; one-row calls: {one_row_tree}" if one_row_tree is not None else "")
-    if isinstance(draft, NGram) and not isinstance(tree, Chain):
-        blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
-    blockers += draft.tree_problems(draft_tree(tree))
+    blockers += _tree_blockers(model, draft, tree, max_cache_len)
     blockers += draft.bind(model)
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
@@ -192,13 +190,6 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     blockers += _verify_problems(verify, typical, synthetic_accept)
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
-    if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
-        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
-    try:
-        blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
-                     for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
-    except CompileError as err:
-        blockers += err.blockers
     tp, tp_blockers = parallel.resolve(tp)
     blockers += tp_blockers
     if tp is not None:
@@ -224,15 +215,21 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                                               verify, typical, one_row_tree))
 
 
-def _default_fits(model, draft, tree, max_cache_len) -> bool:
-    """Whether ``draft`` can fill ``tree``, the cache holds it and no sliding window of ``model`` is narrower."""
+def _tree_blockers(model, draft, tree, max_cache_len) -> list[str]:
+    """Why ``tree`` cannot run (empty: it can): the draft cannot fill it, the cache cannot hold it, or a
+    sliding window of ``model`` is narrower (or the model itself is refused)."""
+    blockers = []
+    if isinstance(draft, NGram) and not isinstance(tree, Chain):
+        blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
+    blockers += draft.tree_problems(draft_tree(tree))
     if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
-        return False
+        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
     try:
-        return not draft.tree_problems(draft_tree(tree)) and not TargetInfo.from_model(model).narrow_windows(
-            tree.num_nodes)
-    except CompileError:  # the model itself is refused below, with every blocker
-        return False
+        blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
+                     for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
+    except CompileError as err:
+        blockers += err.blockers
+    return blockers
 
 
 def draft_tree(tree):
@@ -319,6 +316,11 @@ class SpecModel:
             self.policy = CostPolicy({m: depths.get(m) for m in self.modes}, table, budgets)
         self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
 
+    def mode(self, name: str, batch: int) -> tuple:
+        """(draft, tree) that mode ``name`` runs for a call of ``batch`` rows (the tree mode: ``tree_for``)."""
+        draft, tree = self.modes[name]
+        return (draft, self.config.tree_for(batch)) if name == "tree" else (draft, tree)
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
         ``[B, T]`` (left padding; B <= max_batch); ``max_new_tokens`` / ``max_length``,
@@ -397,8 +399,7 @@ class SpecModel:
         stopping = stopping_criteria(kwargs, gen)
         with self.capture.lock:  # SpecModels of one model share its caches: one call at a time
             mode = self.policy.choose(b) if self.policy else "tree"
-            draft, tree = self.modes[mode]
-            tree = self.config.tree_for(b) if mode == "tree" else tree
+            draft, tree = self.mode(mode, b)
             start = time.perf_counter()
             result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
                                           self.config.max_cache_len, sampling, stopping, streamer,
@@ -445,8 +446,8 @@ class SpecModel:
         first = {}
         with self.capture.lock:
             for b in batch_sizes:
-                for mode, (draft, tree) in self.modes.items():
-                    tree = self.config.tree_for(b) if mode == "tree" else tree
+                for mode in self.modes:
+                    draft, tree = self.mode(mode, b)
                     for s in samplings:
                         start = time.perf_counter()
                         run(draft, tree, b, 4, s)

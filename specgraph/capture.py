@@ -242,11 +242,11 @@ class CapturedStep:
             program, _ = export_tree_step(model, batch, nodes, max_length, module=module)
             context = graph_context(program, self.info, taps, logits_rows, tp)
             pass_results = run_pipeline(program.graph_module, context, debug)
-            state = {**program.state_dict, **program.constants}
+            tensors = {**program.state_dict, **program.constants}
             targets = [s.target for s in program.graph_signature.input_specs if s.kind.name != "USER_INPUT"]
-            loaded = program.graph_module, [state[t] for t in targets], pass_results
-            if cache_key:  # through the same round trip as a warm start's load: both run the same code
-                loaded = capture_cache.store(cache_key, loaded[0], targets, loaded[1], module, pass_results)
+            state = [tensors[t] for t in targets]
+            loaded = (capture_cache.store(cache_key, program.graph_module, targets, state, module, pass_results)
+                      if cache_key else (program.graph_module, state, pass_results))  # stored: a warm start's code
         self.graph, self._state, self.pass_results = loaded
         self._kv_index = next(i for i, t in enumerate(self._state) if capture_cache.same_tensor(t, module.kv))
         self._state[self._kv_index] = module.kv  # the batch size's live cache, shared by its buckets
