@@ -8,7 +8,7 @@ settings (``specgraph.compile(model, load_default_draft())``: backend "auto"; NG
 and generates one token of an MT-bench prompt; it reports the seconds from process start to that token
 how much of it the captures took (torch.export and the passes, per bucket), and how many of inductor's
 FX-graph and AOTAutograd cache lookups hit, and how many buckets came from specgraph's capture cache
-(capture_cache.py). The first run uses empty inductor and capture cache folders (cold); the later ones
+(capture_cache.py). The first run uses empty inductor, Triton and capture cache folders (cold); the later ones
 reuse them (warm: what a second process on the same machine sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
 """
 from __future__ import annotations
@@ -68,7 +68,9 @@ print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(sp
 
 
 def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    # inductor's and Triton's kernel caches both under the run's folder: the first process starts from nothing
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=str(Path(cache) / "triton"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend,
                            str(Path(cache) / "specgraph"), device],
                           env=env, capture_output=True, text=True)
