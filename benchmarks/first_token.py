@@ -7,8 +7,8 @@ on CUDA, in fp32 on the CPU with ``--device cpu``, or with ``--tiny`` a 4-layer 
 settings (``specgraph.compile(model, load_default_draft())``: backend "auto"; NGram with ``--tiny``)
 and generates one token of an MT-bench prompt; it reports the seconds from process start to that token
 how much of it the captures took (torch.export and the passes, per bucket), and how many of inductor's
-FX-graph and AOTAutograd cache lookups hit, and how many buckets came from specgraph's capture cache
-(capture_cache.py). The first run uses empty inductor, Triton and capture cache folders (cold); the later ones
+FX-graph and AOTAutograd cache lookups hit, how many buckets came from specgraph's capture cache
+(capture_cache.py) and how many compiled frames from its compiled-frame cache (compiled_cache.py). The first run uses empty inductor, Triton and capture cache folders (cold); the later ones
 reuse them (warm: what a second process on the same machine sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
 """
 from __future__ import annotations
@@ -31,12 +31,17 @@ import specgraph
 from torch._dynamo.utils import counters
 captures = []  # seconds of each bucket's capture (torch.export and the passes), from specgraph's log
 loaded = []  # the same for buckets loaded from specgraph's capture cache (capture_cache.py)
+frames = []  # seconds of each compiled frame loaded from specgraph's compiled-frame cache (compiled_cache.py)
 class Captured(logging.Handler):
     def emit(self, record):
-        if record.msg.endswith(" in %.1f s"):
+        if record.name == "specgraph.compiled_cache":
+            if "loaded from the compiled-frame cache" in record.msg:
+                frames.append(record.args[-1])
+        elif record.msg.endswith(" in %.1f s"):
             (loaded if record.args[0].startswith("loaded") else captures).append(record.args[1])
-logging.getLogger("specgraph.capture").addHandler(Captured())
-logging.getLogger("specgraph.capture").setLevel(logging.INFO)
+for name in ("specgraph.capture", "specgraph.compiled_cache"):
+    logging.getLogger(name).addHandler(Captured())
+    logging.getLogger(name).setLevel(logging.INFO)
 marks = {"import": time.time() - start}
 if tiny:
     import transformers
@@ -62,7 +67,7 @@ with specgraph.config.patch(cache=capture_dir):  # the captures' own folder: col
     out = spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
     marks["first_token"] = time.time() - start
 print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(spec.config.tree),
-                  "capture_s": captures, "capture_loaded_s": loaded, "inductor": dict(counters["inductor"]),
+                  "capture_s": captures, "capture_loaded_s": loaded, "frames_loaded_s": frames, "inductor": dict(counters["inductor"]),
                   "aot_autograd": dict(counters["aot_autograd"])}))
 """
 
@@ -102,7 +107,8 @@ def main() -> None:
             print(f"{r['run']:>5} ({r['backend']}): first token {m['first_token']:6.1f} s  (import {m['import']:.1f}, "
                   f"load {m['load'] - m['import']:.1f}, compile {m['compile'] - m['load']:.1f}, generate "
                   f"{m['first_token'] - m['compile']:.1f} of which capture {sum(r['capture_s']):.1f}, "
-                  f"{len(r['capture_loaded_s'])} loaded in {sum(r['capture_loaded_s']):.1f}); FX-graph cache "
+                  f"{len(r['capture_loaded_s'])} loaded in {sum(r['capture_loaded_s']):.1f}; compiled frames: "
+                  f"{len(r.get('frames_loaded_s', []))} loaded in {sum(r.get('frames_loaded_s', [])):.1f}); FX-graph cache "
                   f"{hits} hits / {misses} misses; {r['tree']}", flush=True)
     if args.out:
         import torch

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import capture_cache, config, kernels  # noqa: F401  (kernels registers the specgraph ops)
+from . import capture_cache, compiled_cache, config, kernels  # noqa: F401  (kernels registers the specgraph ops)
 from .errors import CompileError
 from .kernels.bitmask import MAX_NODES
 from .passes.fuse_projections import pack_projections
@@ -237,6 +237,7 @@ class CapturedStep:
         cache_key = (capture_cache.key(model, module, batch, nodes, max_length, taps, logits_rows)
                      if capture_cache.enabled(debug, tp) else None)
         loaded = capture_cache.load(cache_key, module) if cache_key else None
+        self.cache_key = cache_key  # None: the capture cache is off for this bucket
         self.from_cache = loaded is not None  # no torch.export, no passes: an earlier process's graph
         if loaded is None:
             program, _ = export_tree_step(model, batch, nodes, max_length, module=module)
@@ -298,8 +299,9 @@ class Capture:
             step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug,
                                 taps, logits_rows)
             self._kv.setdefault(batch, step.kv)
-            if self.backend == "inductor":
-                step.run = torch.compile(step.graph, backend="inductor", fullgraph=True, dynamic=False)
+            if self.backend == "inductor":  # compiled; with the capture cache on, kept across processes
+                step.run = compiled_cache.compile_frame(step.graph.forward, compiled_cache.key(step.cache_key, "target"),
+                                                        f"target's bucket (B={batch}, {nodes} rows)")
             self._steps[key] = step
             log.info("%s in %.1f s", "loaded from the capture cache" if step.from_cache else "captured",
                      time.perf_counter() - start)

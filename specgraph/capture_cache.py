@@ -58,7 +58,7 @@ def _package_digest() -> str:
     return digest.hexdigest()
 
 
-def _file_digest(module_name: str) -> str:
+def file_digest(module_name: str) -> str:
     path = getattr(sys.modules.get(module_name), "__file__", None)
     return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path and os.path.exists(path) else ""
 
@@ -72,12 +72,16 @@ def key(model, module: torch.nn.Module, batch: int, nodes: int, max_length: int,
     device = next(model.parameters()).device
     settings = {k: sorted(v) if isinstance(v, frozenset) else str(v) for k, v in vars(config.settings()).items()
                 if k not in ("gguf", "cache", "dump")}
-    parts = dict(format=FORMAT, specgraph=_package_digest(), model_source=_file_digest(type(model).__module__),
+    parts = dict(format=FORMAT, specgraph=_package_digest(), model_source=file_digest(type(model).__module__),
                  torch=torch.__version__, transformers=transformers.__version__, model=type(model).__name__,
                  config=model.config.to_json_string(use_diff=False), bucket=[batch, nodes, max_length],
                  taps=repr(taps), logits_rows=repr(logits_rows), layout=layout, device=str(device),
                  capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
                  settings=settings)
+    return digest(parts)
+
+
+def digest(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -102,18 +106,24 @@ def store(cache_key: str, graph: torch.fx.GraphModule, targets: list[str], state
     except Exception as err:  # noqa: BLE001  (the cache may cost speed, never a compile)
         log.warning("capture cache: this graph cannot be kept (%s: %s)", type(err).__name__, err)
         return graph, state, pass_results
+    write_kept(_path(cache_key), blob, "capture cache")
+    return loaded
+
+
+def write_kept(path: Path, blob: bytes, what: str) -> None:
+    """``blob`` to ``path`` atomically; of the files with its suffix in its folder the ``KEEP`` most recently
+    used stay. A file that cannot be written is logged, no more."""
     try:
-        path = _path(cache_key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(blob)
         os.replace(tmp, path)
-        others = sorted((p for p in path.parent.glob("*.pt") if p != path), key=lambda p: p.stat().st_mtime)
+        others = sorted((p for p in path.parent.glob(f"*{path.suffix}") if p != path),
+                        key=lambda p: p.stat().st_mtime)
         for old in others[: max(0, len(others) - (KEEP - 1))]:  # this one stays, whatever the clock says
             old.unlink(missing_ok=True)
     except OSError as err:
-        log.warning("capture cache: not written (%s)", err)
-    return loaded
+        log.warning("%s: not written (%s)", what, err)
 
 
 def load(cache_key: str, module: torch.nn.Module) -> tuple | None:

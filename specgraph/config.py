@@ -56,7 +56,8 @@ class Settings:
                            "models", factory=lambda: Path.home() / ".cache" / "specgraph")
     capture_cache: bool = _setting(True, _flag, "keep each captured step (the exported graph after the passes) "
                                    "under <cache>/captures, so that a new process skips torch.export and the "
-                                   "passes (0: capture every time)")
+                                   "passes, and each compiled frame of a bucket under <cache>/compiled, so that "
+                                   "it skips dynamo's tracing (0: capture and trace every time)")
     cuda_graphs: bool = _setting(True, _flag, "inductor backend on CUDA: replay the whole step as one "
                                  "hand-recorded CUDA graph (0: no graphs)")
     overlap: bool | None = _setting(None, _auto_flag, "launch step k+1 before reading step k's tokens "

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import config
+from .. import compiled_cache, config
 from ..drafts.lookup import open_session
 from .graphed import GraphedCall, StaticStep
 from .outputs import per_position
@@ -171,25 +171,29 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
         log.info("the decode step for batch %d, %s compiles on its first call (about a minute on a GPU; "
                  "inductor's cache makes later processes faster)", batch, tree)
     session = open_session(draft, tree, batch, max_length, device)  # a WithLookup tree: a lookup branch beside
+    step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step,
+                      synthetic_accept=synthetic_accept, penalty=penalty, keep=keep)
+
+    def frame(method, name: str):  # compiled; kept across processes where the target bucket is (compiled_cache)
+        cache_key = compiled_cache.key(step.target.cache_key, name, draft=draft, tree=repr(tree), verify=verify,
+                                       graphed=graphed, synthetic_accept=synthetic_accept,
+                                       penalty=penalty is None, keep=list(keep))
+        return compiled_cache.compile_frame(own_code(method), cache_key, f"the {name} (B={batch}, {tree})")
+
     if whole_step:  # host-side per-call work (the EAGLE drafts' pass over the prompt; a no-op for others),
         # compiled, over static inputs, and on CUDA recorded as a graph like the target's prefill chunks
         session.compile_host_work(lambda method: GraphedCall(
-            torch.compile(own_code(method), fullgraph=True, dynamic=False), graphed,
-            f"the draft's pass over the prompt (B={batch})"))
-    step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step,
-                      synthetic_accept=synthetic_accept, penalty=penalty, keep=keep)
+            frame(method, f"draft's {method.__name__}"), graphed, f"the draft's pass over the prompt (B={batch})"))
     run = step
     if whole_step:
-        compiled_step = torch.compile(own_code(step.__call__), fullgraph=True, dynamic=False)
-        run = StaticStep(compiled_step, session, cuda_graph=graphed)
+        run = StaticStep(frame(step.__call__, "decode step"), session, cuda_graph=graphed)
     # The first tree of a call: the session's propose, compiled like the step (eagerly it
     # is thousands of small launches: an EAGLE-2 tree of 8 draft steps is ~4,300 aten ops), over a static
     # roots buffer and on CUDA recorded as a graph: it reads the session's state at fixed addresses (each
     # session's prefill writes it in place) and returns a Tree the step copies in before the next call
     propose = session.propose
     if whole_step:
-        propose = GraphedCall(torch.compile(own_code(session.propose), fullgraph=True, dynamic=False),
-                              graphed, f"the first propose (B={batch})")
+        propose = GraphedCall(frame(session.propose, "first propose"), graphed, f"the first propose (B={batch})")
     capture.decode_steps[key] = Bucket(session, run, propose, step)
     return capture.decode_steps[key]
 
