@@ -63,22 +63,25 @@ def _plain(value):
 
 def describe(obj) -> dict:
     """An object (a draft) by what compiled code can depend on: its class and that class's source, its
-    tensors' names, shapes and dtypes, and its plain attributes (JSON-able); tensor values are read at
-    run time, never kept."""
+    tensors' names, shapes and dtypes, and the plain attributes of it and of every submodule (numbers,
+    strings, configs: a norm's eps is a constant of the graph); tensor values are read at run time, never
+    kept. An attribute whose repr names an address is left out (its key would never match again)."""
     cls = type(obj)
-    tensors, plain = {}, {}
+    parts = [("", obj)]
+    tensors = {}
     if isinstance(obj, torch.nn.Module):
+        parts = list(obj.named_modules(remove_duplicate=False))
         named = [*obj.named_parameters(remove_duplicate=False), *obj.named_buffers(remove_duplicate=False)]
         tensors = {name: [list(t.shape), str(t.dtype)] for name, t in named}
-    for name, value in sorted(vars(obj).items()):
-        if isinstance(value, torch.Tensor):
-            tensors.setdefault(name, [list(value.shape), str(value.dtype)])
-            continue
-        try:
-            json.dumps(value)
-            plain[name] = value
-        except (TypeError, ValueError):
-            pass
+    plain = {}
+    for prefix, part in parts:
+        for name, value in sorted(vars(part).items()):
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(f"{prefix}.{name}", [list(value.shape), str(value.dtype)])
+            elif not name.startswith("_") and not isinstance(value, torch.nn.Module):
+                text = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+                if " at 0x" not in str(text):
+                    plain[f"{prefix}.{name}"] = text
     return dict(cls=f"{cls.__module__}.{cls.__qualname__}", source=capture_cache.file_digest(cls.__module__),
                 tensors=tensors, plain=plain)
 

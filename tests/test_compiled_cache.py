@@ -102,4 +102,9 @@ def test_the_key_follows_the_target_bucket_and_the_frame():
     assert compiled_cache.key("bucket", "first propose", **base) != key
     assert compiled_cache.key("bucket", "decode step", **{**base, "tree": "Chain(4)"}) != key
     assert compiled_cache.key("bucket", "decode step", **{**base, "draft": NGram(max_ngram=2)}) != key
-    assert compiled_cache.key("bucket", "decode step", **{**base, "draft": eagle3(model)}) != key
+    head = eagle3(model)
+    head_key = compiled_cache.key("bucket", "decode step", **{**base, "draft": head})
+    assert head_key != key
+    assert compiled_cache.key("bucket", "decode step", **{**base, "draft": eagle3(model)}) == head_key  # stable
+    head.layer.input_layernorm.variance_epsilon = 1e-3  # a constant of the graph, in a submodule
+    assert compiled_cache.key("bucket", "decode step", **{**base, "draft": head}) != head_key
