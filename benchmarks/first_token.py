@@ -8,8 +8,8 @@ settings (``specgraph.compile(model, load_default_draft())``: backend "auto"; NG
 and generates one token of an MT-bench prompt; it reports the seconds from process start to that token
 how much of it the captures took (torch.export and the passes, per bucket), and how many of inductor's
 FX-graph and AOTAutograd cache lookups hit, how many buckets came from specgraph's capture cache
-(capture_cache.py) and how many compiled frames from its compiled-frame cache (compiled_cache.py). The first run uses empty inductor, Triton and capture cache folders (cold); the later ones
-reuse them (warm: what a second process on the same machine sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
+(capture_cache.py) and how many compiled frames from its compiled-frame cache (compiled_cache.py). The
+first run uses empty inductor, Triton and specgraph cache folders (cold); the later ones reuse them (warm: what a second process on the same machine sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ with specgraph.config.patch(cache=capture_dir):  # the captures' own folder: col
     out = spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
     marks["first_token"] = time.time() - start
 print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(spec.config.tree),
-                  "capture_s": captures, "capture_loaded_s": loaded, "frames_loaded_s": frames, "inductor": dict(counters["inductor"]),
+                  "capture_s": captures, "capture_loaded_s": loaded, "frames_loaded_s": frames,
+                  "inductor": dict(counters["inductor"]),
                   "aot_autograd": dict(counters["aot_autograd"])}))
 """
 

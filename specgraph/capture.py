@@ -300,7 +300,8 @@ class Capture:
                                 taps, logits_rows)
             self._kv.setdefault(batch, step.kv)
             if self.backend == "inductor":  # compiled; with the capture cache on, kept across processes
-                step.run = compiled_cache.compile_frame(step.graph.forward, compiled_cache.key(step.cache_key, "target"),
+                frame_key = compiled_cache.key(step.cache_key, "target")
+                step.run = compiled_cache.compile_frame(step.graph.forward, frame_key,
                                                         f"target's bucket (B={batch}, {nodes} rows)")
             self._steps[key] = step
             log.info("%s in %.1f s", "loaded from the capture cache" if step.from_cache else "captured",

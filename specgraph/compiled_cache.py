@@ -141,8 +141,7 @@ class _Kept:
         except Exception as err:  # noqa: BLE001  (an older torch, or a frame precompile cannot take)
             log.warning("compiled-frame cache: %s not compiled ahead of time (%s: %s); compiling it the usual "
                         "way", self.name, type(err).__name__, err)
-            plain = torch.compile(self.func, fullgraph=True, dynamic=False)
-            return plain
+            return torch.compile(self.func, fullgraph=True, dynamic=False)
         try:
             blob = type(ahead).serialize(ahead, external_data={"fn": self.func}).serialized_data
             capture_cache.write_kept(_path(self.key), blob, "compiled-frame cache")
