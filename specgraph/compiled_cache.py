@@ -76,12 +76,13 @@ def describe(obj) -> dict:
     plain = {}
     for prefix, part in parts:
         for name, value in sorted(vars(part).items()):
+            qualified = f"{prefix}.{name}" if prefix else name  # as named_parameters spells it
             if isinstance(value, torch.Tensor):
-                tensors.setdefault(f"{prefix}.{name}", [list(value.shape), str(value.dtype)])
+                tensors.setdefault(qualified, [list(value.shape), str(value.dtype)])
             elif not name.startswith("_") and not isinstance(value, torch.nn.Module):
                 text = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
                 if " at 0x" not in str(text):
-                    plain[f"{prefix}.{name}"] = text
+                    plain[qualified] = text
     return dict(cls=f"{cls.__module__}.{cls.__qualname__}", source=capture_cache.file_digest(cls.__module__),
                 tensors=tensors, plain=plain)
 
