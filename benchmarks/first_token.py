@@ -31,12 +31,15 @@ import specgraph
 from torch._dynamo.utils import counters
 captures = []  # seconds of each bucket's capture (torch.export and the passes), from specgraph's log
 loaded = []  # the same for buckets loaded from specgraph's capture cache (capture_cache.py)
+refused = []  # the compiled-frame cache's warnings (a frame not compiled ahead of time, not kept, unreadable)
 frames = []  # seconds of each compiled frame loaded from specgraph's compiled-frame cache (compiled_cache.py)
 class Captured(logging.Handler):
     def emit(self, record):
         if record.name == "specgraph.compiled_cache":
             if "loaded from the compiled-frame cache" in record.msg:
                 frames.append(record.args[-1])
+            elif record.levelno >= logging.WARNING:  # a frame not kept or not loaded: say why
+                refused.append(record.getMessage()[:600])
         elif record.msg.endswith(" in %.1f s"):
             (loaded if record.args[0].startswith("loaded") else captures).append(record.args[1])
 for name in ("specgraph.capture", "specgraph.compiled_cache"):
@@ -68,6 +71,7 @@ with specgraph.config.patch(cache=capture_dir):  # the captures' own folder: col
     marks["first_token"] = time.time() - start
 print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(spec.config.tree),
                   "capture_s": captures, "capture_loaded_s": loaded, "frames_loaded_s": frames,
+                  "frames_refused": refused,
                   "inductor": dict(counters["inductor"]),
                   "aot_autograd": dict(counters["aot_autograd"])}))
 """
@@ -76,7 +80,8 @@ print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(sp
 def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str) -> dict:
     # inductor's and Triton's kernel caches both under the run's folder: the first process starts from nothing
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=str(Path(cache) / "triton"),
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                          os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend,
                            str(Path(cache) / "specgraph"), device],
                           env=env, capture_output=True, text=True)
@@ -111,6 +116,8 @@ def main() -> None:
                   f"{len(r['capture_loaded_s'])} loaded in {sum(r['capture_loaded_s']):.1f}; compiled frames: "
                   f"{len(r.get('frames_loaded_s', []))} loaded in {sum(r.get('frames_loaded_s', [])):.1f}); FX-graph cache "
                   f"{hits} hits / {misses} misses; {r['tree']}", flush=True)
+            for line in r["frames_refused"]:
+                print(f"       compiled-frame cache: {line}", flush=True)
     if args.out:
         import torch
 

@@ -74,11 +74,19 @@ def key(model, module: torch.nn.Module, batch: int, nodes: int, max_length: int,
                 if k not in ("gguf", "cache", "dump")}
     parts = dict(format=FORMAT, specgraph=_package_digest(), model_source=file_digest(type(model).__module__),
                  torch=torch.__version__, transformers=transformers.__version__, model=type(model).__name__,
-                 config=model.config.to_json_string(use_diff=False), bucket=[batch, nodes, max_length],
+                 config=_config_text(model.config), bucket=[batch, nodes, max_length],
                  taps=repr(taps), logits_rows=repr(logits_rows), layout=layout, device=str(device),
                  capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
                  settings=settings)
     return digest(parts)
+
+
+def _config_text(model_config) -> str:
+    """The config as the graph depends on it: where it was loaded from is left out (a model loaded from a
+    converted copy or another folder captures the same graph)."""
+    values = json.loads(model_config.to_json_string(use_diff=False))
+    values.pop("_name_or_path", None)
+    return json.dumps(values, sort_keys=True)
 
 
 def digest(parts: dict) -> str:

@@ -136,7 +136,9 @@ class _Kept:
 
     def _compile(self, args) -> Callable:
         try:
-            compiled = torch.compile(self.func, fullgraph=True, dynamic=False, options={"guard_filter_fn": _no_guards})
+            with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default before torch 2.13
+                compiled = torch.compile(self.func, fullgraph=True, dynamic=False,
+                                         options={"guard_filter_fn": _no_guards})
             ahead = compiled.aot_compile(((self.owner, *args), {}))
             ahead.disable_guard_check()
         except Exception as err:  # noqa: BLE001  (an older torch, or a frame precompile cannot take)

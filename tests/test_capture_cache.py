@@ -103,6 +103,10 @@ def test_the_key_follows_the_bucket_the_settings_and_the_layout(settings):
     assert key(1, 4, 64) == base
     other = tiny_model("llama")  # same shapes, no packed projections: another layout, another graph
     assert capture_cache.key(other, TreeStep(other, capture.info, 1, 64), 1, 4, 64, None, None) != base
+    model.config._name_or_path = "/elsewhere/converted"  # the same model loaded from another folder
+    assert key(1, 4, 64) == base
+    model.config.rms_norm_eps *= 2  # a constant of the graph
+    assert key(1, 4, 64) != base
 
 
 def test_a_torn_file_is_captured_afresh_and_rewritten(cache_on, caplog):
