@@ -121,7 +121,8 @@ def main() -> None:
     if args.out:
         import torch
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+        commit = git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
                                         "command": "python3 benchmarks/first_token.py " + " ".join(sys.argv[1:]),
                                         "device": args.device, "runs": rows}, indent=2))

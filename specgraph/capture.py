@@ -34,6 +34,7 @@ import torch
 from . import capture_cache, compiled_cache, config, kernels  # noqa: F401  (kernels registers the specgraph ops)
 from .errors import CompileError
 from .kernels.bitmask import MAX_NODES
+from .trees import chain_mask
 from .passes.fuse_projections import pack_projections
 
 
@@ -161,7 +162,7 @@ class TreeStep(torch.nn.Module):
 
 def example_inputs(batch: int, nodes: int, device) -> tuple[torch.Tensor, ...]:
     """Shape-only example inputs for export: a chain at cache_len 0."""
-    chain = torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(nodes)], device=device)
+    chain = chain_mask(nodes, device)
     return (torch.zeros(batch, nodes, dtype=torch.int64, device=device),
             torch.arange(nodes, device=device).expand(batch, nodes).contiguous(),
             torch.zeros(batch, dtype=torch.int64, device=device),

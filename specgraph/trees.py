@@ -176,12 +176,29 @@ class WithLookup:
         return WithLookup(tree, self.depth, self.max_ngram, self.min_ngram)
 
 
+def spec_parents(spec: "Chain | StaticTree", device) -> torch.Tensor:
+    """[N] int64: each node's parent (-1 for the root) of a fixed topology."""
+    if isinstance(spec, Chain):
+        return torch.arange(-1, spec.depth, device=device)
+    return torch.tensor(spec.parents(), dtype=torch.int64, device=device)
+
+
+def chain_mask(n: int, device) -> torch.Tensor:
+    """[n] int64 mask words of a chain: row i sees slots 0..i (-1: every bit, from row 63 on). From
+    arange, not a list: a tensor constant would be baked into compiled frames."""
+    i = torch.arange(n, device=device)
+    low = torch.bitwise_left_shift(torch.ones_like(i), i.clamp(max=62)) - 1  # 2**i - 1 without overflow
+    return torch.where(i < 63, low * 2 + 1, -1)
+
+
 def join_lookup(tree: "Tree", lookup: torch.Tensor) -> "Tree":
     """``tree`` [B, N] with ``lookup`` [B, K] as the root's last branch (a chain): [B, N + K] nodes.
     Ranks: the draft tree's, and 0 for the branch (every node budget of the draft keeps it)."""
     b, n = tree.tokens.shape
     k = lookup.shape[1]
-    chain_parents = torch.tensor([0] + list(range(n, n + k - 1)), device=lookup.device)  # the root, then a chain
+    # the root, then a chain; from arange, not a list: a tensor constant would be baked into compiled frames
+    chain_parents = torch.arange(n - 1, n + k - 1, device=lookup.device)
+    chain_parents = chain_parents.masked_fill(chain_parents == n - 1, 0)
     parents = torch.cat([tree.parents, chain_parents.expand(b, k)], 1)
     joined = Tree.from_parents(torch.cat([tree.tokens, lookup.to(torch.int64)], 1), parents,
                                max(tree.max_depth, k), validate=False)
@@ -287,14 +304,17 @@ class Tree:
         return tree
 
     @classmethod
-    def from_spec(cls, spec: Chain | StaticTree, tokens: torch.Tensor) -> "Tree":
-        """The fixed topology of a Chain or StaticTree with ``tokens [B, N]``."""
+    def from_spec(cls, spec: Chain | StaticTree, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> "Tree":
+        """The fixed topology of a Chain or StaticTree with ``tokens [B, N]``; ``parents``: the spec's
+        ``spec_parents`` built once outside a compiled frame (a StaticTree's list would be baked in as a
+        tensor constant, which dynamo's precompile cannot keep on CUDA)."""
         if isinstance(spec, DynamicTree):
             raise TypeError("a DynamicTree has no fixed topology; build it with select_tree()")
         if tokens.dim() != 2 or tokens.shape[1] != spec.num_nodes:
             raise ValueError(f"tokens must be [B, {spec.num_nodes}] for {spec}; got {tuple(tokens.shape)}")
-        parents = torch.tensor(spec.parents(), dtype=torch.int64, device=tokens.device).expand_as(tokens)
-        return cls.from_parents(tokens, parents, spec.max_depth, validate=False)
+        if parents is None:
+            parents = spec_parents(spec, tokens.device)
+        return cls.from_parents(tokens, parents.expand_as(tokens), spec.max_depth, validate=False)
 
     @property
     def num_nodes(self) -> int:

@@ -108,3 +108,32 @@ def test_the_key_follows_the_target_bucket_and_the_frame():
     assert compiled_cache.key("bucket", "decode step", **{**base, "draft": eagle3(model)}) == head_key  # stable
     head.layer.input_layernorm.variance_epsilon = 1e-3  # a constant of the graph, in a submodule
     assert compiled_cache.key("bucket", "decode step", **{**base, "draft": head}) != head_key
+
+
+@pytest.mark.parametrize("kind", ["eagle3-lookup", "eagle3-static", "medusa"])
+def test_no_frame_bakes_in_a_tensor_constant(kind, cache_on, monkeypatch):
+    """A tensor made from a Python list inside a frame becomes a constant of the graph, which dynamo's
+    precompile cannot keep on CUDA (torch 2.11: FakeTensorMode refuses to copy it to the host): such
+    tensors are built once outside (the session's) and read. Every frame's graph after AOTAutograd, checked."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from specgraph.drafts import Medusa
+
+    constants = []
+
+    def fw_compiler(gm, example_inputs):
+        constants.extend(n.target for n in gm.graph.nodes if n.op == "get_attr" and "_tensor_constant" in n.target)
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=fw_compiler)
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model=None, **kwargs: real(model, **{**kwargs, "backend": backend,
+                                                                                     "mode": None}))
+    model = tiny_model("llama")
+    static = specgraph.StaticTree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    draft, tree = {"eagle3-lookup": (eagle3(model), WithLookup(specgraph.DynamicTree(2, 3, 5), 3)),
+                   "eagle3-static": (eagle3(model), static),
+                   "medusa": (Medusa(model.config.hidden_size, model.config.vocab_size, 3), static)}[kind]
+    spec = specgraph.compile(model, draft, tree=tree, max_cache_len=128, backend="inductor")
+    assert_greedy_matches_hf(model, spec, prompts(9, [11]), 8)
+    assert constants == []

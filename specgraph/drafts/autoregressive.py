@@ -24,16 +24,11 @@ from torch import nn
 
 from ..kernels.bitmask import MAX_NODES
 from ..selection import expand_frontier, seed_frontier, select_tree, top_k
-from ..trees import Chain, DynamicTree, StaticTree, Tree
+from ..trees import Chain, DynamicTree, StaticTree, Tree, chain_mask, spec_parents
 from .base import Draft, DraftSession
 
 CHAIN_CHUNK = 32  # rows per call when the draft reads a prompt
 _LOW63 = (1 << 63) - 1
-
-
-def chain_mask(n: int, device) -> torch.Tensor:
-    """[n] int64: row i names window slots 0..i."""
-    return torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(n)], device=device)
 
 
 class AutoregressiveDraft(nn.Module, Draft):
@@ -83,7 +78,9 @@ class ARSession(DraftSession):
                 self.depth[i] = self.depth[parents[i]] + 1
             ranks = tree.ranks() if isinstance(tree, StaticTree) else [-1] + [0] * (len(parents) - 1)
             self.topk = max(ranks[1:], default=0) + 1
-            topology = Tree.from_spec(tree, torch.zeros(batch, len(parents), dtype=torch.int64, device=device))
+            self.parent_index = spec_parents(tree, device)  # [N]; built here, read by the compiled propose
+            topology = Tree.from_spec(tree, torch.zeros(batch, len(parents), dtype=torch.int64, device=device),
+                                      self.parent_index)
             self.window_mask = (topology.mask >> 1) & _LOW63  # node i >= 1 sits at window slot i - 1
             self.levels = []  # per depth d: (expanding nodes, their parents, children, child's parent slot, rank)
             t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
@@ -175,7 +172,7 @@ class ARSession(DraftSession):
             logits = self.draft.draft_logits(hidden[:, rows]).float()
             top = self.draft.to_target(top_k(logits, self.topk)[1])  # [B, P, k]
             tokens[:, children] = top[:, slot, rank]
-        return Tree.from_spec(self.tree, tokens)
+        return Tree.from_spec(self.tree, tokens, self.parent_index)
 
     def _propose_dynamic(self, roots: torch.Tensor) -> Tree:
         spec, b = self.tree, self.batch

@@ -30,7 +30,7 @@ from .checkpoint import read_checkpoint, write_checkpoint
 from .base import Draft, DraftSession
 from .eagle import _Borrowed
 from ..selection import top_k
-from ..trees import Chain, StaticTree, Tree
+from ..trees import Chain, StaticTree, Tree, spec_parents
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 LAYOUTS = ("fasterdecoding", "fasterdecoding_pt", "vllm")
@@ -93,13 +93,13 @@ class Medusa(nn.Module, Draft):
         return []
 
     @torch.no_grad()
-    def propose_tree(self, hidden: torch.Tensor, tree) -> torch.Tensor:
-        """hidden [B, H] -> draft tokens [B, N-1] for the tree's nodes 1..N-1."""
-        paths = tree.choices if isinstance(tree, StaticTree) else tuple((0,) * d for d in range(1, tree.depth + 1))
-        topk = max(p[-1] for p in paths) + 1
+    def propose_tree(self, hidden: torch.Tensor, tree, index: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+        """hidden [B, H] -> draft tokens [B, N-1] for the tree's nodes 1..N-1; ``index``: ``tree_index(tree)``
+        built once (a session's: a list made a tensor in a compiled frame would be baked in as a constant)."""
+        head, rank = index if index is not None else tree_index(tree, hidden.device)
+        topk = max(p[-1] for p in _paths(tree)) + 1
         top = top_k(self(hidden), topk)[1]  # [B, K, topk]
-        head = torch.tensor([len(p) - 1 for p in paths], device=hidden.device)
-        rank = torch.tensor([p[-1] for p in paths], device=hidden.device)
         return top[:, head, rank]
 
     def session(self, tree, batch: int, max_length: int, device) -> "MedusaSession":
@@ -217,6 +217,17 @@ def _normalise(state: dict) -> dict[int, dict]:
     return out
 
 
+def _paths(tree) -> tuple[tuple[int, ...], ...]:
+    return tree.choices if isinstance(tree, StaticTree) else tuple((0,) * d for d in range(1, tree.depth + 1))
+
+
+def tree_index(tree, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N-1] each node's head (its depth - 1) and [N-1] its rank among that head's top-k."""
+    paths = _paths(tree)
+    return (torch.tensor([len(p) - 1 for p in paths], device=device),
+            torch.tensor([p[-1] for p in paths], device=device))
+
+
 class MedusaSession(DraftSession):
     """Per generate call: the target's final hidden state at each row's last committed token."""
 
@@ -225,6 +236,7 @@ class MedusaSession(DraftSession):
     def __init__(self, draft: Medusa, tree, batch: int, device):
         self.draft, self.tree = draft, tree
         self.hidden = torch.zeros(batch, draft.hidden_size, dtype=next(draft.parameters()).dtype, device=device)
+        self.index, self.parents = tree_index(tree, device), spec_parents(tree, device)  # read by the compiled propose
 
     def prefill(self, prompts, features) -> None:
         for row, prompt in enumerate(prompts):
@@ -232,8 +244,8 @@ class MedusaSession(DraftSession):
                 self.hidden[row] = features[row, len(prompt) - 2]
 
     def propose(self, roots: torch.Tensor) -> Tree:
-        drafts = self.draft.propose_tree(self.hidden, self.tree)
-        return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.to(torch.int64)], 1))
+        drafts = self.draft.propose_tree(self.hidden, self.tree, self.index)
+        return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.to(torch.int64)], 1), self.parents)
 
     def commit(self, tree, acc, features, accept_len) -> None:
         last = acc.path.gather(1, (accept_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1)

@@ -20,6 +20,7 @@ import torch
 
 from .. import compiled_cache, config
 from ..drafts.lookup import open_session
+from ..trees import chain_mask
 from .graphed import GraphedCall, StaticStep
 from .outputs import per_position
 from .step import CONFIDENCE_SCALE, DecodeStep, features_of
@@ -81,10 +82,6 @@ def position_rates(hist: list[int]) -> tuple[list[float], list[float]]:
             [reached[k + 1] / max(reached[k], 1) for k in range(depth)])
 
 
-def _chain_mask(n: int, device) -> torch.Tensor:
-    return torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(n)], device=device)
-
-
 @torch.no_grad()
 def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Write every prompt but its last token into the batch's cache.
@@ -106,7 +103,7 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
                                                 f"the prefill bucket (B={b}, {chunk} rows)")
         step = capture.prefills[key]
     # contiguous inputs: the graphed call's static buffers are, and the compiled bucket guards on strides
-    chain = _chain_mask(chunk, device).expand(b, -1).contiguous()
+    chain = chain_mask(chunk, device).expand(b, -1).contiguous()
     lengths = [len(p) - 1 for p in prompts]
     total = max(lengths)
     starts = list(range(0, total, chunk))
