@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (checks the script)")
     parser.add_argument("--runs", type=int, default=2, help="processes: the first cold, the rest warm")
     parser.add_argument("--warmup", action="store_true", help="call spec.warmup() before the first generate")
-    parser.add_argument("--backend", default="auto", choices=["auto", "eager", "inductor"],
+    parser.add_argument("--backend", default="auto", choices=["auto", "eager", "inductor", "cudagraphs"],
                         help="compile's backend (auto, the default: inductor on CUDA, eager on the CPU)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="where SmolLM2 runs: cuda (bf16, the default) or cpu (fp32); --tiny is always the CPU")

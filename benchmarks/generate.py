@@ -19,6 +19,8 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
   sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64), inductor
   sg_default      the shipped EAGLE-3 head with compile's defaults (no tree, no backend named): what a user gets
+  sg_cudagraphs   the same, backend="cudagraphs": the static step recorded as CUDA graphs, nothing compiled
+  sg_plain_cudagraphs  plain decoding, backend="cudagraphs"
   sg_eagle3_cost  the tree with policy="cost": per call the tree, its 8/16/32-node budgets, a chain as deep or
                   plain decoding by τ (a budget's from the tree's steps) over the step costs warmup() measured
                   (the calls each mode ran and the policy's figures are recorded)
@@ -62,7 +64,8 @@ import specgraph  # noqa: E402
 from specgraph.train.evaluate import PROMPT_SETS, prompt_set as questions  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
-METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_default", "sg_eagle3_chain", "sg_eagle3_tree",
+METHODS = ("hf_eager", "sg_eager", "sg_inductor", "sg_plain", "sg_default", "sg_cudagraphs", "sg_plain_cudagraphs",
+           "sg_eagle3_chain", "sg_eagle3_tree",
            "sg_eagle3_measured", "sg_eagle3_cost", "hf_lookup", "hf_static")
 
 
@@ -92,6 +95,8 @@ def specgraph_method(model, method: str, eagle3: str | None = None):
         "sg_inductor": lambda: (specgraph.drafts.NGram(), specgraph.Chain(4), "inductor"),
         "sg_plain": lambda: (None, None, "inductor"),
         "sg_default": lambda: (head(), None, "auto"),
+        "sg_cudagraphs": lambda: (head(), None, "cudagraphs"),
+        "sg_plain_cudagraphs": lambda: (None, None, "cudagraphs"),
         "sg_eagle3_chain": lambda: (head(), specgraph.Chain(4), "inductor"),
         "sg_eagle3_tree": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),
         "sg_eagle3_measured": lambda: (head(), specgraph.DynamicTree(8, 8, 64), "inductor"),

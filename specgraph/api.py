@@ -25,7 +25,7 @@ from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus,
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
-BACKENDS = ("auto", "eager", "inductor")  # "tensorrt" arrives with the compiled-backends issue
+BACKENDS = ("auto", "eager", "inductor", "cudagraphs")  # "tensorrt" arrives with the compiled-backends issue
 VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY when sampling
 TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterDecoding/Medusa medusa_generate
 log = logging.getLogger("specgraph")
@@ -110,7 +110,10 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     Logged on the ``specgraph`` logger.
 
     ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
-    graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"`` or ``"inductor"``.
+    graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"``, ``"inductor"`` or
+    ``"cudagraphs"``: the same whole step over static buffers recorded as a CUDA graph without compiling
+    it (no inductor: the first token in seconds, each step the eager kernels replayed; on a CPU it runs
+    that static step op by op).
 
     ``draft=None``: plain decoding on the same engine (``tree`` None or ``Chain(0)``: one node,
     the root, per step), the baseline speculation is measured against.
@@ -403,7 +406,7 @@ class SpecModel:
             start = time.perf_counter()
             result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
                                           self.config.max_cache_len, sampling, stopping, streamer,
-                                          compiled=self.config.backend == "inductor",
+                                          static=self.config.backend != "eager",
                                           synthetic_accept=self.config.synthetic_accept,
                                           padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)],
                                           penalty=penalty, keep=keep)
@@ -440,9 +443,9 @@ class SpecModel:
             raise ValueError(f"batch_sizes={list(batch_sizes)}: ints in 1 .. max_batch={self.config.max_batch}")
         typical = self.config.typical if self.config.verify == "typical" else None
         samplings = [None] + ([Sampling(1.0, typical=typical)] if sampling else [])
-        compiled = self.config.backend == "inductor"
+        static = self.config.backend != "eager"
         run = lambda draft, tree, b, new, s: speculative_generate(  # noqa: E731
-            self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s, compiled=compiled)
+            self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s, static=static)
         first = {}
         with self.capture.lock:
             for b in batch_sizes:

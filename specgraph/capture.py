@@ -277,8 +277,8 @@ class Capture:
     """
 
     def __init__(self, model, max_length: int, debug: bool | None = None, backend: str = "eager"):
-        if backend not in ("eager", "inductor"):
-            raise ValueError(f"backend={backend!r}: 'eager' or 'inductor'")
+        if backend not in ("eager", "inductor", "cudagraphs"):
+            raise ValueError(f"backend={backend!r}: 'eager', 'inductor' or 'cudagraphs'")
         self.model, self.max_length, self.debug, self.backend = model, max_length, debug, backend
         self.kv_device = next(model.parameters()).device
         # one generate at a time: every SpecModel of this model and backend shares these caches and buffers

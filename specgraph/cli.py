@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the shipped EAGLE-3 head (default) or n-gram prompt lookup")
     demo.add_argument("--depth", type=whole_number(1), default=4, help="n-gram: drafted tokens per verify step")
     demo.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
-    demo.add_argument("--backend", choices=["eager", "inductor"], default=None,
+    demo.add_argument("--backend", choices=["eager", "inductor", "cudagraphs"], default=None,
                       help="default: inductor on a GPU (the step compiled into one CUDA graph), eager on a CPU")
     demo.set_defaults(func=_demo)
     inspect = sub.add_parser("inspect", help="capture a model and print the passes applied, with their counters "

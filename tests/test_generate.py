@@ -287,6 +287,35 @@ def assert_one_compile_across_lengths(spec, model, batches, max_new_tokens: int 
         graphs = now
 
 
+@pytest.mark.parametrize("kind", ["ngram", "eagle3-lookup", "medusa-static"])
+def test_cudagraphs_backend_is_token_exact_and_compiles_nothing(kind):
+    """backend="cudagraphs": the inductor path's static step (prefill bucket, first propose, the EAGLE
+    draft's pass over the prompt, the whole decode step over static buffers) without torch.compile; on the
+    CPU it runs op by op, on CUDA it is recorded as CUDA graphs (tests/test_generate_gpu.py)."""
+    from specgraph.drafts import Eagle3
+    from specgraph.runtime.graphed import StaticStep
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    static = specgraph.StaticTree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    draft, tree = {"ngram": (NGram(), Chain(3)),
+                   "eagle3-lookup": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)),
+                                     specgraph.WithLookup(specgraph.DynamicTree(steps=3, topk=2, nodes=6), 3)),
+                   "medusa-static": (Medusa(model.config.hidden_size, model.config.vocab_size, 3), static)}[kind]
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=128, backend="cudagraphs")
+    torch._dynamo.utils.counters.clear()
+    for lengths in ([6, 45], [70, 33]):  # 45, 70: the draft's prompt pass runs several chunks
+        rows = prompts(11, lengths)
+        ids, mask = left_pad(rows)
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+        for row, got in zip(rows, generated_rows(out, ids.shape[1])):
+            assert got == hf_greedy(model, row, max_new_tokens=20, eos_token_id=None)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing compiled
+    (bucket,) = spec.capture.decode_steps.values()
+    assert isinstance(bucket.run, StaticStep) and isinstance(bucket.propose, GraphedCall)
+    assert all(isinstance(p, GraphedCall) for p in spec.capture.prefills.values())
+
+
 @pytest.mark.parametrize("kind,whole_step", [("ngram", True), ("eagle3", True), ("medusa", True), ("eagle3", False)])
 def test_inductor_backend_is_token_exact(kind, whole_step, settings, request):
     """backend="inductor": the decode step (verify, compact, commit, and for EAGLE-3 the next EAGLE-2
@@ -332,11 +361,11 @@ def test_inductor_backend_is_token_exact(kind, whole_step, settings, request):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     (prefill,) = spec.capture.prefills.values()  # the prefill bucket over static buffers (a CUDA graph on CUDA)
     assert isinstance(prefill, GraphedCall) and not prefill.cuda_graph and prefill.inputs is not None
-    if whole_step == "1":  # so are the first propose and (EAGLE) the draft's pass over the prompt
+    if whole_step:  # so are the first propose and (EAGLE) the draft's pass over the prompt
         (bucket,) = spec.capture.decode_steps.values()
         assert isinstance(bucket.propose, GraphedCall) and bucket.propose.inputs is not None
         assert kind != "eagle3" or isinstance(bucket.session._prefill_chain, GraphedCall)
-    if kind == "ngram" and whole_step == "1":  # sampling: a new temperature reuses the compiled step
+    if kind == "ngram" and whole_step:  # sampling: a new temperature reuses the compiled step
         hot = spec.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, do_sample=True,
                             temperature=5.0)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -346,7 +375,7 @@ def test_inductor_backend_is_token_exact(kind, whole_step, settings, request):
         # the step read the new value: near-zero temperature samples the greedy tokens
         assert torch.equal(cold, spec.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None))
         assert not torch.equal(hot, cold)
-    if kind == "eagle3" and whole_step == "1":  # the draft's pass over the prompt is compiled too
+    if kind == "eagle3" and whole_step:  # the draft's pass over the prompt is compiled too
         (bucket,) = spec.capture.decode_steps.values()
         assert hasattr(bucket.session, "_prefill_chain")
     if kind == "medusa" and torch._inductor.config.fx_graph_cache:  # compiled artifacts are cached: compiling

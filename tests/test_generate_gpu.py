@@ -93,3 +93,24 @@ def test_the_default_configuration_from_a_warm_capture_cache_is_token_exact(smol
         assert spec.generate(ids, max_new_tokens=64, eos_token_id=None).tolist() == want.tolist(), f"warm={warm}"
     assert any((tmp_path / "captures").glob("*.pt"))
     Capture.release(model)
+
+
+@torch.no_grad()
+def test_the_cudagraphs_backend_is_token_exact_and_compiles_nothing(smollm2_cuda):
+    """backend="cudagraphs" with the default draft and tree: the static step recorded as CUDA graphs as it
+    runs, without torch.compile (a fast start); the same tokens as HF."""
+    from specgraph.models import load_default_draft
+
+    model, tokenizer = smollm2_cuda
+    spec = specgraph.compile(model, load_default_draft().to(device="cuda", dtype=torch.float32), max_cache_len=512,
+                             backend="cudagraphs")
+    torch._dynamo.utils.counters.clear()
+    for question in QUESTIONS:
+        ids = torch.tensor([chat(tokenizer, question)], device="cuda")
+        out = spec.generate(ids, max_new_tokens=64, eos_token_id=None)
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
+                              eos_token_id=None, pad_token_id=0)
+        assert out.tolist() == want.tolist(), question
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    (bucket,) = spec.capture.decode_steps.values()
+    assert bucket.run.graph is not None and bucket.run.recordings == 1  # replayed, recorded once
