@@ -19,8 +19,10 @@ Every figure is measured in this run, on the same model:
              (tau = 4): the measured speedup over plain, against the ideal
              tau / (t_verify(N) / t_decode + S * c), c = draft bytes / target bytes per step
   batch      plain, and the synthetic head (tau = 4) on Chain(4) and on an EAGLE-2 DynamicTree(4, 4, 16),
-             at B = 1, 4, 16, 64 (--batches; --batch-trees picks the trees): tokens/s and speedup, saved after
-             every figure (plot: plots.py batch)
+             at B = 1, 4, 16, 64 (--batches; --batch-trees picks the trees, tree8 the same drafting with 8 nodes
+             verified): tokens/s and speedup, saved after every figure (plot: plots.py batch); --batch-policy:
+             also policy="cost" over the 16-node tree (its ladder: 16 and 8 nodes, chains of 4 and 2, plain)
+             under the same forced τ, after its warmup: tokens/s over 12 calls and the modes it ran
   profile    torch.profiler over --profile-steps plain decode steps at the prompt's context (the
              recorded step graph replayed back to back): device time per step by kernel kind
              (matmul, attention, copy, reduction, elementwise, other) against the wall time per
@@ -70,7 +72,28 @@ SECTIONS = ("floor", "cublas", "plain", "verify", "synthetic", "batch", "profile
             "profile_draft")
 SHAPES = {"llama8b": ("Llama-3.1-8B", LLAMA_8B), "smollm2": ("SmolLM2-135M", SMOLLM2),
           "qwen1.5b": ("Qwen2.5-1.5B", QWEN_1_5B), "tiny": ("tiny", TINY)}
-BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16)}
+BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16),
+               "tree8": specgraph.DynamicTree(steps=4, topk=4, nodes=8)}
+POLICY_CALLS = 12  # timed generate calls of the cost policy per batch size, after its warmup
+
+
+def policy_row(spec, ids: torch.Tensor, new_tokens: int, device, plain_tok_s: float) -> dict:
+    """policy="cost" after ``warmup`` (every mode compiled, its step timed into the cost table): tokens/s
+    over POLICY_CALLS calls, against plain decoding's, and how many calls each mode ran."""
+    b = ids.shape[0]
+    spec.warmup((b,))
+    before = dict(spec.policy.calls)
+    sync(device)
+    start = time.perf_counter()
+    tokens = sum(spec.generate(ids, max_new_tokens=new_tokens, eos_token_id=None).shape[1] - ids.shape[1]
+                 for _ in range(POLICY_CALLS)) * b
+    sync(device)
+    tok_s = tokens / (time.perf_counter() - start)
+    return dict(cost_tok_s=tok_s, cost_speedup=tok_s / plain_tok_s,
+                cost_calls={m: n - before.get((bb, m), 0) for (bb, m), n in spec.policy.calls.items()
+                            if bb == b and n > before.get((bb, m), 0)},
+                cost_ms_per_step={m: spec.policy.table.get(b, m) * 1e3 for m in spec.modes
+                                  if spec.policy.table.get(b, m) is not None})
 
 
 def make_target(shape: dict, device: str):
@@ -222,6 +245,7 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=16, help="new tokens of the shorter timed generation")
     parser.add_argument("--long", type=int, default=144, help="new tokens of the longer timed generation")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--batch-policy", action="store_true", help="batch: also policy='cost' (see above)")
     parser.add_argument("--batch-trees", nargs="+", default=list(BATCH_TREES), choices=list(BATCH_TREES),
                         help="the trees the batch section runs (each against plain decode)")
     parser.add_argument("--budget-s", type=float, default=1e9)
@@ -257,9 +281,9 @@ def main() -> None:
             "{" + ", ".join(f"{k} {show(x)}" for k, x in v.items()) + "}" if isinstance(v, dict) else str(v))
         tqdm.write(f"{section}: {show(values)}")
 
-    def spec_for(draft, tree, batch=1, accept=None):
+    def spec_for(draft, tree, batch=1, accept=None, policy="fixed"):
         return specgraph.compile(model, draft, tree=tree, backend="inductor", max_batch=batch,
-                                 max_cache_len=cache_len, synthetic_accept=accept)
+                                 max_cache_len=cache_len, synthetic_accept=accept, policy=policy)
 
     for section in tqdm(args.sections, desc="sections"):
         if time.time() - begin > args.budget_s:
@@ -319,6 +343,10 @@ def main() -> None:
                                         device)
                     row.update({f"{name}_ms_per_step": step, f"{name}_tau": tau,
                                 f"{name}_tok_s": b * tau * 1e3 / step, f"{name}_speedup": tau * plain / step})
+                    save("batch", **rows)
+                if args.batch_policy:
+                    row.update(policy_row(spec_for(head, BATCH_TREES["tree"], b, accept=4, policy="cost"), ids,
+                                          args.long, device, row["plain_tok_s"]))
                     save("batch", **rows)
         elif section == "profile":  # plain decode
             save(section, **profile_section(spec_for(None, None), prompt, args, device, "profile"))

@@ -119,7 +119,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     the root, per step), the baseline speculation is measured against.
     ``synthetic_accept=k``: FOR BENCHMARKS ONLY, output is NOT the target's: every step accepts k
     nodes down the tree's first-child chain (as SGLang's simulated acceptance length does), to time
-    the engine at a given τ without a trained head. Greedy only; generate warns on every call.
+    the engine at a given τ without a trained head (under a policy, each mode as deep as it reaches:
+    plain decoding 1, a shallower chain its depth + 1). Greedy only; generate warns on every call.
     ``policy="cost"``: per call, generate runs the tree, a chain as deep as the tree (when the tree
     is not one), a DynamicTree's smaller node budgets (BUDGET_LADDER: the same drafting, fewer nodes
     verified), a chain's shallower depths (CHAIN_LADDER: the same proposal, cut shorter) or plain decoding, whichever is expected to give the most tokens per second: τ from the
@@ -188,8 +189,6 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     if policy not in ("fixed", "measured", "cost"):
         blockers.append(f"policy={policy!r}: 'fixed' (always the tree), 'cost' or 'measured' (the tree, a chain "
                         f"as deep, or plain decoding, whichever is faster)")
-    elif policy != "fixed" and synthetic_accept is not None:
-        blockers.append(f"policy={policy!r} with synthetic_accept: a benchmark of forced acceptance must run its tree")
     blockers += _verify_problems(verify, typical, synthetic_accept)
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
@@ -441,19 +440,22 @@ class SpecModel:
         bad = [b for b in batch_sizes if not isinstance(b, int) or not 1 <= b <= self.config.max_batch]
         if bad:
             raise ValueError(f"batch_sizes={list(batch_sizes)}: ints in 1 .. max_batch={self.config.max_batch}")
+        if sampling and self.config.synthetic_accept is not None:
+            raise ValueError("sampling=True with synthetic_accept (benchmarks only, greedy only): pass sampling=False")
         typical = self.config.typical if self.config.verify == "typical" else None
         samplings = [None] + ([Sampling(1.0, typical=typical)] if sampling else [])
         static = self.config.backend != "eager"
         run = lambda draft, tree, b, new, s: speculative_generate(  # noqa: E731
-            self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s, static=static)
+            self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s, static=static,
+            synthetic_accept=self.config.synthetic_accept)
         first = {}
         with self.capture.lock:
             for b in batch_sizes:
                 for mode in self.modes:
                     draft, tree = self.mode(mode, b)
-                    for s in samplings:
+                    for s in samplings:  # steps enough that the bucket's CUDA graph is recorded before the timing
                         start = time.perf_counter()
-                        run(draft, tree, b, 4, s)
+                        run(draft, tree, b, 2 * (tree.max_depth + 1) + 1, s)
                         first.setdefault((b, mode), time.perf_counter() - start)
                     if isinstance(self.policy, CostPolicy) and self.policy.table.get(b, mode) is None:
                         start = time.perf_counter()

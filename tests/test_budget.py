@@ -297,3 +297,25 @@ def test_cost_policy_runs_a_chains_shallower_depths_losslessly(tmp_path, setting
         assert spec.policy.expected_tau(f"chain{depth}") == pytest.approx(chain_tau(rates, depth))
     for _ in range(4):  # whatever the policy runs next
         assert spec.generate(torch.tensor([row]), max_new_tokens=24, eos_token_id=None)[0, len(row):].tolist() == want
+
+
+def test_under_forced_acceptance_the_policy_sees_each_modes_forced_tau(tmp_path, settings):
+    """synthetic_accept with policy="cost" (the 8B-shape batch sweep of benchmarks/e2e.py): every mode
+    accepts as deep as it reaches, up to k: the policy learns τ = k for the modes at least k - 1 deep,
+    the shallower chain's depth + 1 and plain decoding's 1; warmup compiles the buckets generate runs."""
+    settings(cache=tmp_path)
+    model = tiny_model("llama")
+    row = prompts(2, [10, 24])[1]
+    with pytest.warns(UserWarning, match="synthetic_accept"):
+        spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy="cost", synthetic_accept=4)
+        spec.warmup((1,))
+        steps = set(spec.capture.decode_steps)
+        with pytest.raises(ValueError, match="sampling=True with synthetic_accept"):
+            spec.warmup((1,), sampling=True)
+        for _ in range(8):
+            out = spec.generate(torch.tensor([row]), max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
+            assert out.sequences.shape[1] == len(row) + 24
+    assert set(spec.capture.decode_steps) == steps  # the warmed-up buckets, nothing new
+    assert spec.policy.expected_tau("tree") == pytest.approx(4, abs=0.3)  # the last step may stop short
+    assert spec.policy.expected_tau("chain2") == pytest.approx(3, abs=0.3)
+    assert spec.policy.expected_tau("plain") == 1

@@ -98,5 +98,3 @@ def test_policy_is_checked_at_compile():
     model = tiny_model("llama")
     with pytest.raises(CompileError, match="policy='sometimes'"):
         specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64, policy="sometimes")
-    with pytest.raises(CompileError, match="synthetic_accept"):
-        specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64, policy="measured", synthetic_accept=2)
