@@ -34,8 +34,8 @@ import torch
 from . import capture_cache, compiled_cache, config, kernels  # noqa: F401  (kernels registers the specgraph ops)
 from .errors import CompileError
 from .kernels.bitmask import MAX_NODES
-from .trees import chain_mask
 from .passes.fuse_projections import pack_projections
+from .trees import chain_mask
 
 
 log = logging.getLogger(__name__)

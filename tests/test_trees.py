@@ -176,3 +176,14 @@ def test_parse_tree_reads_the_command_line_spellings():
     for bad in ("chain", "dynamic:8,8", "tree", "chain99"):
         with pytest.raises(ValueError, match=repr(bad)):
             parse_tree(bad)
+
+
+def test_chain_mask_and_spec_parents_match_their_list_definitions():
+    """Built from arange (no tensor constant in a compiled frame): the same values as the plain lists."""
+    from specgraph.trees import chain_mask, spec_parents
+
+    want = [(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(70)]  # row i sees slots 0..i; -1 from row 63
+    assert chain_mask(70, "cpu").tolist() == want
+    assert chain_mask(0, "cpu").tolist() == []
+    for spec in (Chain(0), Chain(5), StaticTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])):
+        assert spec_parents(spec, "cpu").tolist() == spec.parents()
