@@ -106,6 +106,8 @@ def main() -> None:
         for i in range(args.runs):
             r = run_once(cache, args.tiny, args.warmup, args.backend, args.device)
             r["run"] = "cold" if i == 0 else "warm"
+            # inductor's autotuning results kept for the next process (a warm run that benchmarks again missed them)
+            r["autotune_results_kept"] = sum(1 for _ in Path(cache).rglob("*.best_config"))
             rows.append(r)
             m = r["marks"]
             hits = r["inductor"].get("fxgraph_cache_hit", 0)
