@@ -46,7 +46,7 @@ def aot_eager_compile(monkeypatch):
     guards and recompiles (fullgraph: no graph break, no host sync) and AOTAutograd's functionalization
     stay the same, inductor's CPU code generation (~20 s a graph on a 2-core CI machine) goes. For tests
     of what dynamo decides (one compile across prompt lengths); inductor itself on the whole step is
-    test_generate.py's test_inductor_backend_is_token_exact and the GPU tests."""
+    test_generate_backends.py's test_inductor_backend_is_token_exact and the GPU tests."""
     real = torch.compile
 
     def compile_aot_eager(model=None, **kwargs):
