@@ -21,7 +21,7 @@ Every figure is measured in this run, on the same model:
   batch      plain, and the synthetic head (tau = 4) on Chain(4) and on an EAGLE-2 DynamicTree(4, 4, 16),
              at B = 1, 4, 16, 64 (--batches; --batch-trees picks the trees, tree8 the same drafting with 8 nodes
              verified): tokens/s and speedup, saved after every figure (plot: plots.py batch); --batch-policy:
-             also policy="cost" over the 16-node tree (its ladder: 16 and 8 nodes, chains of 4 and 2, plain)
+             also policy="cost" over the 16-node tree (its modes: 16 and 8 nodes, a chain of 4, plain)
              under the same forced τ, after its warmup: tokens/s over 12 calls and the modes it ran
   profile    torch.profiler over --profile-steps plain decode steps at the prompt's context (the
              recorded step graph replayed back to back): device time per step by kernel kind

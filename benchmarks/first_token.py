@@ -116,7 +116,7 @@ def main() -> None:
                   f"load {m['load'] - m['import']:.1f}, compile {m['compile'] - m['load']:.1f}, generate "
                   f"{m['first_token'] - m['compile']:.1f} of which capture {sum(r['capture_s']):.1f}, "
                   f"{len(r['capture_loaded_s'])} loaded in {sum(r['capture_loaded_s']):.1f}; compiled frames: "
-                  f"{len(r.get('frames_loaded_s', []))} loaded in {sum(r.get('frames_loaded_s', [])):.1f}); FX-graph cache "
+                  f"{len(r['frames_loaded_s'])} loaded in {sum(r['frames_loaded_s']):.1f}); FX-graph cache "
                   f"{hits} hits / {misses} misses; {r['tree']}", flush=True)
             for line in r["frames_refused"]:
                 print(f"       compiled-frame cache: {line}", flush=True)

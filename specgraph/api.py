@@ -405,7 +405,6 @@ class SpecModel:
             start = time.perf_counter()
             result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
                                           self.config.max_cache_len, sampling, stopping, streamer,
-                                          static=self.config.backend != "eager",
                                           synthetic_accept=self.config.synthetic_accept,
                                           padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)],
                                           penalty=penalty, keep=keep)
@@ -444,9 +443,8 @@ class SpecModel:
             raise ValueError("sampling=True with synthetic_accept (benchmarks only, greedy only): pass sampling=False")
         typical = self.config.typical if self.config.verify == "typical" else None
         samplings = [None] + ([Sampling(1.0, typical=typical)] if sampling else [])
-        static = self.config.backend != "eager"
         run = lambda draft, tree, b, new, s: speculative_generate(  # noqa: E731
-            self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s, static=static,
+            self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s,
             synthetic_accept=self.config.synthetic_accept)
         first = {}
         with self.capture.lock:

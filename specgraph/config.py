@@ -58,8 +58,8 @@ class Settings:
                                    "under <cache>/captures, so that a new process skips torch.export and the "
                                    "passes, and each compiled frame of a bucket under <cache>/compiled, so that "
                                    "it skips dynamo's tracing (0: capture and trace every time)")
-    cuda_graphs: bool = _setting(True, _flag, "inductor backend on CUDA: replay the whole step as one "
-                                 "hand-recorded CUDA graph (0: no graphs)")
+    cuda_graphs: bool = _setting(True, _flag, "inductor and cudagraphs backends on CUDA: replay the whole step "
+                                 "as one hand-recorded CUDA graph (0: no graphs)")
     overlap: bool | None = _setting(None, _auto_flag, "launch step k+1 before reading step k's tokens "
                                     "(same outputs); None (auto): on for CUDA")
     whole_step: bool = _setting(True, _flag, "inductor backend: compile the whole step as one graph "

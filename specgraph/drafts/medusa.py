@@ -236,7 +236,8 @@ class MedusaSession(DraftSession):
     def __init__(self, draft: Medusa, tree, batch: int, device):
         self.draft, self.tree = draft, tree
         self.hidden = torch.zeros(batch, draft.hidden_size, dtype=next(draft.parameters()).dtype, device=device)
-        self.index, self.parents = tree_index(tree, device), spec_parents(tree, device)  # read by the compiled propose
+        # built once here, read by the compiled propose (made inside it, they would be graph constants)
+        self.index, self.parent_index = tree_index(tree, device), spec_parents(tree, device)
 
     def prefill(self, prompts, features) -> None:
         for row, prompt in enumerate(prompts):
@@ -245,7 +246,7 @@ class MedusaSession(DraftSession):
 
     def propose(self, roots: torch.Tensor) -> Tree:
         drafts = self.draft.propose_tree(self.hidden, self.tree, self.index)
-        return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.to(torch.int64)], 1), self.parents)
+        return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.to(torch.int64)], 1), self.parent_index)
 
     def commit(self, tree, acc, features, accept_len) -> None:
         last = acc.path.gather(1, (accept_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1)

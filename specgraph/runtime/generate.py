@@ -139,7 +139,7 @@ class Sampling:
     seed: int | None = None  # seeded sampling: the tokens plain sampling with this seed emits (kernels/gumbel.py)
 
 
-def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None, static: bool,
+def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None,
                 synthetic_accept: int | None = None, penalty: float | None = None,
                 keep: tuple[bool, bool] = (False, False)):
     """The bucket's draft session and step function, built (and compiled) on first use and kept on
@@ -148,11 +148,11 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     ``penalty`` (on or off) and ``keep`` (scores, logits handed back) are part of the bucket: steps
     without them pay nothing for them."""
     device = capture.kv_device
-    # static (backend inductor or cudagraphs): the whole step over static buffers, one graph; inductor
-    # compiles it (config.whole_step=False compiles the target bucket alone, the rest of the step then
-    # eager: a fallback for inductor bugs), cudagraphs records it as it is (no compile: a fast start)
+    # backends inductor and cudagraphs: the whole step over static buffers, one graph; inductor compiles
+    # it (config.whole_step=False compiles the target bucket alone, the rest of the step then eager: a
+    # fallback for inductor bugs), cudagraphs records it as it is (no compile: a fast start)
     compiled = capture.backend == "inductor"
-    whole_step = static and (config.whole_step or not compiled)
+    whole_step = capture.backend == "cudagraphs" or (compiled and config.whole_step)
     graphed = whole_step and cuda_graphs_on(device)
     # sampling's and the penalty's values are not in the key: the step reads them from tensors
     # (DecodeStep.set_sampling, set_penalty)
@@ -166,11 +166,11 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
         if penalty is not None:
             bucket.step.set_penalty(penalty)
         return bucket
-    if compiled and static:  # the first call of the bucket compiles it: say so, it is the one slow call
+    if compiled:  # the first call of the bucket compiles it: say so, it is the one slow call
         log.info("the decode step for batch %d, %s compiles on its first call (about a minute on a GPU; "
                  "inductor's cache makes later processes faster)", batch, tree)
     session = open_session(draft, tree, batch, max_length, device)  # a WithLookup tree: a lookup branch beside
-    step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and static and not whole_step,
+    step = DecodeStep(capture, session, tree, batch, sampling, compiled_target=compiled and not whole_step,
                       synthetic_accept=synthetic_accept, penalty=penalty, keep=keep)
 
     def frame(method, name: str):  # compiled; kept across processes where the target bucket is (compiled_cache)
@@ -261,7 +261,7 @@ class _Readback:
 @torch.no_grad()
 def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                          eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
-                         stopping_criteria=None, streamer=None, static: bool = False,
+                         stopping_criteria=None, streamer=None,
                          synthetic_accept: int | None = None, padding: list[list[int]] | None = None,
                          penalty: float | None = None, keep: tuple[bool, bool] = (False, False)) -> GenerateResult:
     """Speculative decoding of ``prompts`` over ``tree``: greedy (token-exact), or with
@@ -272,10 +272,10 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     The draft works through a session (``draft.session(...)``): ``prefill``
     sees the prompt's tapped features, ``propose`` returns each step's Tree,
     ``commit`` sees the acceptance and the step's features. One iteration's
-    device work is ``DecodeStep`` (``static``: over static buffers, through
-    ``torch.compile(fullgraph=True)`` under backend inductor, one graph, and
-    replayed as a CUDA graph on CUDA unless ``config.cuda_graphs`` is off; see
-    ``decode_step``);
+    device work is ``DecodeStep`` (under backends inductor and cudagraphs over
+    static buffers, through ``torch.compile(fullgraph=True)`` under inductor,
+    one graph, and replayed as a CUDA graph on CUDA unless ``config.cuda_graphs``
+    is off; see ``decode_step``);
     the host reads the emitted
     tokens and accept lengths, applies eos / ``max_new_tokens`` /
     ``stopping_criteria`` (transformers' StoppingCriteriaList, asked after
@@ -290,7 +290,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
     padding = padding or [[] for _ in prompts]
-    session, run, propose, step = decode_step(capture, draft, tree, b, max_length, sampling, static,
+    session, run, propose, step = decode_step(capture, draft, tree, b, max_length, sampling,
                                               synthetic_accept, penalty, keep)
     if penalty is not None:
         step.reset_seen(prompts)
