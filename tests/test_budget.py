@@ -88,6 +88,38 @@ def test_without_a_table_each_mode_is_compiled_then_timed_once(tmp_path):
         ["tree", "chain", "chain"]
 
 
+def test_a_never_run_mode_predicted_near_the_leader_runs_once(tmp_path):
+    """The chain's τ predicted from the tree's per-depth acceptance can be low (a DynamicTree may drop the
+    chain's deeper nodes; forced acceptance on the 8B shape: tree 3.05, chain 4): a chain predicted within
+    trial_within of the leader runs once, then leads on its own τ. Predicted far below, it is not tried."""
+    table = CostTable(tmp_path / "c.json", "k")
+    cost = {"tree": 8.9, "tree8": 8.7, "chain": 9.5, "plain": 4.9}
+    for mode, seconds in cost.items():
+        table.put(1, mode, seconds)
+    modes = {"tree": None, "tree8": None, "chain": 4, "plain": 0}
+    tau = {"tree": 3.05, "tree8": 3.05, "chain": 4.0, "plain": 1}
+    rates = (0.9, 0.7, 0.45, 0.0)  # the tree's: the chain is predicted at 3.05
+    policy = CostPolicy(dict(modes), table, {"tree": 16, "tree8": 8})
+    chosen = []
+    for _ in range(6):
+        mode = policy.choose(1)
+        policy.record(1, mode, cost[mode] * 50, 50, tau[mode], rates, {8: 3.05} if mode == "tree" else None)
+        chosen.append(mode)
+    # chain predicted 3.05 / 9.5 = 0.321, tree8 3.05 / 8.7 = 0.351: within 0.9; observed 4 / 9.5 = 0.42
+    assert chosen == ["tree", "chain"] + ["chain"] * 4
+    never = CostPolicy(dict(modes), table, {"tree": 16, "tree8": 8}, trial_within=1.5)  # negative control
+    for _ in range(6):
+        mode = never.choose(1)
+        never.record(1, mode, cost[mode] * 50, 50, tau[mode], rates, {8: 3.05} if mode == "tree" else None)
+        chosen.append(mode)
+    assert chosen[6:] == ["tree"] + ["tree8"] * 5
+    far = (0.9, 0.2, 0.0, 0.0)  # chain predicted 2.1 / 9.5 = 0.22: not within 0.9 of tree8's 0.351
+    policy = CostPolicy(dict(modes), table, {"tree": 16, "tree8": 8})
+    assert drive(policy, 1, cost, tau, far, 1) == ["tree"]
+    policy.record(1, "tree", cost["tree"] * 50, 50, 3.05, far, {8: 3.05})
+    assert [policy.choose(1) for _ in range(5)] == ["tree8"] * 5
+
+
 def test_while_plain_leads_the_speculating_modes_are_refreshed_and_win_back(tmp_path):
     policy = CostPolicy({"tree": None, "plain": 0}, CostTable(tmp_path / "c.json", "k"),
                         explore_every=4, max_explore_every=16)

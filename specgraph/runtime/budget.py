@@ -21,7 +21,11 @@ axes, so they are estimated apart:
   without trial runs.
 
 ``CostPolicy.choose`` runs the mode with the most expected tokens per second. A mode whose cost at
-this batch is unknown runs first (its first call compiles, the next one is timed). While another
+this batch is unknown runs first (its first call compiles, the next one is timed). A speculating mode
+whose τ is only predicted (a chain from the tree's per-depth acceptance, a larger budget from the
+draft's confidence) and whose predicted rate comes within ``trial_within`` of the leader's runs once
+to be observed: a prediction can err both ways (a DynamicTree may drop the deeper nodes of the chain
+it predicts), and one call of a near-leader costs little against settling on the wrong mode. While another
 mode leads, the speculating modes are re-run now and then to refresh their τ (after
 ``explore_every`` calls, doubling while the leader holds, up to ``max_explore_every``): plain
 decoding by itself says nothing about how predictable the text has become. Every mode is lossless:
@@ -164,6 +168,7 @@ class CostPolicy:
     table: CostTable
     budgets: dict = field(default_factory=dict)
     explore_every: int = 8
+    trial_within: float = 0.9  # a never-run mode predicted at this share of the leader's rate runs once
     max_explore_every: int = 256
     decay: float = 0.5  # weight of the old τ or cost when a new measurement comes in
     tau: dict = field(default_factory=dict)  # mode -> expected tokens per step
@@ -176,6 +181,7 @@ class CostPolicy:
     leader: dict = field(default_factory=dict)  # batch -> the best mode when last decided
     refreshes: dict = field(default_factory=dict)  # batch -> refreshes made (which mode is next)
     saved: dict = field(default_factory=dict)  # (batch, mode) -> the cost last written to the table's file
+    observed: set = field(default_factory=set)  # (batch, mode) whose τ a call measured (its own or a larger budget's)
 
     def expected_tau(self, mode: str) -> float | None:
         depth = self.modes[mode]
@@ -200,6 +206,10 @@ class CostPolicy:
         if unknown:  # measure first: the speculating modes (their τ informs the others), then the rest
             return (speculating or unknown)[0]
         best = max(self.modes, key=lambda m: self.rate(batch, m))
+        trial = [m for m in self.modes if self.modes[m] != 0 and (batch, m) not in self.observed
+                 and self.rate(batch, m) >= self.trial_within * self.rate(batch, best)]
+        if trial:  # close enough to lead and never seen: find out
+            return max(trial, key=lambda m: self.rate(batch, m))
         if self.leader.get(batch) != best:
             self.leader[batch], self.interval[batch] = best, self.explore_every
             self.next_refresh[batch] = n + self.explore_every
@@ -222,6 +232,7 @@ class CostPolicy:
         runs = self.calls.get((batch, mode), 0)
         self.calls[batch, mode] = runs + 1
         if self.modes[mode] != 0 and steps > 0:
+            self.observed.add((batch, mode))
             old = self.tau.get(mode)
             self.tau[mode] = tau if old is None else self.decay * old + (1 - self.decay) * tau
             if self.modes[mode] is None and self.budgets.get(mode, 0) == max(self.budgets.values(), default=0):
@@ -233,6 +244,8 @@ class CostPolicy:
                     for other, n in self.budgets.items():  # their own figures age out: the text moved on
                         if n == nodes:
                             self.tau.pop(other, None)
+                            if nodes < self.budgets.get(mode, 0):  # a smaller budget's τ is measured, not predicted
+                                self.observed.add((batch, other))
         if runs == 0 or steps == 0:  # the first call in a process may compile: not a measurement
             return
         per_step = seconds / steps
