@@ -9,8 +9,8 @@ axes, so they are estimated apart:
   batch, tree) and keeps it on disk, so a new process starts knowing it (no trial calls).
 - τ depends on the text. Plain decoding's is 1. A speculating mode's is an exponential average over
   the latest calls that ran it; a chain that has not run yet is predicted from the tree's per-depth
-  acceptance (the tree holds the draft's greedy chain, so the prediction is an upper bound, replaced
-  by the chain's own figure once it runs). A smaller budget of a DynamicTree (the same steps and topk,
+  acceptance (an estimate either way: a DynamicTree may drop the chain's deeper nodes; replaced by the
+  chain's own figure once it runs). A smaller budget of a DynamicTree (the same steps and topk,
   fewer nodes: ``budgets``) needs no run of its own to be known: it keeps the first N' - 1 of the
   same ranked candidates, so from each step of a larger one the host knows what it would have
   accepted (``budget_taus``: exact for greedy verification, whose accepted path in the smaller tree is
@@ -206,8 +206,9 @@ class CostPolicy:
         if unknown:  # measure first: the speculating modes (their τ informs the others), then the rest
             return (speculating or unknown)[0]
         best = max(self.modes, key=lambda m: self.rate(batch, m))
+        near = self.trial_within * self.rate(batch, best)
         trial = [m for m in self.modes if self.modes[m] != 0 and (batch, m) not in self.observed
-                 and self.rate(batch, m) >= self.trial_within * self.rate(batch, best)]
+                 and self.rate(batch, m) >= near]
         if trial:  # close enough to lead and never seen: find out
             return max(trial, key=lambda m: self.rate(batch, m))
         if self.leader.get(batch) != best:
