@@ -22,7 +22,8 @@ Every figure is measured in this run, on the same model:
              at B = 1, 4, 16, 64 (--batches; --batch-trees picks the trees, tree8 the same drafting with 8 nodes
              verified): tokens/s and speedup, saved after every figure (plot: plots.py batch); --batch-policy:
              also policy="cost" over the 16-node tree (its modes: 16 and 8 nodes, a chain of 4, plain)
-             under the same forced τ, after its warmup: tokens/s over 12 calls and the modes it ran
+             under the same forced τ, after its warmup: tokens/s over 12 whole calls (prefill included)
+             against 4 whole calls of each fixed mode run (plain and --batch-trees), and the modes it ran
   profile    torch.profiler over --profile-steps plain decode steps at the prompt's context (the
              recorded step graph replayed back to back): device time per step by kernel kind
              (matmul, attention, copy, reduction, elementwise, other) against the wall time per
@@ -75,21 +76,31 @@ SHAPES = {"llama8b": ("Llama-3.1-8B", LLAMA_8B), "smollm2": ("SmolLM2-135M", SMO
 BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16),
                "tree8": specgraph.DynamicTree(steps=4, topk=4, nodes=8)}
 POLICY_CALLS = 12  # timed generate calls of the cost policy per batch size, after its warmup
+FIXED_CALLS = 4  # whole calls of each fixed mode, timed the same way (their speed does not drift)
 
 
-def policy_row(spec, ids: torch.Tensor, new_tokens: int, device, plain_tok_s: float) -> dict:
-    """policy="cost" after ``warmup`` (every mode compiled, its step timed into the cost table): tokens/s
-    over POLICY_CALLS calls, against plain decoding's, and how many calls each mode ran."""
-    b = ids.shape[0]
-    spec.warmup((b,))
-    before = dict(spec.policy.calls)
+def calls_tok_s(spec, ids: torch.Tensor, new_tokens: int, device, calls: int) -> float:
+    """Tokens/s over ``calls`` whole generate calls (prefill included), as a user times them; compiled
+    and recorded already (the caller warmed the spec up)."""
     sync(device)
     start = time.perf_counter()
     tokens = sum(spec.generate(ids, max_new_tokens=new_tokens, eos_token_id=None).shape[1] - ids.shape[1]
-                 for _ in range(POLICY_CALLS)) * b
+                 for _ in range(calls)) * ids.shape[0]
     sync(device)
-    tok_s = tokens / (time.perf_counter() - start)
-    return dict(cost_tok_s=tok_s, cost_speedup=tok_s / plain_tok_s,
+    return tokens / (time.perf_counter() - start)
+
+
+def policy_row(spec, ids: torch.Tensor, new_tokens: int, device, fixed_call_tok_s: dict[str, float]) -> dict:
+    """policy="cost" after ``warmup`` (every mode compiled, its step timed into the cost table): tokens/s
+    over POLICY_CALLS whole calls, against each fixed mode's (``fixed_call_tok_s``, the same calls), and
+    how many calls each mode ran."""
+    b = ids.shape[0]
+    spec.warmup((b,))
+    before = dict(spec.policy.calls)
+    tok_s = calls_tok_s(spec, ids, new_tokens, device, POLICY_CALLS)
+    best = max(fixed_call_tok_s, key=fixed_call_tok_s.get)
+    return dict(cost_call_tok_s=tok_s, cost_x_plain=tok_s / fixed_call_tok_s["plain"],
+                cost_of_best=tok_s / fixed_call_tok_s[best], best_fixed=best,
                 cost_calls={m: n - before.get((bb, m), 0) for (bb, m), n in spec.policy.calls.items()
                             if bb == b and n > before.get((bb, m), 0)},
                 cost_ms_per_step={m: spec.policy.table.get(b, m) * 1e3 for m in spec.modes
@@ -334,19 +345,27 @@ def main() -> None:
                 if time.time() - begin > args.budget_s:
                     break
                 ids = prompt.expand(b, -1).contiguous()
-                plain, _ = step_ms(spec_for(None, None, b), ids, args.short, args.long, device)
+                plain_spec = spec_for(None, None, b)
+                plain, _ = step_ms(plain_spec, ids, args.short, args.long, device)
                 head = Eagle3.for_target(model).to(device, torch.bfloat16)
                 rows[f"b{b}"] = row = dict(plain_ms_per_step=plain, plain_tok_s=b * 1e3 / plain)
+                calls = {}  # whole calls of each fixed mode, for the policy's comparison
+                if args.batch_policy:
+                    calls["plain"] = row["plain_call_tok_s"] = calls_tok_s(plain_spec, ids, args.long, device,
+                                                                           FIXED_CALLS)
                 save("batch", **rows)  # after every figure: a run stopped by its time limit keeps what it measured
                 for name in args.batch_trees:  # the same head, the same forced depth 4
-                    step, tau = step_ms(spec_for(head, BATCH_TREES[name], b, accept=4), ids, args.short, args.long,
-                                        device)
+                    spec = spec_for(head, BATCH_TREES[name], b, accept=4)
+                    step, tau = step_ms(spec, ids, args.short, args.long, device)
                     row.update({f"{name}_ms_per_step": step, f"{name}_tau": tau,
                                 f"{name}_tok_s": b * tau * 1e3 / step, f"{name}_speedup": tau * plain / step})
+                    if args.batch_policy:
+                        calls[name] = row[f"{name}_call_tok_s"] = calls_tok_s(spec, ids, args.long, device,
+                                                                              FIXED_CALLS)
                     save("batch", **rows)
                 if args.batch_policy:
                     row.update(policy_row(spec_for(head, BATCH_TREES["tree"], b, accept=4, policy="cost"), ids,
-                                          args.long, device, row["plain_tok_s"]))
+                                          args.long, device, calls))
                     save("batch", **rows)
         elif section == "profile":  # plain decode
             save(section, **profile_section(spec_for(None, None), prompt, args, device, "profile"))

@@ -12,6 +12,7 @@ row yields the first new token).
 from __future__ import annotations
 
 import logging
+import time
 import types
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -42,6 +43,7 @@ class GenerateResult:
     confidence: list[list[list[float]]] = field(default_factory=list)
     scores: tuple | None = None  # with keep: per position, [B, V] (transformers' output_scores)
     logits: tuple | None = None  # with keep: per position, [B, V] raw (transformers' output_logits)
+    decode_seconds: float = 0.0  # wall time of the steps alone: from the prefill's end to the last step read
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,9 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
             kept.append(tuple(None if x is None else x.clone() for x in (out.scores, out.logits)))
         return readback.start(out)
 
+    if device.type == "cuda":  # the steps' time apart from the prefill's (a step's cost, as the budget policy needs it)
+        torch.cuda.synchronize(device)
+    decode_start = time.perf_counter()
     pending = None if all(done) else launch(topology, cache_len)
     while pending is not None:
         out, ticket = pending
@@ -358,6 +363,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
         if pending is None:
             topology = out.next_tree
             pending = launch(topology, out.cache_len)
+    result.decode_seconds = time.perf_counter() - decode_start
     if streamer is not None:
         streamer.end()
     if keep[0]:
