@@ -151,6 +151,34 @@ def test_cost_policy_is_lossless_and_persists_across_spec_models(tmp_path, setti
     assert out[0, len(row):].tolist() == want
 
 
+def test_a_call_is_costed_by_its_steps_not_its_prefill(tmp_path, settings, monkeypatch):
+    """The prefill is the same for every mode; spread over a call's steps it would make the modes with
+    fewer steps (the deep ones) look dearer per step. A prefill slowed by 0.3 s must not reach the table."""
+    import time
+
+    from specgraph.runtime import generate as runtime_generate
+
+    settings(cache=tmp_path)
+    model = tiny_model("llama")
+    row = prompts(2, [10, 24])[1]
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy="cost")
+    spec.warmup()
+    slow_prefill = runtime_generate.prefill
+
+    def prefill(*args, **kwargs):
+        time.sleep(0.3)
+        return slow_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(runtime_generate, "prefill", prefill)
+    recorded, record = [], spec.policy.record
+    monkeypatch.setattr(spec.policy, "record", lambda b, mode, seconds, *rest: (recorded.append(seconds),
+                                                                                 record(b, mode, seconds, *rest)))
+    start = time.perf_counter()
+    spec.generate(torch.tensor([row]), max_new_tokens=12, eos_token_id=None)
+    call = time.perf_counter() - start
+    assert len(recorded) == 1 and 0 < recorded[0] < call - 0.3
+
+
 def test_warmup_compiles_every_mode_and_fills_the_cost_table(tmp_path, settings):
     """After warmup the calls compile no decode step of their own, and the cost policy knows every
     mode's step cost before the first user call; output stays token-exact."""
