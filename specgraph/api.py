@@ -1,8 +1,8 @@
 """specgraph.compile(): the one place that wires the layers together."""
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -11,23 +11,22 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import parallel
-from .capture import Capture, TargetInfo
+from .capture import Capture
 from .errors import CompileError
 from .drafts.base import Draft
 from .drafts.layer import fuse_projections as fuse_draft_projections
-from .drafts.ngram import NGram
 from .drafts.plain import Plain
 from .fast_paths import draft_fast_paths
 from .generate_args import (max_new_tokens, repetition_penalty, sampling_settings, setting, stopping_criteria,
                             strip_left_padding, token_ids, unsupported_arguments)
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key
+from .runtime.fast_start import FastStart
+from .refusals import (BACKENDS, TYPICAL_DEFAULT, draft_tree, fast_start_problems, tree_blockers,
+                       verify_problems)
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
-BACKENDS = ("auto", "eager", "inductor", "cudagraphs")  # "tensorrt" arrives with the compiled-backends issue
-VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY when sampling
-TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterDecoding/Medusa medusa_generate
 log = logging.getLogger("specgraph")
 _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
 BUDGET_LADDER = (8, 16, 32)  # policy="cost": the node budgets of a DynamicTree it may run below the tree's own
@@ -44,6 +43,7 @@ class SpecConfig:
     verify: str = "exact"  # "typical": Medusa's typical acceptance when sampling, NOT lossless
     typical: tuple[float, float] | None = None  # (posterior_threshold, posterior_alpha) with verify="typical"
     one_row_tree: Chain | StaticTree | DynamicTree | WithLookup | None = None  # tree=None, max_batch > 1: B = 1's own
+    fast_start: bool = False  # serve uncompiled while inductor compiles in the background (runtime/fast_start.py)
 
     def tree_for(self, batch: int):
         """The tree a call of ``batch`` rows speculates with: ``one_row_tree`` for one row where compile
@@ -97,7 +97,7 @@ def resolve_backend(backend: str, model) -> str:
 def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
             max_cache_len: int = DEFAULT_CACHE_LEN, synthetic_accept: int | None = None, policy: str = "fixed",
             verify: str = "exact", typical: tuple[float, float] | None = None, tp=None, *,
-            max_length: int | None = None) -> "SpecModel":
+            fast_start: bool = False, max_length: int | None = None) -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
 
     ``max_cache_len``: KV cache slots per row; ``generate`` needs prompt + max_new_tokens + tree
@@ -140,6 +140,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     heads, KV heads and MLP are sharded over the group (in place; specgraph/parallel.py), the draft
     and LM head stay whole on every rank, and every rank returns the same tokens; sampling is seeded
     (``seed=``, the same on every rank, or one drawn on rank 0 and broadcast once per call).
+    ``fast_start=True`` (with backend "inductor", or "auto" on CUDA; policy "fixed"): a batch size's
+    calls run uncompiled (the static step recorded as CUDA graphs, as ``backend="cudagraphs"``) while a
+    background thread compiles it with inductor; the first call after that runs compiled
+    (``runtime/fast_start.py``; ``SpecModel.wait_compiled``). Same tokens either way; unseeded sampled
+    calls meanwhile stay exact in distribution but share the global RNG with the background warm-up.
     Everything that cannot be supported is refused here, all blockers at once.
     """
     max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")
@@ -177,11 +182,11 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         tree = draft.default_tree(device, max_batch if isinstance(max_batch, int) else 1)
         if policy == "fixed" and synthetic_accept is None and isinstance(max_batch, int) and max_batch > 1:
             one_row_tree = draft.default_tree(device, 1)  # the policies' modes all derive from one tree
-            if one_row_tree == tree or _tree_blockers(model, draft, one_row_tree, max_cache_len):
+            if one_row_tree == tree or tree_blockers(model, draft, one_row_tree, max_cache_len):
                 one_row_tree = None  # a default the user did not ask for is dropped, never a refusal
         log.info("tree=None -> %s (%s's default on %s, max_batch=%s)%s", tree, type(draft).__name__, device.type,
                  max_batch, f"; one-row calls: {one_row_tree}" if one_row_tree is not None else "")
-    blockers += _tree_blockers(model, draft, tree, max_cache_len)
+    blockers += tree_blockers(model, draft, tree, max_cache_len)
     blockers += draft.bind(model)
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
@@ -189,11 +194,13 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     if policy not in ("fixed", "measured", "cost"):
         blockers.append(f"policy={policy!r}: 'fixed' (always the tree), 'cost' or 'measured' (the tree, a chain "
                         f"as deep, or plain decoding, whichever is faster)")
-    blockers += _verify_problems(verify, typical, synthetic_accept)
+    blockers += verify_problems(verify, typical, synthetic_accept)
     if not isinstance(max_batch, int) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
     tp, tp_blockers = parallel.resolve(tp)
     blockers += tp_blockers
+    if fast_start is not False:
+        blockers += fast_start_problems(fast_start, backend, model_device(model).type == "cuda", policy, tp)
     if tp is not None:
         blockers += parallel.shard_problems(model, tp, policy, draft)
         if verify != "exact":
@@ -214,48 +221,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                       f"is not distributed as the target's (greedy stays exact); verify='exact' is lossless",
                       stacklevel=2)
     return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy,
-                                              verify, typical, one_row_tree))
-
-
-def _tree_blockers(model, draft, tree, max_cache_len) -> list[str]:
-    """Why ``tree`` cannot run (empty: it can): the draft cannot fill it, the cache cannot hold it, or a
-    sliding window of ``model`` is narrower (or the model itself is refused)."""
-    blockers = []
-    if isinstance(draft, NGram) and not isinstance(tree, Chain):
-        blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
-    blockers += draft.tree_problems(draft_tree(tree))
-    if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
-        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
-    try:
-        blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
-                     for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
-    except CompileError as err:
-        blockers += err.blockers
-    return blockers
-
-
-def draft_tree(tree):
-    """The part of ``tree`` the draft proposes: a WithLookup's own tree, else the tree itself."""
-    return tree.tree if isinstance(tree, WithLookup) else tree
-
-
-def _verify_problems(verify, typical, synthetic_accept) -> list[str]:
-    """What is wrong with compile's ``verify`` / ``typical`` (empty: nothing)."""
-    if verify not in VERIFY:
-        return [f"verify={verify!r}: 'exact' (lossless, the default) or 'typical' (Medusa's typical "
-                f"acceptance when sampling: LOSSY, opt-in)"]
-    if verify == "exact":
-        return [] if typical is None else [f"typical={typical!r} has no effect with verify='exact': pass "
-                                           f"verify='typical' as well to opt in to lossy typical acceptance"]
-    problems = [] if synthetic_accept is None else ["verify='typical' with synthetic_accept: forced acceptance "
-                                                    "(greedy) has no typical rule; drop one of them"]
-    if typical is not None:
-        ok = isinstance(typical, (tuple, list)) and len(typical) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in typical)
-        if not ok or not 0 <= typical[0] <= 1 or typical[1] < 0:
-            problems.append(f"typical={typical!r}: (posterior_threshold in [0, 1], posterior_alpha >= 0), e.g. "
-                            f"Medusa's {TYPICAL_DEFAULT}")
-    return problems
+                                              verify, typical, one_row_tree, fast_start))
 
 
 def _storage(*modules) -> tuple:
@@ -283,6 +249,8 @@ class SpecModel:
         self.model, self.draft, self.config = model, draft, config
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
         self.capture = Capture.shared(model.eval(), config.max_cache_len, config.backend)  # reused across compiles
+        self.fast_start = None if not config.fast_start else FastStart(
+            Capture.shared(model, config.max_cache_len, "cudagraphs"), self.capture)
         fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
         self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
         # what generate may run per call: the tree; with a policy also a chain as deep as the
@@ -399,11 +367,17 @@ class SpecModel:
             warnings.warn(f"synthetic_accept={self.config.synthetic_accept}: acceptance is forced for benchmarking; "
                           f"the output is NOT the model's", stacklevel=2)
         stopping = stopping_criteria(kwargs, gen)
-        with self.capture.lock:  # SpecModels of one model share its caches: one call at a time
+        capture, bucket, guard = self.capture, None, contextlib.nullcontext()
+        if self.fast_start is not None:  # uncompiled until the bucket's background compile is done
+            bucket = self._bucket_warmup(b, sampling, penalty, keep)
+            capture = self.fast_start.serving(bucket[0])
+            if capture is not self.capture:
+                guard = self.fast_start.guard(bucket[0])
+        with capture.lock, guard:  # SpecModels of one model share its caches: one call at a time
             mode = self.policy.choose(b) if self.policy else "tree"
             draft, tree = self.mode(mode, b)
             start = time.perf_counter()
-            result = speculative_generate(self.capture, draft, tree, prompts, max_new, eos,
+            result = speculative_generate(capture, draft, tree, prompts, max_new, eos,
                                           self.config.max_cache_len, sampling, stopping, streamer,
                                           synthetic_accept=self.config.synthetic_accept,
                                           padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)],
@@ -420,6 +394,8 @@ class SpecModel:
                                                [n for n in budgets if n > running]))
                 self.policy.record(b, mode, result.decode_seconds, len(result.accept_lens), tau,  # the steps' time
                                    self.last_stats.position_rate, figures)
+        if capture is not self.capture:  # served uncompiled: compiled in the background from now
+            self.fast_start.after_call(*bucket)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):
@@ -429,6 +405,21 @@ class SpecModel:
             return SpecGenerateOutput(sequences=sequences, scores=result.scores, logits=result.logits,
                                       accept_lens=result.accept_lens, acceptance=self.last_stats)
         return sequences
+
+    def _bucket_warmup(self, b: int, sampling: Sampling | None, penalty, keep) -> tuple:
+        """(key, warm): a fast start's name for the compiled bucket a call needs (as ``decode_step`` keys it),
+        and ``warm(capture)``, the short call that compiles the bucket on ``capture`` and records its graphs."""
+        draft, tree = self.mode("tree", b)
+        rule = None if sampling is None else (sampling.typical is not None, sampling.seed is not None)
+        key = (b, repr(tree), rule, penalty is None, keep)
+        return key, lambda capture: speculative_generate(
+            capture, draft, tree, [[1] * 8] * b, 2 * (tree.max_depth + 1) + 1, set(), self.config.max_cache_len,
+            sampling, synthetic_accept=self.config.synthetic_accept, penalty=penalty, keep=keep)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """With ``fast_start``: block until the background compiles queued so far are done (True) or
+        ``timeout`` seconds passed (False). Without it: True at once."""
+        return True if self.fast_start is None else self.fast_start.wait(timeout)
 
     def warmup(self, batch_sizes=(1,), sampling: bool = False) -> dict:
         """Compile now what ``generate`` would compile on first use: every mode ``generate`` may run
@@ -465,6 +456,9 @@ class SpecModel:
                         self.policy.table.put(b, mode, min(timed_step(draft, tree, b) for _ in range(2)))
                     if self.policy is not None:  # compiled now: the policy's next call of it is a measurement
                         self.policy.calls[b, mode] = max(self.policy.calls.get((b, mode), 0), 1)
+                if self.fast_start is not None:  # compiled now: calls need not wait for the background
+                    for s in samplings:
+                        self.fast_start.mark_ready(self._bucket_warmup(b, s, None, (False, False))[0])
         log.info("warmed up %s", ", ".join(f"batch {b} {m}: {s:.1f} s" for (b, m), s in first.items()))
         return first
 

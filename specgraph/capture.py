@@ -40,6 +40,9 @@ from .trees import chain_mask
 
 log = logging.getLogger(__name__)
 ALIBI_MODEL_TYPES = ("bloom",)  # ALiBi built into the architecture, no config flag to read
+# torch.export's pre-dispatch tracing keeps process-wide state: one thread traces at a time (a capture here,
+# or a background compile, runtime/fast_start.py). Taken after a Capture's lock, never before it
+TRACE_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -297,8 +300,9 @@ class Capture:
             start = time.perf_counter()
             log.info("capturing %s for batch %d, %d tree rows (torch.export and the passes) ...",
                      type(self.model).__name__, batch, nodes)
-            step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug,
-                                taps, logits_rows)
+            with TRACE_LOCK:
+                step = CapturedStep(self.model, batch, nodes, self.max_length, self._kv.get(batch), self.debug,
+                                    taps, logits_rows)
             self._kv.setdefault(batch, step.kv)
             if self.backend == "inductor":  # compiled; with the capture cache on, kept across processes
                 frame_key = compiled_cache.key(step.cache_key, "target")

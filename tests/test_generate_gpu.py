@@ -114,3 +114,38 @@ def test_the_cudagraphs_backend_is_token_exact_and_compiles_nothing(smollm2_cuda
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
     (bucket,) = spec.capture.decode_steps.values()
     assert bucket.run.graph is not None and bucket.run.recordings == 1  # replayed, recorded once
+
+
+@torch.no_grad()
+def test_fast_start_serves_while_inductor_compiles_then_compiled_token_exact(smollm2_cuda):
+    """compile(..., fast_start=True) with the default draft and tree: calls run on the uncompiled CUDA-graph
+    step, beside a background thread compiling the bucket with inductor (its tracing, autotuning and graph
+    recording), then compiled; every call the same tokens as HF."""
+    from specgraph.capture import Capture
+    from specgraph.models import load_default_draft
+
+    model, tokenizer = smollm2_cuda
+    Capture.release(model)
+    torch._dynamo.reset()
+    spec = specgraph.compile(model, load_default_draft().to(device="cuda", dtype=torch.float32), max_cache_len=512,
+                             fast_start=True)
+    rows = [chat(tokenizer, question) for question in QUESTIONS]
+    wants = [model.generate(torch.tensor([row], device="cuda"), attention_mask=torch.ones(1, len(row), dtype=torch.long,
+                                                                                          device="cuda"),
+                            do_sample=False, max_new_tokens=64, eos_token_id=None, pad_token_id=0)[0, len(row):].tolist()
+             for row in rows]
+    calls = 0
+    while not spec.fast_start.ready:  # the first call queues the compile; the rest run beside it
+        row, want = rows[calls % len(rows)], wants[calls % len(rows)]
+        out = spec.generate(torch.tensor([row], device="cuda"), max_new_tokens=64, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want, f"call {calls}"
+        calls += 1
+        assert calls < 100_000
+    assert spec.wait_compiled(timeout=600) and not spec.fast_start.failed
+    assert calls >= 3 and spec.fast_start.replaying  # calls ran beside the worker, as replays
+    for row, want in zip(rows, wants):
+        out = spec.generate(torch.tensor([row], device="cuda"), max_new_tokens=64, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want
+    (bucket,) = spec.capture.decode_steps.values()
+    assert bucket.run.graph is not None  # the compiled step, recorded by the worker, replayed here
+    Capture.release(model)

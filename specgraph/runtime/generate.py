@@ -322,8 +322,8 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
             kept.append(tuple(None if x is None else x.clone() for x in (out.scores, out.logits)))
         return readback.start(out)
 
-    if device.type == "cuda":  # the steps' time apart from the prefill's (a step's cost, as the budget policy needs it)
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":  # the steps' time apart from the prefill's (a step's cost, as the budget policy needs
+        torch.cuda.current_stream(device).synchronize()  # it); this stream only: a background compile runs on its own
     decode_start = time.perf_counter()
     pending = None if all(done) else launch(topology, cache_len)
     while pending is not None:

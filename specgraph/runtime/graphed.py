@@ -25,6 +25,7 @@ eagerly each call, with the same in-place state handling, so the CPU tests exerc
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable
 
 import torch
@@ -42,6 +43,16 @@ def _copy_in(static: torch.Tensor, value: torch.Tensor, what: str, owner: str = 
     static.copy_(value)
 
 
+_thread = threading.local()
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """The stream this thread records CUDA graphs on (torch.cuda.graph's default is one stream for all)."""
+    if getattr(_thread, "stream", None) is None:
+        _thread.stream = torch.cuda.Stream()
+    return _thread.stream
+
+
 def _run_recorded(owner, body: Callable, first: bool):
     """``body()`` as a CUDA graph kept on ``owner`` (its ``graph``, ``outputs``, ``recordings``): the
     first call is a warm-up (it compiles, autotunes and is a real call) on a side stream, as capture
@@ -57,7 +68,9 @@ def _run_recorded(owner, body: Callable, first: bool):
         torch.cuda.current_stream().wait_stream(side)
         return out
     owner.graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(owner.graph):
+    # this thread's own capture stream, and errors for unsafe calls from this thread only: a background
+    # compile (runtime/fast_start.py) may launch, sync and allocate meanwhile
+    with torch.cuda.graph(owner.graph, stream=_capture_stream(), capture_error_mode="thread_local"):
         owner.outputs = body()
     owner.recordings += 1
     owner.graph.replay()

@@ -1,0 +1,71 @@
+"""What ``specgraph.compile`` refuses, argument by argument: each function returns its blockers (empty: none),
+so compile can list them all at once."""
+from __future__ import annotations
+
+import math
+
+from .capture import TargetInfo
+from .drafts.ngram import NGram
+from .errors import CompileError
+from .trees import Chain, WithLookup
+
+BACKENDS = ("auto", "eager", "inductor", "cudagraphs")  # "tensorrt" arrives with the compiled-backends issue
+VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY when sampling
+TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterDecoding/Medusa medusa_generate
+
+
+def fast_start_problems(fast_start, backend, on_cuda: bool, policy, tp) -> list[str]:
+    """What keeps ``fast_start`` from running (empty: nothing)."""
+    if not isinstance(fast_start, bool):
+        return [f"fast_start={fast_start!r}: True or False"]
+    problems = []
+    if (backend if backend != "auto" else "inductor" if on_cuda else "eager") != "inductor":
+        problems.append(f"fast_start=True with backend={backend!r}: it serves uncompiled while inductor compiles; "
+                        f"pass backend='inductor' (or 'auto' with the model on CUDA)")
+    if policy != "fixed":
+        problems.append(f"fast_start=True with policy={policy!r}: the policy would time uncompiled calls; use "
+                        f"policy='fixed' (or call warmup() instead of a fast start)")
+    if tp is not None:
+        problems.append("fast_start=True with tp: the ranks would switch to their compiled step at different calls")
+    return problems
+
+
+def tree_blockers(model, draft, tree, max_cache_len) -> list[str]:
+    """Why ``tree`` cannot run (empty: it can): the draft cannot fill it, the cache cannot hold it, or a
+    sliding window of ``model`` is narrower (or the model itself is refused)."""
+    blockers = []
+    if isinstance(draft, NGram) and not isinstance(tree, Chain):
+        blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
+    blockers += draft.tree_problems(draft_tree(tree))
+    if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
+        blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
+    try:
+        blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
+                     for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
+    except CompileError as err:
+        blockers += err.blockers
+    return blockers
+
+
+def draft_tree(tree):
+    """The part of ``tree`` the draft proposes: a WithLookup's own tree, else the tree itself."""
+    return tree.tree if isinstance(tree, WithLookup) else tree
+
+
+def verify_problems(verify, typical, synthetic_accept) -> list[str]:
+    """What is wrong with compile's ``verify`` / ``typical`` (empty: nothing)."""
+    if verify not in VERIFY:
+        return [f"verify={verify!r}: 'exact' (lossless, the default) or 'typical' (Medusa's typical "
+                f"acceptance when sampling: LOSSY, opt-in)"]
+    if verify == "exact":
+        return [] if typical is None else [f"typical={typical!r} has no effect with verify='exact': pass "
+                                           f"verify='typical' as well to opt in to lossy typical acceptance"]
+    problems = [] if synthetic_accept is None else ["verify='typical' with synthetic_accept: forced acceptance "
+                                                    "(greedy) has no typical rule; drop one of them"]
+    if typical is not None:
+        ok = isinstance(typical, (tuple, list)) and len(typical) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in typical)
+        if not ok or not 0 <= typical[0] <= 1 or typical[1] < 0:
+            problems.append(f"typical={typical!r}: (posterior_threshold in [0, 1], posterior_alpha >= 0), e.g. "
+                            f"Medusa's {TYPICAL_DEFAULT}")
+    return problems

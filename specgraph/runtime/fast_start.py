@@ -1,0 +1,136 @@
+"""A fast start: serve with the uncompiled static step while inductor compiles it in the background.
+
+``compile(..., backend="inductor", fast_start=True)``. A bucket's first call under inductor compiles
+its frames (the prefill chunk, the first propose, the draft's pass over the prompt, the decode
+step): about a minute on a GPU, before the first token. With a fast start the calls of a bucket not
+compiled yet run on a second Capture of the same model with ``backend="cudagraphs"`` (the same
+static step recorded as CUDA graphs without compiling: seconds to its first token, each step
+slower), while one background thread runs a short warm-up ``generate`` of that bucket on the
+inductor Capture, which compiles it and records its graphs. The first call that starts after the
+warm-up has finished runs compiled. Both are the same lossless step: only the speed differs.
+
+Why the two may run at once, and where they may not:
+  - The two Captures share the model's weights only (read by both): each has its own KV cache,
+    static buffers, draft sessions, pinned readback buffers and lock.
+  - Tracing is process-wide: fx's tracer (under torch.export and AOTAutograd) patches
+    ``nn.Module.__call__`` and ``__getattr__`` for every thread while it traces, and torch.export's
+    pre-dispatch mode stack is global. So the worker holds ``capture.TRACE_LOCK`` for a warm-up, a
+    capture (torch.export) takes it, and so does every serving call that may run a module eagerly.
+    A served call runs no module once its bucket's CUDA graphs are recorded (every part is a
+    replay): after a bucket's first call serves uncompiled, one more short call records the rest
+    (the prefill chunk, the first propose), and from then on its calls run beside the worker. On
+    a CPU (no CUDA graphs) every uncompiled call waits for the worker's warm-up instead.
+  - CUDA graphs are recorded with ``capture_error_mode="thread_local"`` on a stream of the recording
+    thread (``graphed.py``), so the worker's recording is not broken by the serving thread's replays,
+    syncs and allocations; the worker launches on its own stream and finishes it before it marks a
+    bucket ready.
+  - While the worker runs, the interpreter switches threads every 0.5 ms instead of 5: the serving
+    loop takes the GIL once per step and would otherwise wait up to 5 ms behind the compiler.
+
+A warm-up that fails is logged and its bucket keeps serving uncompiled (the cache costs speed, never
+the call). ``SpecModel.warmup`` compiles in the foreground and marks what it compiled ready.
+Unseeded sampled calls served meanwhile stay exact in distribution, but the worker's warm-up draws
+from the same global generator: pass ``seed=`` for sampling that repeats.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import sys
+import threading
+from typing import Callable, Hashable
+
+import torch
+
+from ..capture import TRACE_LOCK
+from .generate import cuda_graphs_on
+
+log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 5e-4  # while the worker compiles (the interpreter's default: 5 ms)
+
+
+class FastStart:
+    """Which Capture serves a bucket, and how. ``serving(key)``: ``compiled`` once the bucket's background
+    warm-up has finished, ``fast`` (backend="cudagraphs") until then; ``guard(key)``: what a call on
+    ``fast`` holds (``TRACE_LOCK`` until the bucket runs as replays only); ``after_call(key, warm)``:
+    after a call served uncompiled, record the rest of its graphs and queue ``warm(compiled)``."""
+
+    def __init__(self, fast, compiled):
+        self.fast, self.compiled = fast, compiled
+        self.ready: set[Hashable] = set()
+        self.failed: set[Hashable] = set()
+        self.replaying: set[Hashable] = set()  # fast buckets whose calls are CUDA-graph replays only
+        self._queued: set[Hashable] = set()
+        self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _queued, _worker and the switch interval
+
+    def serving(self, key: Hashable):
+        """The Capture to run this call on."""
+        return self.compiled if key in self.ready else self.fast
+
+    def guard(self, key: Hashable):
+        """What a call of ``key`` on ``fast`` holds while it runs (after ``fast.lock``)."""
+        return contextlib.nullcontext() if key in self.replaying else TRACE_LOCK
+
+    def after_call(self, key: Hashable, warm: Callable[[object], object]) -> None:
+        """After a call of ``key`` served uncompiled: on CUDA, one more short call on ``fast`` records the
+        graphs its first call only warmed up (from then on it replays beside the worker); then queue
+        ``warm(compiled)`` for the worker, unless done, queued or failed already."""
+        if key in self.ready or key in self._queued or key in self.failed:
+            return
+        if self.fast.kv_device.type == "cuda" and cuda_graphs_on(self.fast.kv_device):
+            with self.fast.lock, TRACE_LOCK:
+                warm(self.fast)
+            self.replaying.add(key)
+        with self._lock:
+            self._queued.add(key)
+            self._idle.clear()
+            self._jobs.put((key, warm))
+            if self._worker is None:
+                self._switch = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._switch, SWITCH_INTERVAL_S))
+                self._worker = threading.Thread(target=self._work, name="specgraph-compile", daemon=True)
+                self._worker.start()
+
+    def mark_ready(self, key: Hashable) -> None:
+        """``key`` was compiled on ``compiled`` in the foreground (``SpecModel.warmup``)."""
+        self.ready.add(key)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every queued warm-up has finished (True) or ``timeout`` seconds passed (False)."""
+        return self._idle.wait(timeout)
+
+    def _work(self) -> None:
+        device = self.compiled.kv_device
+        stream = None
+        if device.type == "cuda":  # a thread's current device and stream are its own
+            torch.cuda.set_device(device)
+            stream = torch.cuda.Stream(device)
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            while True:
+                try:
+                    key, warm = self._jobs.get(timeout=0.1)
+                except queue.Empty:
+                    with self._lock:
+                        if self._jobs.empty():  # nothing came in meanwhile: stop, and give the GIL back its pace
+                            self._worker = None
+                            sys.setswitchinterval(self._switch)
+                            self._idle.set()
+                            return
+                    continue
+                try:
+                    with self.compiled.lock, TRACE_LOCK:  # that order, as a serving call takes them
+                        warm(self.compiled)
+                    if stream is not None:
+                        stream.synchronize()
+                    self.ready.add(key)
+                    log.info("compiled in the background: %s (the next call of it runs compiled)", key)
+                except Exception as err:  # noqa: BLE001  (serving goes on uncompiled; the call never fails for it)
+                    self.failed.add(key)
+                    log.warning("background compile of %s failed (%s: %s); that bucket keeps running uncompiled",
+                                key, type(err).__name__, err)

@@ -1,0 +1,138 @@
+"""runtime/fast_start.py: calls run uncompiled while inductor compiles the bucket in a background thread,
+then compiled; the same tokens throughout."""
+import pytest
+import torch
+
+import specgraph
+from specgraph import Chain, CompileError
+from specgraph.drafts import NGram
+from test_capture import tiny_model
+from test_generate import hf_greedy, prompts
+
+
+def _spy_captures(monkeypatch):
+    """The Capture each generate call ran on, in order."""
+    import specgraph.api as api
+
+    used, real = [], api.speculative_generate
+
+    def spy(capture, *args, **kwargs):
+        used.append(capture)
+        return real(capture, *args, **kwargs)
+
+    monkeypatch.setattr(api, "speculative_generate", spy)
+    return used
+
+
+def test_the_first_call_runs_uncompiled_and_a_later_one_compiled(aot_eager_compile, monkeypatch):
+    """The worker is held back (the compiled Capture's lock taken here), so the first call must be served
+    uncompiled; a call made while the worker compiles is exact either way (on a CPU it waits for the
+    compile: it runs modules eagerly); once the worker is done calls run compiled. Oracle: HF greedy."""
+    import sys
+
+    model = tiny_model("llama")
+    row = prompts(3, [20])[0]
+    want = hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=128, fast_start=True)
+    fast, compiled = spec.fast_start.fast, spec.capture
+    assert fast is not compiled and fast.backend == "cudagraphs"
+    used = _spy_captures(monkeypatch)
+    ids = torch.tensor([row])
+    with compiled.lock:  # the worker waits for it: nothing compiles before the first call returns
+        out = spec.generate(ids, max_new_tokens=16, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want
+        assert used[-1] is fast and not spec.fast_start.ready
+        assert not spec.wait_compiled(timeout=0.2)
+        assert sys.getswitchinterval() == pytest.approx(5e-4)  # while the worker runs
+    out = spec.generate(ids, max_new_tokens=16, eos_token_id=None)  # the worker compiles meanwhile
+    assert out[0, len(row):].tolist() == want
+    assert spec.wait_compiled(timeout=600) and not spec.fast_start.failed
+    out = spec.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert out[0, len(row):].tolist() == want
+    assert used[-1] is compiled and compiled.decode_steps  # compiled by the worker, run here
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # given back when the worker stopped
+
+
+def test_a_call_that_runs_modules_eagerly_waits_while_another_thread_traces():
+    """fx's tracer patches nn.Module.__call__ for every thread while it traces: an eager call beside it
+    would be traced into the wrong graph (NameError: module is not installed as a submodule). A call on
+    the uncompiled Capture holds TRACE_LOCK, as tracing does, so it waits and then runs exact."""
+    import threading
+
+    from specgraph.capture import TRACE_LOCK
+
+    model = tiny_model("llama")
+    row = prompts(6, [12])[0]
+    want = hf_greedy(model, row, max_new_tokens=8, eos_token_id=None)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=64, fast_start=True)
+    spec.fast_start.after_call = lambda *args: None  # no background compile: the tracer below stands in for it
+    spec.generate(torch.tensor([row]), max_new_tokens=8, eos_token_id=None)  # captured: no torch.export below
+    inside, release = threading.Event(), threading.Event()
+
+    class Blocking(torch.nn.Module):
+        def forward(self, x):
+            inside.set()  # traced now: nn.Module.__call__ is patched until forward returns
+            release.wait(60)
+            return x + 1
+
+    def trace():
+        with TRACE_LOCK:
+            torch.fx.symbolic_trace(Blocking())
+
+    tracer = threading.Thread(target=trace)
+    tracer.start()
+    assert inside.wait(60)
+    result = {}
+    call = threading.Thread(target=lambda: result.update(out=spec.generate(torch.tensor([row]), max_new_tokens=8,
+                                                                           eos_token_id=None)))
+    call.start()
+    call.join(1.0)
+    assert call.is_alive()  # waiting for the tracer
+    release.set()
+    tracer.join(60)
+    call.join(120)
+    assert result["out"][0, len(row):].tolist() == want
+
+
+def test_a_failed_background_compile_keeps_serving_uncompiled(monkeypatch, caplog):
+    model = tiny_model("llama")
+    row = prompts(4, [12])[0]
+    want = hf_greedy(model, row, max_new_tokens=8, eos_token_id=None)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=64, fast_start=True)
+    used = _spy_captures(monkeypatch)
+
+    def broken(*args):
+        raise RuntimeError("an inductor bug")
+
+    monkeypatch.setattr(spec, "_bucket_warmup", lambda b, *rest: ((b, "key"), broken))
+    for _ in range(2):
+        out = spec.generate(torch.tensor([row]), max_new_tokens=8, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want
+        assert spec.wait_compiled(timeout=60)
+    assert spec.fast_start.failed == {(1, "key")} and not spec.fast_start.ready
+    assert all(capture is spec.fast_start.fast for capture in used)
+    assert "an inductor bug" in caplog.text
+
+
+def test_warmup_compiles_in_the_foreground_and_marks_the_bucket_ready(aot_eager_compile, monkeypatch):
+    model = tiny_model("llama")
+    row = prompts(5, [10])[0]
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=64, fast_start=True)
+    spec.warmup()
+    used = _spy_captures(monkeypatch)
+    out = spec.generate(torch.tensor([row]), max_new_tokens=8, eos_token_id=None)
+    assert out[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=8, eos_token_id=None)
+    assert used == [spec.capture] and spec.fast_start._worker is None  # nothing queued
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(backend="eager"), "backend='eager'"),
+    (dict(backend="auto"), "backend='auto'"),  # on a CPU: auto is eager
+    (dict(backend="inductor", policy="cost"), "policy='cost'"),
+])
+def test_fast_start_refusals_name_the_argument(kwargs, expected):
+    model = tiny_model("llama")
+    with pytest.raises(CompileError, match=expected):
+        specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64, fast_start=True, **kwargs)
+    with pytest.raises(CompileError, match="fast_start='yes'"):
+        specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64, backend="inductor", fast_start="yes")
