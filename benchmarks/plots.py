@@ -5,6 +5,7 @@
     python3 benchmarks/plots.py compare out.png RUN.json [RUN.json ...]   # per-position acceptance, runs overlaid
     python3 benchmarks/plots.py batch E2E.json out.png                    # e2e batch section: speedup vs batch
     python3 benchmarks/plots.py budget GEN.json out.png                   # generate.py --budgets: speedup vs tree budget
+    python3 benchmarks/plots.py policy E2E.json out.png                   # e2e --batch-policy: what policy="cost" chose
 """
 from __future__ import annotations
 
@@ -137,9 +138,40 @@ def budget(path: str, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def policy(path: str, out: str) -> None:
+    """e2e.py --batch-policy: whole-call tokens/s over plain decoding per batch size, of each fixed mode run and of
+    policy="cost", and (right) the share of the policy's calls each mode ran."""
+    r = json.loads(Path(path).read_text())
+    rows = sorted(((int(k[1:]), v) for k, v in r["batch"].items() if "cost_call_tok_s" in v), key=lambda kv: kv[0])
+    fixed = [k.removesuffix("_call_tok_s") for k in rows[0][1] if k.endswith("_call_tok_s") and k != "cost_call_tok_s"]
+    modes = sorted({m for _, v in rows for m in v["cost_calls"]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for name in fixed:
+        left.plot([b for b, _ in rows], [v[f"{name}_call_tok_s"] / v["plain_call_tok_s"] for _, v in rows], "o--",
+                  label=f"fixed: {name}")
+    left.plot([b for b, _ in rows], [v["cost_x_plain"] for _, v in rows], "s-", color="black", label='policy="cost"')
+    for b, v in rows:
+        left.annotate(f"{v['cost_of_best']:.3f} of {v['best_fixed']}", (b, v["cost_x_plain"]), fontsize=7,
+                      xytext=(3, -10), textcoords="offset points")
+    left.set(xscale="log", xlabel="batch size", ylabel="whole-call tokens/s over plain", title="speed")
+    bottom = [0.0] * len(rows)
+    for mode in modes:
+        share = [v["cost_calls"].get(mode, 0) / sum(v["cost_calls"].values()) for _, v in rows]
+        right.bar([str(b) for b, _ in rows], share, bottom=bottom, label=mode)
+        bottom = [x + y for x, y in zip(bottom, share)]
+    right.set(xlabel="batch size", ylabel="share of the policy's calls", title="modes chosen")
+    for ax in (left, right):
+        ax.legend(fontsize=7)
+    left.minorticks_off()
+    left.set_xticks([b for b, _ in rows], [str(b) for b, _ in rows])
+    fig.suptitle(f"{r['shape']}, synthetic τ = 4, {r['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
     command = sys.argv[1]
     if command == "compare":
         compare(*sys.argv[2:])
     else:
-        {"history": history, "sweep": sweep, "batch": batch, "budget": budget}[command](*sys.argv[2:4])
+        {"history": history, "sweep": sweep, "batch": batch, "budget": budget, "policy": policy}[command](*sys.argv[2:4])
