@@ -145,6 +145,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     background thread compiles it with inductor; the first call after that runs compiled
     (``runtime/fast_start.py``; ``SpecModel.wait_compiled``). Same tokens either way; unseeded sampled
     calls meanwhile stay exact in distribution but share the global RNG with the background warm-up.
+    It costs a second KV cache (the uncompiled step's own).
     Everything that cannot be supported is refused here, all blockers at once.
     """
     max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")

@@ -40,8 +40,9 @@ from .trees import chain_mask
 
 log = logging.getLogger(__name__)
 ALIBI_MODEL_TYPES = ("bloom",)  # ALiBi built into the architecture, no config flag to read
-# torch.export's pre-dispatch tracing keeps process-wide state: one thread traces at a time (a capture here,
-# or a background compile, runtime/fast_start.py). Taken after a Capture's lock, never before it
+# tracing is process-wide (fx patches nn.Module.__call__ for every thread; torch.export's pre-dispatch mode stack
+# is global): one thread traces at a time, and no other runs a module meanwhile (runtime/fast_start.py). Taken
+# after a Capture's lock, never before it
 TRACE_LOCK = threading.RLock()
 
 
