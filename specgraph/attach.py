@@ -25,13 +25,15 @@ _ATTR = "_specgraph_original_generate"
 
 
 def attach(model, draft=None, tree=None, backend: str = "auto", max_batch: int = 8,
-           max_cache_len: int = DEFAULT_CACHE_LEN, *, max_length: int | None = None) -> SpecModel:
+           max_cache_len: int = DEFAULT_CACHE_LEN, *, fast_start: bool = False,
+           max_length: int | None = None) -> SpecModel:
     """Compile ``model`` with ``draft`` (arguments as ``specgraph.compile``; ``max_length=`` is the old
     spelling of ``max_cache_len=``) and route its own ``generate`` through the result. Returns the SpecModel."""
     max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.attach")
     if hasattr(model, _ATTR):
         raise RuntimeError("specgraph is already attached to this model; call specgraph.detach(model) first")
-    spec = compile(model, draft, tree=tree, backend=backend, max_batch=max_batch, max_cache_len=max_cache_len)
+    spec = compile(model, draft, tree=tree, backend=backend, max_batch=max_batch, max_cache_len=max_cache_len,
+                   fast_start=fast_start)
     original = model.generate  # the bound method of the model's class
     warned: set[str] = set()
 

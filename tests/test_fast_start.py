@@ -136,3 +136,23 @@ def test_fast_start_refusals_name_the_argument(kwargs, expected):
         specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64, fast_start=True, **kwargs)
     with pytest.raises(CompileError, match="fast_start='yes'"):
         specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64, backend="inductor", fast_start="yes")
+
+
+def test_attach_takes_fast_start(aot_eager_compile):
+    """The HF drop-in: model.generate runs uncompiled at once, compiled once the worker is done; exact."""
+    model = tiny_model("llama")
+    row = prompts(7, [10])[0]
+    ids = torch.tensor([row])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                          eos_token_id=None, pad_token_id=0)
+    spec = specgraph.attach(model, NGram(), tree=Chain(3), backend="inductor", max_batch=1, max_cache_len=64,
+                            fast_start=True)
+    try:
+        for _ in range(2):
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                                 eos_token_id=None, pad_token_id=0)
+            assert torch.equal(got, want)
+            assert spec.wait_compiled(timeout=600)
+        assert spec.fast_start.ready and not spec.fast_start.failed
+    finally:
+        specgraph.detach(model)
