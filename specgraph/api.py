@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -140,9 +141,10 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     heads, KV heads and MLP are sharded over the group (in place; specgraph/parallel.py), the draft
     and LM head stay whole on every rank, and every rank returns the same tokens; sampling is seeded
     (``seed=``, the same on every rank, or one drawn on rank 0 and broadcast once per call).
-    ``fast_start=True`` (with backend "inductor", or "auto" on CUDA; policy "fixed"): a batch size's
-    calls run uncompiled (the static step recorded as CUDA graphs, as ``backend="cudagraphs"``) while a
-    background thread compiles it with inductor; the first call after that runs compiled
+    ``fast_start=True`` (with backend "inductor", or "auto" on CUDA; not with policy "measured"): a batch
+    size's calls run uncompiled (the static step recorded as CUDA graphs, as ``backend="cudagraphs"``) while a
+    background thread compiles it with inductor (under policy "cost" every mode's step, the policy learning τ
+    from uncompiled calls and costs from compiled ones); the first call after that runs compiled
     (``runtime/fast_start.py``; ``SpecModel.wait_compiled``). Same tokens either way; unseeded sampled
     calls meanwhile stay exact in distribution but share the global RNG with the background warm-up.
     It costs a second KV cache (the uncompiled step's own).
@@ -286,6 +288,7 @@ class SpecModel:
                        if isinstance(draft_tree(tree), DynamicTree)}
             self.policy = CostPolicy({m: depths.get(m) for m in self.modes}, table, budgets)
         self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
+        self._choosing = threading.Lock()  # the policy's state (a call's capture lock may be held by a compile)
 
     def mode(self, name: str, batch: int) -> tuple:
         """(draft, tree) that mode ``name`` runs for a call of ``batch`` rows (the tree mode: ``tree_for``)."""
@@ -368,14 +371,15 @@ class SpecModel:
             warnings.warn(f"synthetic_accept={self.config.synthetic_accept}: acceptance is forced for benchmarking; "
                           f"the output is NOT the model's", stacklevel=2)
         stopping = stopping_criteria(kwargs, gen)
-        capture, bucket, guard = self.capture, None, contextlib.nullcontext()
-        if self.fast_start is not None:  # uncompiled until the bucket's background compile is done
-            bucket = self._bucket_warmup(b, sampling, penalty, keep)
-            capture = self.fast_start.serving(bucket[0])
-            if capture is not self.capture:
-                guard = self.fast_start.guard(bucket[0])
-        with capture.lock, guard:  # SpecModels of one model share its caches: one call at a time
+        with self._choosing:
             mode = self.policy.choose(b) if self.policy else "tree"
+        capture, guard = self.capture, contextlib.nullcontext()
+        if self.fast_start is not None:  # uncompiled until the bucket's background compile is done
+            key = self._bucket_warmup(b, mode, sampling, penalty, keep)[0]
+            capture = self.fast_start.serving(key)
+            if capture is not self.capture:
+                guard = self.fast_start.guard(key)
+        with capture.lock, guard:  # SpecModels of one model share its caches: one call at a time
             draft, tree = self.mode(mode, b)
             start = time.perf_counter()
             result = speculative_generate(capture, draft, tree, prompts, max_new, eos,
@@ -385,18 +389,22 @@ class SpecModel:
                                           penalty=penalty, keep=keep)
             seconds = time.perf_counter() - start  # every row's tokens were read back: the device work is done
             self.last_stats = AcceptanceStats.of(result, tree.max_depth)
+        compiled = capture is self.capture  # an uncompiled call's τ counts, its time does not
+        with self._choosing:
             if isinstance(self.policy, MeasuredPolicy):
-                self.policy.record(b, mode, seconds, sum(map(len, result.sequences)))
+                self.policy.record(b, mode, seconds, sum(map(len, result.sequences)))  # (never uncompiled)
             elif self.policy:
                 tau, running = self.last_stats.tau, getattr(draft_tree(tree), "nodes", 0)
                 budgets = set(self.policy.budgets.values()) if running else set()
                 figures = budget_taus(result.accepted_ranks, result.accept_lens, tau, [n for n in budgets if n < running])
                 figures.update(confidence_taus(result.confidence, result.accept_lens, tau, running,
                                                [n for n in budgets if n > running]))
-                self.policy.record(b, mode, result.decode_seconds, len(result.accept_lens), tau,  # the steps' time
-                                   self.last_stats.position_rate, figures)
-        if capture is not self.capture:  # served uncompiled: compiled in the background from now
-            self.fast_start.after_call(*bucket)
+                self.policy.record(b, mode, result.decode_seconds if compiled else None,  # the steps' time
+                                   len(result.accept_lens), tau, self.last_stats.position_rate, figures)
+        if not compiled:  # served uncompiled: compiled in the background from now (every mode the policy may run)
+            for other in [mode] + [m for m in self.modes if m != mode]:
+                self.fast_start.after_call(*self._bucket_warmup(b, other, sampling, penalty, keep),
+                                           record_fast=other == mode)
         width = max(len(g) for g in result.sequences)
         new = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
         for row, tokens in enumerate(result.sequences):
@@ -407,12 +415,12 @@ class SpecModel:
                                       accept_lens=result.accept_lens, acceptance=self.last_stats)
         return sequences
 
-    def _bucket_warmup(self, b: int, sampling: Sampling | None, penalty, keep) -> tuple:
-        """(key, warm): a fast start's name for the compiled bucket a call needs (as ``decode_step`` keys it),
-        and ``warm(capture)``, the short call that compiles the bucket on ``capture`` and records its graphs."""
-        draft, tree = self.mode("tree", b)
+    def _bucket_warmup(self, b: int, mode: str, sampling: Sampling | None, penalty, keep) -> tuple:
+        """(key, warm): a fast start's name for the compiled bucket a call of ``mode`` needs (as ``decode_step``
+        keys it), and ``warm(capture)``, the short call that compiles it on ``capture`` and records its graphs."""
+        draft, tree = self.mode(mode, b)
         rule = None if sampling is None else (sampling.typical is not None, sampling.seed is not None)
-        key = (b, repr(tree), rule, penalty is None, keep)
+        key = (b, mode, repr(tree), rule, penalty is None, keep)
         return key, lambda capture: speculative_generate(
             capture, draft, tree, [[1] * 8] * b, 2 * (tree.max_depth + 1) + 1, set(), self.config.max_cache_len,
             sampling, synthetic_accept=self.config.synthetic_accept, penalty=penalty, keep=keep)
@@ -458,8 +466,9 @@ class SpecModel:
                     if self.policy is not None:  # compiled now: the policy's next call of it is a measurement
                         self.policy.calls[b, mode] = max(self.policy.calls.get((b, mode), 0), 1)
                 if self.fast_start is not None:  # compiled now: calls need not wait for the background
-                    for s in samplings:
-                        self.fast_start.mark_ready(self._bucket_warmup(b, s, None, (False, False))[0])
+                    for mode in self.modes:
+                        for s in samplings:
+                            self.fast_start.mark_ready(self._bucket_warmup(b, mode, s, None, (False, False))[0])
         log.info("warmed up %s", ", ".join(f"batch {b} {m}: {s:.1f} s" for (b, m), s in first.items()))
         return first
 

@@ -22,9 +22,10 @@ def fast_start_problems(fast_start, backend, on_cuda: bool, policy, tp) -> list[
     if (backend if backend != "auto" else "inductor" if on_cuda else "eager") != "inductor":
         problems.append(f"fast_start=True with backend={backend!r}: it serves uncompiled while inductor compiles; "
                         f"pass backend='inductor' (or 'auto' with the model on CUDA)")
-    if policy != "fixed":
-        problems.append(f"fast_start=True with policy={policy!r}: the policy would time uncompiled calls; use "
-                        f"policy='fixed' (or call warmup() instead of a fast start)")
+    if policy == "measured":
+        problems.append("fast_start=True with policy='measured': it times whole calls, and the first ones would run "
+                        "uncompiled; use policy='cost' (it learns τ from uncompiled calls and costs from compiled "
+                        "ones) or 'fixed'")
     if tp is not None:
         problems.append("fast_start=True with tp: the ranks would switch to their compiled step at different calls")
     return problems

@@ -65,7 +65,7 @@ def test_a_call_that_runs_modules_eagerly_waits_while_another_thread_traces():
     row = prompts(6, [12])[0]
     want = hf_greedy(model, row, max_new_tokens=8, eos_token_id=None)
     spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=64, fast_start=True)
-    spec.fast_start.after_call = lambda *args: None  # no background compile: the tracer below stands in for it
+    spec.fast_start.after_call = lambda *args, **kwargs: None  # no background compile: the tracer below stands in for it
     spec.generate(torch.tensor([row]), max_new_tokens=8, eos_token_id=None)  # captured: no torch.export below
     inside, release = threading.Event(), threading.Event()
 
@@ -125,10 +125,36 @@ def test_warmup_compiles_in_the_foreground_and_marks_the_bucket_ready(aot_eager_
     assert used == [spec.capture] and spec.fast_start._worker is None  # nothing queued
 
 
+def test_under_policy_cost_uncompiled_calls_teach_tau_not_cost(aot_eager_compile, monkeypatch, settings, tmp_path):
+    """policy="cost" with a fast start: a call served uncompiled counts for τ (the same tokens either way) but
+    puts no step cost in the table; every mode's bucket is queued for the worker; once compiled, calls are
+    timed. Output exact throughout."""
+    settings(cache=tmp_path)  # the step-cost table: this test's own
+    model = tiny_model("llama")
+    row = prompts(8, [16])[0]
+    want = hf_greedy(model, row, max_new_tokens=12, eos_token_id=None)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=64, policy="cost",
+                             fast_start=True)
+    used = _spy_captures(monkeypatch)
+    ids = torch.tensor([row])
+    with spec.capture.lock:  # the worker waits: these calls are served uncompiled
+        for _ in range(3):  # past a mode's first call, which never counts as a timing
+            out = spec.generate(ids, max_new_tokens=12, eos_token_id=None)
+            assert out[0, len(row):].tolist() == want and used[-1] is spec.fast_start.fast
+        assert all(spec.policy.table.get(1, m) is None for m in spec.modes)  # no uncompiled timing kept
+        assert spec.policy.tau  # but τ was learnt
+        assert spec.fast_start._queued == {spec._bucket_warmup(1, m, None, None, (False, False))[0] for m in spec.modes}
+    assert spec.wait_compiled(timeout=600) and len(spec.fast_start.ready) == len(spec.modes)
+    for _ in range(2 * len(spec.modes)):
+        out = spec.generate(ids, max_new_tokens=12, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want and used[-1] is spec.capture
+    assert any(spec.policy.table.get(1, m) is not None for m in spec.modes)  # compiled calls are timed
+
+
 @pytest.mark.parametrize("kwargs, expected", [
     (dict(backend="eager"), "backend='eager'"),
     (dict(backend="auto"), "backend='auto'"),  # on a CPU: auto is eager
-    (dict(backend="inductor", policy="cost"), "policy='cost'"),
+    (dict(backend="inductor", policy="measured"), "policy='measured'"),
 ])
 def test_fast_start_refusals_name_the_argument(kwargs, expected):
     model = tiny_model("llama")

@@ -225,9 +225,10 @@ class CostPolicy:
         self.refreshes[batch] = self.refreshes.get(batch, 0) + 1
         return refresh[self.refreshes[batch] % len(refresh)]
 
-    def record(self, batch: int, mode: str, seconds: float, steps: int, tau: float,
+    def record(self, batch: int, mode: str, seconds: float | None, steps: int, tau: float,
                position_rate: tuple[float, ...], budget_tau: dict | None = None) -> None:
-        """A finished call: ``steps`` target steps in ``seconds``, ``tau`` tokens per step; ``budget_tau``:
+        """A finished call: ``steps`` target steps in ``seconds`` (None: not a timing, a call run uncompiled while
+        its bucket compiles: its τ counts, its cost does not), ``tau`` tokens per step; ``budget_tau``:
         what the other budgets of a DynamicTree mode would have had (the smaller ones exactly, ``budget_taus``;
         the larger ones predicted from the draft's confidence, ``confidence_taus``)."""
         runs = self.calls.get((batch, mode), 0)
@@ -247,7 +248,7 @@ class CostPolicy:
                             self.tau.pop(other, None)
                             if nodes < self.budgets.get(mode, 0):  # a smaller budget's τ is measured, not predicted
                                 self.observed.add((batch, other))
-        if runs == 0 or steps == 0:  # the first call in a process may compile: not a measurement
+        if runs == 0 or steps == 0 or seconds is None:  # the first call in a process may compile: not a measurement
             return
         per_step = seconds / steps
         old = self.table.get(batch, mode)

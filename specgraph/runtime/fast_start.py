@@ -22,8 +22,9 @@ Why the two may run at once, and where they may not:
     a CPU (no CUDA graphs) every uncompiled call waits for the worker's warm-up instead.
   - CUDA graphs are recorded with ``capture_error_mode="thread_local"`` on a stream of the recording
     thread (``graphed.py``), so the worker's recording is not broken by the serving thread's replays,
-    syncs and allocations; the worker launches on its own stream and finishes it before it marks a
-    bucket ready.
+    syncs and allocations. The worker warms a bucket up twice (the second call records what the first
+    warmed up), so the serving thread never records a compiled bucket; it launches on its own stream
+    and finishes it before it marks a bucket ready.
   - While the worker runs, the interpreter switches threads every 0.5 ms instead of 5: the serving
     loop takes the GIL once per step and would otherwise wait up to 5 ms behind the compiler.
 
@@ -77,13 +78,14 @@ class FastStart:
         """What a call of ``key`` on ``fast`` holds while it runs (after ``fast.lock``)."""
         return contextlib.nullcontext() if key in self.replaying else TRACE_LOCK
 
-    def after_call(self, key: Hashable, warm: Callable[[object], object]) -> None:
-        """After a call of ``key`` served uncompiled: on CUDA, one more short call on ``fast`` records the
-        graphs its first call only warmed up (from then on it replays beside the worker); then queue
-        ``warm(compiled)`` for the worker, unless done, queued or failed already."""
+    def after_call(self, key: Hashable, warm: Callable[[object], object], record_fast: bool = True) -> None:
+        """After a call of ``key`` served uncompiled (``record_fast``; or a bucket queued beside it): on CUDA,
+        one more short call on ``fast`` records the graphs its first call only warmed up (from then on it
+        replays beside the worker); then queue ``warm(compiled)`` for the worker, unless done, queued or
+        failed already."""
         if key in self.ready or key in self._queued or key in self.failed:
             return
-        if self.fast.kv_device.type == "cuda" and cuda_graphs_on(self.fast.kv_device):
+        if record_fast and self.fast.kv_device.type == "cuda" and cuda_graphs_on(self.fast.kv_device):
             with self.fast.lock, TRACE_LOCK:
                 warm(self.fast)
             self.replaying.add(key)
@@ -125,7 +127,8 @@ class FastStart:
                     continue
                 try:
                     with self.compiled.lock, TRACE_LOCK:  # that order, as a serving call takes them
-                        warm(self.compiled)
+                        for _ in range(2):  # the second records what the first compiled and warmed up (prefill
+                            warm(self.compiled)  # chunk, first propose): the serving thread then only replays
                     if stream is not None:
                         stream.synchronize()
                     self.ready.add(key)
