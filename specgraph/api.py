@@ -452,7 +452,7 @@ class SpecModel:
             return result.decode_seconds / max(len(result.accept_lens), 1)
 
         first = {}
-        with self.capture.lock:
+        with self.capture.lock, self._choosing:  # (the policy's state too: generate chooses under _choosing alone)
             for b in batch_sizes:
                 for mode in self.modes:
                     draft, tree = self.mode(mode, b)
