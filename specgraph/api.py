@@ -386,7 +386,7 @@ class SpecModel:
                                           self.config.max_cache_len, sampling, stopping, streamer,
                                           synthetic_accept=self.config.synthetic_accept,
                                           padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)],
-                                          penalty=penalty, keep=keep)
+                                          penalty=penalty, keep=keep, time_steps=isinstance(self.policy, CostPolicy))
             seconds = time.perf_counter() - start  # every row's tokens were read back: the device work is done
             self.last_stats = AcceptanceStats.of(result, tree.max_depth)
         compiled = capture is self.capture  # an uncompiled call's τ counts, its time does not
@@ -445,7 +445,7 @@ class SpecModel:
         samplings = [None] + ([Sampling(1.0, typical=typical)] if sampling else [])
         run = lambda draft, tree, b, new, s: speculative_generate(  # noqa: E731
             self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s,
-            synthetic_accept=self.config.synthetic_accept)
+            synthetic_accept=self.config.synthetic_accept, time_steps=True)
 
         def timed_step(draft, tree, b) -> float:  # seconds per step of a 16-token call
             result = run(draft, tree, b, 16, None)

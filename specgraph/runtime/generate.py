@@ -43,7 +43,7 @@ class GenerateResult:
     confidence: list[list[list[float]]] = field(default_factory=list)
     scores: tuple | None = None  # with keep: per position, [B, V] (transformers' output_scores)
     logits: tuple | None = None  # with keep: per position, [B, V] raw (transformers' output_logits)
-    decode_seconds: float = 0.0  # wall time of the steps alone: from the prefill's end to the last step read
+    decode_seconds: float | None = None  # with time_steps: the steps' wall time, from the prefill's end
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,8 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
                          eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
                          stopping_criteria=None, streamer=None,
                          synthetic_accept: int | None = None, padding: list[list[int]] | None = None,
-                         penalty: float | None = None, keep: tuple[bool, bool] = (False, False)) -> GenerateResult:
+                         penalty: float | None = None, keep: tuple[bool, bool] = (False, False),
+                         time_steps: bool = False) -> GenerateResult:
     """Speculative decoding of ``prompts`` over ``tree``: greedy (token-exact), or with
     ``sampling`` exact in distribution (the drafts are deterministic, so each node
     draws its own target sample and a draft is accepted iff it equals its
@@ -288,6 +289,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     ``penalty``: transformers' repetition penalty (each row's seen tokens: its prompt without the
     padding, then what it commits); ``keep`` = (scores, logits): also return them per generated
     position (``GenerateResult.scores`` / ``logits``), as model.generate's output_scores / output_logits.
+    ``time_steps``: also time the steps apart from the prefill (``GenerateResult.decode_seconds``; one sync).
     """
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
@@ -322,8 +324,8 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
             kept.append(tuple(None if x is None else x.clone() for x in (out.scores, out.logits)))
         return readback.start(out)
 
-    if device.type == "cuda":  # the steps' time apart from the prefill's (a step's cost, as the budget policy needs
-        torch.cuda.current_stream(device).synchronize()  # it); this stream only: a background compile runs on its own
+    if time_steps and device.type == "cuda":  # the prefill done first; this stream only (a background compile
+        torch.cuda.current_stream(device).synchronize()  # runs on its own)
     decode_start = time.perf_counter()
     pending = None if all(done) else launch(topology, cache_len)
     while pending is not None:
@@ -363,7 +365,8 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
         if pending is None:
             topology = out.next_tree
             pending = launch(topology, out.cache_len)
-    result.decode_seconds = time.perf_counter() - decode_start
+    if time_steps:
+        result.decode_seconds = time.perf_counter() - decode_start
     if streamer is not None:
         streamer.end()
     if keep[0]:
