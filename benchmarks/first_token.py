@@ -1,7 +1,7 @@
 """Time to first token in a fresh process, cold and warm (issue: a fast start).
 
     python3 benchmarks/first_token.py [--tiny] [--device cuda|cpu] [--backend auto] [--runs 2] [--warmup]
-                                      [--fast-start] [--out FILE.json]
+                                      [--fast-start on|off] [--out FILE.json]
 
 Each run is a new Python process that imports specgraph, loads the target (the embedded SmolLM2 in bf16
 on CUDA, in fp32 on the CPU with ``--device cpu``, or with ``--tiny`` a 4-layer random Llama on the CPU), compiles it with the default draft and
@@ -11,8 +11,9 @@ how much of it the captures took (torch.export and the passes, per bucket), and 
 FX-graph and AOTAutograd cache lookups hit, how many buckets came from specgraph's capture cache
 (capture_cache.py) and how many compiled frames from its compiled-frame cache (compiled_cache.py). The
 first run uses empty inductor, Triton and specgraph cache folders (cold); the later ones reuse them (warm: what a second process on the same machine sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
-``--fast-start``: ``compile(..., fast_start=True)`` (the first calls uncompiled while inductor compiles in the
-background); the process then also reports when the background compile finished and its first compiled token.
+``--fast-start on|off``: ``compile(..., fast_start=True/False)``; by default compile's own (on with backend
+"auto" on CUDA: the first calls uncompiled while inductor compiles in the background). With a fast start the
+process also reports when the background compile finished and its first compiled token.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 CHILD = r"""
 import json, logging, sys, time
 start = float(sys.argv[1]); tiny = sys.argv[2] == "1"; warm = sys.argv[3] == "1"; backend = sys.argv[4]
-capture_dir, device, fast = sys.argv[5], sys.argv[6], sys.argv[7] == "1"
+capture_dir, device, fast = sys.argv[5], sys.argv[6], {"on": True, "off": False}.get(sys.argv[7])
 import torch
 import specgraph
 from torch._dynamo.utils import counters
@@ -72,7 +73,7 @@ with specgraph.config.patch(cache=capture_dir):  # the captures' own folder: col
     marks["compile"] = time.time() - start
     out = spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
     marks["first_token"] = time.time() - start
-    if fast:  # the background compile: when it was done, and the first token of a compiled call
+    if spec.fast_start is not None:  # the background compile: when it was done, and the first token of a compiled call
         spec.wait_compiled()
         marks["compiled"] = time.time() - start
         spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
@@ -85,13 +86,13 @@ print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(sp
 """
 
 
-def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str, fast_start: bool = False) -> dict:
+def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str, fast_start: str = "default") -> dict:
     # inductor's and Triton's kernel caches both under the run's folder: the first process starts from nothing
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=str(Path(cache) / "triton"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                           os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend,
-                           str(Path(cache) / "specgraph"), device, str(int(fast_start))],
+                           str(Path(cache) / "specgraph"), device, fast_start],
                           env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"child failed:\n{done.stderr[-3000:]}")
@@ -107,8 +108,9 @@ def main() -> None:
                         help="compile's backend (auto, the default: inductor on CUDA, eager on the CPU)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="where SmolLM2 runs: cuda (bf16, the default) or cpu (fp32); --tiny is always the CPU")
-    parser.add_argument("--fast-start", action="store_true",
-                        help="compile(..., fast_start=True): uncompiled calls while inductor compiles in the background")
+    parser.add_argument("--fast-start", default="default", choices=["default", "on", "off"],
+                        help="compile(..., fast_start=True/False): uncompiled calls while inductor compiles in the "
+                             "background (default: compile's own, on with backend auto on CUDA)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []

@@ -19,10 +19,11 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
   sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64), inductor
   sg_default      the shipped EAGLE-3 head with compile's defaults (no tree, no backend named): what a user gets
+                  (on CUDA a fast start: timed once the background compile is done, its seconds recorded)
   sg_cudagraphs   the same, backend="cudagraphs": the static step recorded as CUDA graphs, nothing compiled
-  sg_fast_start   sg_default with fast_start=True, timed once the background compile is done (its steady state:
-                  inductor autotuned beside the serving thread); the seconds until then are recorded (meaningful
-                  alone in --methods: it shares compiled buckets with sg_default)
+  sg_fast_start   backend="inductor" with fast_start=True, timed once the background compile is done (its
+                  steady state: inductor autotuned beside the serving thread); the seconds until then recorded
+                  (meaningful alone in --methods: it shares compiled buckets with sg_default)
   sg_plain_cudagraphs  plain decoding, backend="cudagraphs"
   sg_eagle3_cost  the tree with policy="cost": per call the tree, its 8/16/32-node budgets, a chain as deep or
                   plain decoding by τ (a budget's from the tree's steps) over the step costs warmup() measured
@@ -213,14 +214,14 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
         draft, tree, backend = specgraph_method(model, method, args.eagle3)
         policy = {"sg_eagle3_measured": "measured", "sg_eagle3_cost": "cost"}.get(method, "fixed")
         spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_cache_len=1024, policy=policy,
-                                 fast_start=method == "sg_fast_start")
+                                 fast_start=True if method == "sg_fast_start" else None)
         if policy == "cost":  # every mode compiled and its step timed (where the table lacks it), then τ learnt
             spec.warmup((1,), sampling=t > 0)
         first_rows = next(iter(sets.values()))
         for _ in range(2 * len(spec.modes) if policy == "measured" else 1):  # warm-up: compile (measure each mode)
             run_specgraph(spec, first_rows[:1], args.max_new_tokens, t)
         compiled_after = None
-        if method == "sg_fast_start":  # the first call ran uncompiled; the timed ones run compiled
+        if spec.fast_start is not None:  # the first call ran uncompiled; the timed ones run compiled
             spec.wait_compiled()
             compiled_after = time.perf_counter() - start
         for name, rows in sets.items():

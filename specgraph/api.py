@@ -12,7 +12,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import parallel
-from .capture import Capture
+from .capture import TRACE_LOCK, Capture
 from .errors import CompileError
 from .drafts.base import Draft
 from .drafts.layer import fuse_projections as fuse_draft_projections
@@ -23,7 +23,7 @@ from .generate_args import (max_new_tokens, repetition_penalty, sampling_setting
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key
 from .runtime.fast_start import FastStart
-from .refusals import (BACKENDS, TYPICAL_DEFAULT, draft_tree, fast_start_problems, tree_blockers,
+from .refusals import (BACKENDS, TYPICAL_DEFAULT, draft_tree, fast_start_default, fast_start_problems, tree_blockers,
                        verify_problems)
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree, WithLookup
@@ -98,7 +98,7 @@ def resolve_backend(backend: str, model) -> str:
 def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
             max_cache_len: int = DEFAULT_CACHE_LEN, synthetic_accept: int | None = None, policy: str = "fixed",
             verify: str = "exact", typical: tuple[float, float] | None = None, tp=None, *,
-            fast_start: bool = False, max_length: int | None = None) -> "SpecModel":
+            fast_start: bool | None = None, max_length: int | None = None) -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
 
     ``max_cache_len``: KV cache slots per row; ``generate`` needs prompt + max_new_tokens + tree
@@ -107,8 +107,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     ``tree=None``: the draft's own default for the model's device and batch size
     (``Draft.default_tree``): for EAGLE-3 on one CUDA row, ``WithLookup(DynamicTree(2, 8, 8), 8)``,
     the measured best; otherwise ``Chain(4)``. With ``max_batch > 1`` (and ``policy="fixed"``) one-row
-    calls still take the one-row default (``SpecConfig.tree_for``): buckets are per batch size anyway.
-    Logged on the ``specgraph`` logger.
+    calls still take the one-row default (``SpecConfig.tree_for``; logged on the ``specgraph`` logger).
 
     ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
     graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"``, ``"inductor"`` or
@@ -118,19 +117,16 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
 
     ``draft=None``: plain decoding on the same engine (``tree`` None or ``Chain(0)``: one node,
     the root, per step), the baseline speculation is measured against.
-    ``synthetic_accept=k``: FOR BENCHMARKS ONLY, output is NOT the target's: every step accepts k
-    nodes down the tree's first-child chain (as SGLang's simulated acceptance length does), to time
-    the engine at a given τ without a trained head (under a policy, each mode as deep as it reaches:
-    plain decoding 1, a shallower chain its depth + 1). Greedy only; generate warns on every call.
-    ``policy="cost"``: per call, generate runs the tree, a chain as deep as the tree (when the tree
-    is not one), a DynamicTree's smaller node budgets (BUDGET_LADDER: the same drafting, fewer nodes
-    verified), a chain's shallower depths (CHAIN_LADDER: the same proposal, cut shorter) or plain decoding, whichever is expected to give the most tokens per second: τ from the
-    latest calls (a smaller budget's from a larger one's steps, a larger one's predicted by the draft's
-    confidence, ``Tree.confidence``) over the step cost measured once per
-    device, model, draft and batch size and kept on disk (``runtime/budget.py``; all lossless). ``policy="measured"``: the same modes
-    chosen by trial, each call timed whole (``runtime/policy.py``). Either way speculation that
-    loses — a large batch, a CPU — shrinks or switches itself off. ``"fixed"`` (default): always
-    the tree.
+    ``synthetic_accept=k``: FOR BENCHMARKS ONLY, output is NOT the target's: every step accepts k nodes
+    down the tree's first-child chain (as SGLang's simulated acceptance), to time the engine at a given τ
+    without a trained head (under a policy each mode as deep as it reaches). Greedy only; warns per call.
+    ``policy="cost"``: per call, generate runs the tree, a chain as deep, a DynamicTree's smaller node
+    budgets (BUDGET_LADDER), a chain's shallower depths (CHAIN_LADDER) or plain decoding, whichever is
+    expected to give the most tokens per second: τ from the latest calls (a smaller budget's from a larger
+    one's steps, a never-run one's predicted by the draft's confidence, ``Tree.confidence``) over the step
+    cost measured once per device, model, draft and batch size and kept on disk (``runtime/budget.py``; all lossless). ``policy="measured"``:
+    the same modes chosen by trial, each call timed whole (``runtime/policy.py``). Either way speculation
+    that loses (a large batch, a CPU) shrinks or switches itself off. ``"fixed"`` (default): the tree.
     ``verify="typical"``: LOSSY, opt-in — when sampling, Medusa's typical acceptance (a draft is
     kept iff the target gives it probability > min(threshold, alpha * exp(-entropy))) replaces exact
     rejection sampling, so the output is NOT distributed as the target's; greedy stays token-exact.
@@ -141,12 +137,14 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     heads, KV heads and MLP are sharded over the group (in place; specgraph/parallel.py), the draft
     and LM head stay whole on every rank, and every rank returns the same tokens; sampling is seeded
     (``seed=``, the same on every rank, or one drawn on rank 0 and broadcast once per call).
-    ``fast_start=True`` (with backend "inductor", or "auto" on CUDA; not with policy "measured"): a batch
+    ``fast_start`` (None: on with backend "auto" on CUDA, unless policy "measured" or tp; True needs backend
+    "inductor" or "auto" on CUDA, and no policy "measured"): a batch
     size's calls run uncompiled (the static step recorded as CUDA graphs, as ``backend="cudagraphs"``) while a
     background thread compiles it with inductor (under policy "cost" every mode's step, the policy learning τ
     from uncompiled calls and costs from compiled ones); the first call after that runs compiled
     (``runtime/fast_start.py``; ``SpecModel.wait_compiled``). Same tokens either way; unseeded sampled
-    calls meanwhile stay exact in distribution but share the global RNG with the background warm-up.
+    calls meanwhile stay exact in distribution but share the global RNG with the background warm-up (for
+    reproducible samples pass ``seed=`` to generate, or ``fast_start=False``).
     It costs a second KV cache (the uncompiled step's own).
     Everything that cannot be supported is refused here, all blockers at once.
     """
@@ -202,7 +200,9 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
     tp, tp_blockers = parallel.resolve(tp)
     blockers += tp_blockers
-    if fast_start is not False:
+    if fast_start is None:
+        fast_start = fast_start_default(backend, model_device(model).type == "cuda", policy, tp)
+    elif fast_start is not False:
         blockers += fast_start_problems(fast_start, backend, model_device(model).type == "cuda", policy, tp)
     if tp is not None:
         blockers += parallel.shard_problems(model, tp, policy, draft)
@@ -290,6 +290,16 @@ class SpecModel:
         self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
         self._choosing = threading.Lock()  # the policy's state (a call's capture lock may be held by a compile)
 
+    def _moved(self) -> bool:
+        """Whether a parameter was moved or replaced since compile. Not looked at while another thread
+        traces (a background compile): torch.export swaps fake tensors into the modules meanwhile."""
+        if not TRACE_LOCK.acquire(blocking=False):
+            return False
+        try:
+            return _storage(self.model, self.draft) != self._storage
+        finally:
+            TRACE_LOCK.release()
+
     def mode(self, name: str, batch: int) -> tuple:
         """(draft, tree) that mode ``name`` runs for a call of ``batch`` rows (the tree mode: ``tree_for``)."""
         draft, tree = self.modes[name]
@@ -306,7 +316,7 @@ class SpecModel:
         with ``return_dict_in_generate`` a ``GenerateDecoderOnlyOutput`` with ``sequences``, ``scores`` /
         ``logits`` (with ``output_scores`` / ``output_logits``) and ``accept_lens`` (per step, per row:
         tokens committed). Any other setting that would change the output raises TypeError."""
-        if _storage(self.model, self.draft) != self._storage:
+        if self._moved():
             raise RuntimeError("the model's or the draft's parameters were moved or replaced since specgraph.compile "
                                "(model.to(...), .half(), a new layer, ...): the captured graphs still read the old "
                                "ones. Call specgraph.compile again after moving the model")

@@ -25,7 +25,7 @@ _ATTR = "_specgraph_original_generate"
 
 
 def attach(model, draft=None, tree=None, backend: str = "auto", max_batch: int = 8,
-           max_cache_len: int = DEFAULT_CACHE_LEN, *, fast_start: bool = False,
+           max_cache_len: int = DEFAULT_CACHE_LEN, *, fast_start: bool | None = None,
            max_length: int | None = None) -> SpecModel:
     """Compile ``model`` with ``draft`` (arguments as ``specgraph.compile``; ``max_length=`` is the old
     spelling of ``max_cache_len=``) and route its own ``generate`` through the result. Returns the SpecModel."""

@@ -14,10 +14,16 @@ VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY w
 TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterDecoding/Medusa medusa_generate
 
 
+def fast_start_default(backend, on_cuda: bool, policy, tp) -> bool:
+    """``fast_start=None``: on where specgraph picks the backend and it picks inductor (``"auto"`` on
+    CUDA), unless the policy times whole calls or the target is sharded; off where the user named one."""
+    return backend == "auto" and on_cuda and policy != "measured" and tp is None
+
+
 def fast_start_problems(fast_start, backend, on_cuda: bool, policy, tp) -> list[str]:
     """What keeps ``fast_start`` from running (empty: nothing)."""
     if not isinstance(fast_start, bool):
-        return [f"fast_start={fast_start!r}: True or False"]
+        return [f"fast_start={fast_start!r}: True, False, or None (on with backend 'auto' on CUDA)"]
     problems = []
     if (backend if backend != "auto" else "inductor" if on_cuda else "eager") != "inductor":
         problems.append(f"fast_start=True with backend={backend!r}: it serves uncompiled while inductor compiles; "

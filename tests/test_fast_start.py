@@ -2,13 +2,16 @@
 then compiled; the same tokens throughout."""
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
 
 import specgraph
 from specgraph import Chain, CompileError
+from specgraph.capture import TRACE_LOCK
 from specgraph.drafts import NGram
+from specgraph.refusals import fast_start_default
 from test_capture import tiny_model
 from test_generate import hf_greedy, prompts
 
@@ -182,3 +185,81 @@ def test_attach_takes_fast_start(aot_eager_compile):
         assert spec.fast_start.ready and not spec.fast_start.failed
     finally:
         specgraph.detach(model)
+
+
+@pytest.mark.parametrize("backend, on_cuda, policy, tp, on", [
+    ("auto", True, "fixed", None, True), ("auto", True, "cost", None, True),
+    ("auto", False, "fixed", None, False), ("inductor", True, "fixed", None, False),
+    ("cudagraphs", True, "fixed", None, False), ("auto", True, "measured", None, False),
+    ("auto", True, "fixed", object(), False)])
+def test_fast_start_is_on_by_default_only_where_specgraph_picks_inductor(backend, on_cuda, policy, tp, on):
+    assert fast_start_default(backend, on_cuda, policy, tp) is on
+
+
+def test_by_default_on_a_cpu_nothing_runs_in_the_background():
+    spec = specgraph.compile(tiny_model("llama"), NGram(), tree=Chain(3), max_cache_len=64)
+    assert spec.fast_start is None and spec.config.fast_start is False
+
+
+def test_the_moved_weights_check_does_not_read_modules_another_thread_traces():
+    """torch.export swaps fake tensors into the modules while it traces (a background compile); a call
+    made meanwhile on a replay-only bucket (CUDA) must not read them. Negative control: with no trace
+    running, the same fake parameter is read (an error, or a false "moved")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64)
+    assert not spec._moved()
+    norm = model.model.norm
+    real = norm._parameters["weight"]
+    norm._parameters["weight"] = FakeTensorMode().from_tensor(real)  # as export's reparametrisation does
+    try:
+        with warnings.catch_warnings():  # torch 2.11 raises at a fake data pointer; later ones warn and read 0
+            warnings.simplefilter("ignore")
+            try:
+                misread = spec._moved()
+            except RuntimeError:
+                misread = True
+        assert misread
+        held, done = threading.Event(), threading.Event()
+
+        def tracer():
+            with TRACE_LOCK:
+                held.set()
+                done.wait(timeout=60)
+
+        thread = threading.Thread(target=tracer)
+        thread.start()
+        held.wait(timeout=60)
+        try:
+            assert spec._moved() is False
+        finally:
+            done.set()
+            thread.join()
+    finally:
+        norm._parameters["weight"] = real
+    assert not spec._moved()
+
+
+def test_drain_drops_the_queued_warmups_and_waits_for_the_running_one():
+    """At interpreter exit (atexit) a worker stopped inside inductor's compile would abort the process."""
+    from specgraph.runtime.fast_start import FastStart
+
+    class Stand:  # a Capture as FastStart uses it
+        def __init__(self):
+            self.lock, self.kv_device = threading.Lock(), torch.device("cpu")
+
+    fast_start = FastStart(Stand(), Stand())
+    started, release, ran = threading.Event(), threading.Event(), []
+
+    def running(capture):
+        started.set()
+        release.wait(timeout=60)
+        ran.append("running")
+
+    fast_start.after_call("a", running, record_fast=False)
+    assert started.wait(timeout=60)
+    fast_start.after_call("b", lambda capture: ran.append("queued"), record_fast=False)
+    threading.Timer(0.2, release.set).start()
+    fast_start.drain()
+    assert ran == ["running", "running"] and fast_start._worker is None  # warmed up twice; "b" dropped

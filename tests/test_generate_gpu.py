@@ -53,21 +53,25 @@ def test_whole_step_is_token_exact(smollm2_cuda, kind, batch, cuda_graphs, setti
 @torch.no_grad()
 def test_the_default_configuration_is_token_exact(smollm2_cuda):
     """What a user gets with no tree and no backend named: the shipped head's default tree on one CUDA row
-    (a dynamic tree with a lookup branch, Draft.default_tree) under inductor + CUDA graphs."""
+    (a dynamic tree with a lookup branch, Draft.default_tree) under inductor + CUDA graphs, with a fast
+    start: the first calls uncompiled, then (after the background compile) compiled."""
     from specgraph.models import load_default_draft
     from specgraph.trees import WithLookup
 
     model, tokenizer = smollm2_cuda
     spec = specgraph.compile(model, load_default_draft().to(device="cuda", dtype=torch.float32), max_cache_len=512)
     assert isinstance(spec.config.tree, WithLookup) and spec.config.backend == "inductor"
-    for question in QUESTIONS:
-        row = chat(tokenizer, question)
-        ids = torch.tensor([row], device="cuda")
-        out = spec.generate(ids, max_new_tokens=64, eos_token_id=None, return_dict_in_generate=True)
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
-                              eos_token_id=None, pad_token_id=0)
-        assert out.sequences.tolist() == want.tolist(), question
-        assert max(max(step) for step in out.accept_lens) > 1  # it speculated
+    assert spec.fast_start is not None
+    for compiled in (False, True):
+        for question in QUESTIONS:
+            row = chat(tokenizer, question)
+            ids = torch.tensor([row], device="cuda")
+            out = spec.generate(ids, max_new_tokens=64, eos_token_id=None, return_dict_in_generate=True)
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
+                                  eos_token_id=None, pad_token_id=0)
+            assert out.sequences.tolist() == want.tolist(), (question, compiled)
+            assert max(max(step) for step in out.accept_lens) > 1  # it speculated
+        assert spec.wait_compiled(timeout=900) and not spec.fast_start.failed
 
 
 @torch.no_grad()
@@ -89,7 +93,7 @@ def test_the_default_configuration_from_a_warm_capture_cache_is_token_exact(smol
         torch._dynamo.reset()
         if warm:
             monkeypatch.setattr(torch.export, "export", lambda *a, **k: pytest.fail("torch.export ran on a warm start"))
-        spec = specgraph.compile(model, draft, max_cache_len=512)
+        spec = specgraph.compile(model, draft, max_cache_len=512, fast_start=False)  # compiled from the first call
         assert spec.generate(ids, max_new_tokens=64, eos_token_id=None).tolist() == want.tolist(), f"warm={warm}"
     assert any((tmp_path / "captures").glob("*.pt"))
     Capture.release(model)

@@ -1,6 +1,6 @@
 """A fast start: serve with the uncompiled static step while inductor compiles it in the background.
 
-``compile(..., backend="inductor", fast_start=True)``. A bucket's first call under inductor compiles
+``compile(..., fast_start=True)``; on by default with backend "auto" on CUDA (``refusals.fast_start_default``). A bucket's first call under inductor compiles
 its frames (the prefill chunk, the first propose, the draft's pass over the prompt, the decode
 step): about a minute on a GPU, before the first token. With a fast start the calls of a bucket not
 compiled yet run on a second Capture of the same model with ``backend="cudagraphs"`` (the same
@@ -28,6 +28,10 @@ Why the two may run at once, and where they may not:
   - While the worker runs, the interpreter switches threads every 0.5 ms instead of 5: the serving
     loop takes the GIL once per step and would otherwise wait up to 5 ms behind the compiler.
 
+At interpreter exit the queued warm-ups are dropped and the running one is waited for (a daemon
+thread stopped inside inductor's compile may abort the process); inductor then fails it quickly
+(it cannot register its atexit hooks), which is logged at debug level only.
+
 A warm-up that fails is logged and its bucket keeps serving uncompiled (the cache costs speed, never
 the call). ``SpecModel.warmup`` compiles in the foreground and marks what it compiled ready.
 Unseeded sampled calls served meanwhile stay exact in distribution, but the worker's warm-up draws
@@ -35,11 +39,13 @@ from the same global generator: pass ``seed=`` for sampling that repeats.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import queue
 import sys
 import threading
+import weakref
 from typing import Callable, Hashable
 
 import torch
@@ -50,6 +56,13 @@ from .generate import cuda_graphs_on
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 5e-4  # while the worker compiles (the interpreter's default: 5 ms)
+_LIVE: "weakref.WeakSet[FastStart]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_all() -> None:
+    for fast_start in list(_LIVE):
+        fast_start.drain()
 
 
 class FastStart:
@@ -69,6 +82,8 @@ class FastStart:
         self._idle.set()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _queued, _worker and the switch interval
+        self._closing = False  # at interpreter exit a warm-up fails (inductor cannot register atexit then)
+        _LIVE.add(self)
 
     def serving(self, key: Hashable):
         """The Capture to run this call on."""
@@ -107,6 +122,16 @@ class FastStart:
         """Block until every queued warm-up has finished (True) or ``timeout`` seconds passed (False)."""
         return self._idle.wait(timeout)
 
+    def drain(self) -> None:
+        """Drop the queued warm-ups and wait for the running one (called at interpreter exit)."""
+        self._closing = True
+        with self._lock:
+            while not self._jobs.empty():
+                self._jobs.get_nowait()
+            worker = self._worker
+        if worker is not None:
+            worker.join()
+
     def _work(self) -> None:
         device = self.compiled.kv_device
         stream = None
@@ -135,5 +160,6 @@ class FastStart:
                     log.info("compiled in the background: %s (the next call of it runs compiled)", key)
                 except Exception as err:  # noqa: BLE001  (serving goes on uncompiled; the call never fails for it)
                     self.failed.add(key)
-                    log.warning("background compile of %s failed (%s: %s); that bucket keeps running uncompiled",
-                                key, type(err).__name__, err)
+                    report = log.debug if self._closing else log.warning
+                    report("background compile of %s failed (%s: %s); that bucket keeps running uncompiled",
+                           key, type(err).__name__, err)
