@@ -11,6 +11,9 @@ how much of it the captures took (torch.export and the passes, per bucket), and 
 FX-graph and AOTAutograd cache lookups hit, how many buckets came from specgraph's capture cache
 (capture_cache.py) and how many compiled frames from its compiled-frame cache (compiled_cache.py). The
 first run uses empty inductor, Triton and specgraph cache folders (cold); the later ones reuse them (warm: what a second process on the same machine sees). ``--warmup`` adds ``spec.warmup()`` before the first call (the time moves, it does not vanish).
+``--calls N`` (with ``--plain`` for plain decoding, the baseline): after the first token, N calls of
+``--max-new-tokens`` on the next MT-bench prompts, timed together (what a fresh process's first calls give),
+then the same N once everything is compiled (its steady state).
 ``--fast-start on|off``: ``compile(..., fast_start=True/False)``; by default compile's own (on with backend
 "auto" on CUDA: the first calls uncompiled while inductor compiles in the background). With a fast start the
 process also reports when the background compile finished and its first compiled token.
@@ -30,6 +33,7 @@ CHILD = r"""
 import json, logging, sys, time
 start = float(sys.argv[1]); tiny = sys.argv[2] == "1"; warm = sys.argv[3] == "1"; backend = sys.argv[4]
 capture_dir, device, fast = sys.argv[5], sys.argv[6], {"on": True, "off": False}.get(sys.argv[7])
+calls, new_tokens, plain = int(sys.argv[8]), int(sys.argv[9]), sys.argv[10] == "1"
 import torch
 import specgraph
 from torch._dynamo.utils import counters
@@ -55,44 +59,65 @@ if tiny:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    model, draft, ids = transformers.LlamaForCausalLM(config).eval(), specgraph.drafts.NGram(), [[1, 2, 3, 4] * 8]
+    model, draft = transformers.LlamaForCausalLM(config).eval(), specgraph.drafts.NGram()
+    rows = [[(i + j % 4) % 500 + 1 for j in range(32)] for i in range(calls + 1)]
 else:
     from specgraph.models import load_default_draft, load_gguf
     from specgraph.train.evaluate import prompt_set
     model, tok = load_gguf()
     model = model.to("cuda", torch.bfloat16) if device == "cuda" else model  # the CPU: fp32, as loaded
     draft = load_default_draft()
-    text = tok.apply_chat_template([{"role": "user", "content": prompt_set("mt-bench", 1)[0]["turns"][0]}], tokenize=False,
-                                   add_generation_prompt=True)
-    ids = tok(text, return_tensors="pt").input_ids.tolist()
+    rows = [tok(tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}], tokenize=False,
+                                        add_generation_prompt=True)).input_ids for p in prompt_set("mt-bench", calls + 1)]
+ids, device = [rows[0]], next(model.parameters()).device
+draft = None if plain else draft
+
+
+def timed_calls():
+    # the next `calls` prompts, `new_tokens` each (to eos): seconds, tokens, compiled at the call's start
+    done = []
+    for row in rows[1:]:
+        compiled = spec.fast_start is None or bool(spec.fast_start.ready)
+        begin = time.perf_counter()
+        out = spec.generate(torch.tensor([row], device=device), max_new_tokens=new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        done.append({"s": time.perf_counter() - begin, "tokens": out.shape[1] - len(row), "compiled": compiled})
+    return done
+
+
 marks["load"] = time.time() - start
 with specgraph.config.patch(cache=capture_dir):  # the captures' own folder: cold in the first run
     spec = specgraph.compile(model, draft, backend=backend, fast_start=fast)
     if warm:
         spec.warmup()
     marks["compile"] = time.time() - start
-    out = spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
+    out = spec.generate(torch.tensor(ids, device=device), max_new_tokens=1)
     marks["first_token"] = time.time() - start
+    first_calls = timed_calls()
     if spec.fast_start is not None:  # the background compile: when it was done, and the first token of a compiled call
         spec.wait_compiled()
         marks["compiled"] = time.time() - start
-        spec.generate(torch.tensor(ids, device=next(model.parameters()).device), max_new_tokens=1)
+        spec.generate(torch.tensor(ids, device=device), max_new_tokens=1)
         marks["compiled_token"] = time.time() - start
+    steady_calls = timed_calls()  # compiled (after the first calls' compile, or the background one)
 print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(spec.config.tree),
                   "capture_s": captures, "capture_loaded_s": loaded, "frames_loaded_s": frames,
-                  "frames_refused": refused,
+                  "frames_refused": refused, "first_calls": first_calls, "steady_calls": steady_calls,
                   "inductor": dict(counters["inductor"]),
                   "aot_autograd": dict(counters["aot_autograd"])}))
 """
 
 
-def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str, fast_start: str = "default") -> dict:
+def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str, fast_start: str = "default",
+             calls: int = 0, new_tokens: int = 256, plain: bool = False) -> dict:
     # inductor's and Triton's kernel caches both under the run's folder: the first process starts from nothing
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=str(Path(cache) / "triton"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                           os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend,
-                           str(Path(cache) / "specgraph"), device, fast_start],
+                           str(Path(cache) / "specgraph"), device, fast_start, str(calls), str(new_tokens),
+                           str(int(plain))],
                           env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"child failed:\n{done.stderr[-3000:]}")
@@ -111,12 +136,18 @@ def main() -> None:
     parser.add_argument("--fast-start", default="default", choices=["default", "on", "off"],
                         help="compile(..., fast_start=True/False): uncompiled calls while inductor compiles in the "
                              "background (default: compile's own, on with backend auto on CUDA)")
+    parser.add_argument("--calls", type=int, default=0,
+                        help="after the first token, N generate calls on the next MT-bench prompts (timed together), "
+                             "then the same N again once compiled")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="per call of --calls")
+    parser.add_argument("--plain", action="store_true", help="compile(model, None): plain decoding, the baseline")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="inductor-cache-") as cache:
         for i in range(args.runs):
-            r = run_once(cache, args.tiny, args.warmup, args.backend, args.device, args.fast_start)
+            r = run_once(cache, args.tiny, args.warmup, args.backend, args.device, args.fast_start, args.calls,
+                         args.max_new_tokens, args.plain)
             r["run"] = "cold" if i == 0 else "warm"
             # inductor's autotuning results kept for the next process (a warm run that benchmarks again missed them)
             r["autotune_results_kept"] = sum(1 for _ in Path(cache).rglob("*.best_config"))
@@ -133,6 +164,11 @@ def main() -> None:
             if "compiled" in m:
                 print(f"       background compile done at {m['compiled']:.1f} s, a compiled token at "
                       f"{m['compiled_token']:.1f} s", flush=True)
+            for name in ("first_calls", "steady_calls") if args.calls else ():
+                done = r[name]
+                r[name + "_tok_s"] = sum(c["tokens"] for c in done) / sum(c["s"] for c in done)
+                print(f"       {name.replace('_', ' ')}: {len(done)} calls, {r[name + '_tok_s']:.1f} tok/s "
+                      f"({sum(c['compiled'] for c in done)} began compiled)", flush=True)
             for line in r["frames_refused"]:
                 print(f"       compiled-frame cache: {line}", flush=True)
     if args.out:
