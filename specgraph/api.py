@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import parallel
+from . import capture_cache, parallel
 from .capture import TRACE_LOCK, Capture
 from .errors import CompileError
 from .drafts.base import Draft
@@ -101,8 +101,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
             fast_start: bool | None = None, max_length: int | None = None) -> "SpecModel":
     """Make ``model`` (a transformers causal LM) speculate with ``draft``.
 
-    ``max_cache_len``: KV cache slots per row; ``generate`` needs prompt + max_new_tokens + tree
-    nodes to fit. ``max_length=`` is its old spelling (a FutureWarning; it goes after 0.1).
+    ``max_cache_len``: KV cache slots per row (prompt + max_new_tokens + tree nodes must fit);
+    ``max_length=`` is its old spelling (a FutureWarning; it goes after 0.1).
 
     ``tree=None``: the draft's own default for the model's device and batch size
     (``Draft.default_tree``): for EAGLE-3 on one CUDA row, ``WithLookup(DynamicTree(2, 8, 8), 8)``,
@@ -115,8 +115,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     it (no inductor: the first token in seconds, each step the eager kernels replayed; on a CPU it runs
     that static step op by op).
 
-    ``draft=None``: plain decoding on the same engine (``tree`` None or ``Chain(0)``: one node,
-    the root, per step), the baseline speculation is measured against.
+    ``draft=None``: plain decoding on the same engine (one node, the root, per step): the baseline.
     ``synthetic_accept=k``: FOR BENCHMARKS ONLY, output is NOT the target's: every step accepts k nodes
     down the tree's first-child chain (as SGLang's simulated acceptance), to time the engine at a given τ
     without a trained head (under a policy each mode as deep as it reaches). Greedy only; warns per call.
@@ -137,15 +136,17 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     heads, KV heads and MLP are sharded over the group (in place; specgraph/parallel.py), the draft
     and LM head stay whole on every rank, and every rank returns the same tokens; sampling is seeded
     (``seed=``, the same on every rank, or one drawn on rank 0 and broadcast once per call).
-    ``fast_start`` (None: on with backend "auto" on CUDA, unless policy "measured" or tp; True needs backend
-    "inductor" or "auto" on CUDA, and no policy "measured"): a batch
+    ``fast_start`` (None: on with backend "auto" on CUDA, policy "fixed", the capture cache on; True needs
+    backend "inductor" or "auto" on CUDA, and no policy "measured"): a batch
     size's calls run uncompiled (the static step recorded as CUDA graphs, as ``backend="cudagraphs"``) while a
     background thread compiles it with inductor (under policy "cost" every mode's step, the policy learning τ
     from uncompiled calls and costs from compiled ones); the first call after that runs compiled
     (``runtime/fast_start.py``; ``SpecModel.wait_compiled``). Same tokens either way; unseeded sampled
     calls meanwhile stay exact in distribution but share the global RNG with the background warm-up (for
     reproducible samples pass ``seed=`` to generate, or ``fast_start=False``).
-    It costs a second KV cache (the uncompiled step's own).
+    It costs a second KV cache (the uncompiled step's own). Where the worker must capture a bucket itself
+    (``fast_start=True`` with the capture cache off, or policy "cost"), torch.export runs in it: until
+    ``wait_compiled()``, run no module of the model eagerly in another thread.
     Everything that cannot be supported is refused here, all blockers at once.
     """
     max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")
@@ -201,7 +202,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     tp, tp_blockers = parallel.resolve(tp)
     blockers += tp_blockers
     if fast_start is None:
-        fast_start = fast_start_default(backend, model_device(model).type == "cuda", policy, tp)
+        fast_start = fast_start_default(backend, model_device(model).type == "cuda", policy, tp,
+                                        capture_cache.enabled(None, tp))
     elif fast_start is not False:
         blockers += fast_start_problems(fast_start, backend, model_device(model).type == "cuda", policy, tp)
     if tp is not None:
@@ -244,9 +246,8 @@ class SpecGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 class SpecModel:
-    """The speculating model. ``generate`` takes ``model.generate``'s arguments: greedy is
-    token-exact, sampling (temperature, top_k, top_p) exact in distribution (unless compiled with
-    the lossy ``verify="typical"``)."""
+    """The speculating model. ``generate`` takes ``model.generate``'s arguments: greedy is token-exact,
+    sampling exact in distribution (unless compiled with the lossy ``verify="typical"``)."""
 
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config

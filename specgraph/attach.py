@@ -13,12 +13,14 @@ never a silently different result.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
 import torch
 
 from .api import DEFAULT_CACHE_LEN, SpecModel, cache_len_argument, compile
+from .capture import TRACE_LOCK
 from .generate_args import max_new_tokens, unsupported_arguments
 
 _ATTR = "_specgraph_original_generate"
@@ -46,7 +48,9 @@ def attach(model, draft=None, tree=None, backend: str = "auto", max_batch: int =
             if new:
                 warnings.warn(f"specgraph: falling back to the original generate for {', '.join(new)}", stacklevel=2)
                 warned.update(new)
-            return original(input_ids, generation_config=generation_config, **kwargs)
+            # HF's generate runs the model's modules eagerly: not while a background compile traces
+            with TRACE_LOCK if spec.fast_start is not None else contextlib.nullcontext():
+                return original(input_ids, generation_config=generation_config, **kwargs)
         want_dict = kwargs.pop("return_dict_in_generate", None)
         if want_dict is None:
             want_dict = (generation_config or model.generation_config).return_dict_in_generate

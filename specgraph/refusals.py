@@ -14,10 +14,13 @@ VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY w
 TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterDecoding/Medusa medusa_generate
 
 
-def fast_start_default(backend, on_cuda: bool, policy, tp) -> bool:
+def fast_start_default(backend, on_cuda: bool, policy, tp, capture_cache_on: bool) -> bool:
     """``fast_start=None``: on where specgraph picks the backend and it picks inductor (``"auto"`` on
-    CUDA), unless the policy times whole calls or the target is sharded; off where the user named one."""
-    return backend == "auto" and on_cuda and policy != "measured" and tp is None
+    CUDA), with policy "fixed" and the capture cache on: then the background worker loads each bucket's
+    captured graph from the cache (the serving thread captured it first) and never runs torch.export,
+    which swaps fake tensors into the model's modules and hooks every thread's module calls while it
+    traces (runtime/fast_start.py). Off where the user named a backend, a policy or tp."""
+    return backend == "auto" and on_cuda and policy == "fixed" and tp is None and capture_cache_on
 
 
 def fast_start_problems(fast_start, backend, on_cuda: bool, policy, tp) -> list[str]:

@@ -187,13 +187,16 @@ def test_attach_takes_fast_start(aot_eager_compile):
         specgraph.detach(model)
 
 
-@pytest.mark.parametrize("backend, on_cuda, policy, tp, on", [
-    ("auto", True, "fixed", None, True), ("auto", True, "cost", None, True),
-    ("auto", False, "fixed", None, False), ("inductor", True, "fixed", None, False),
-    ("cudagraphs", True, "fixed", None, False), ("auto", True, "measured", None, False),
-    ("auto", True, "fixed", object(), False)])
-def test_fast_start_is_on_by_default_only_where_specgraph_picks_inductor(backend, on_cuda, policy, tp, on):
-    assert fast_start_default(backend, on_cuda, policy, tp) is on
+@pytest.mark.parametrize("backend, on_cuda, policy, tp, cache, on", [
+    ("auto", True, "fixed", None, True, True), ("auto", True, "cost", None, True, False),
+    ("auto", False, "fixed", None, True, False), ("inductor", True, "fixed", None, True, False),
+    ("cudagraphs", True, "fixed", None, True, False), ("auto", True, "measured", None, True, False),
+    ("auto", True, "fixed", object(), True, False), ("auto", True, "fixed", None, False, False)])
+def test_fast_start_is_on_by_default_only_where_its_worker_never_traces_the_model(backend, on_cuda, policy, tp,
+                                                                                 cache, on):
+    """On where specgraph picks inductor, the policy is fixed and the capture cache lets the worker load
+    what the serving thread captured (torch.export in the worker would hook every thread's module calls)."""
+    assert fast_start_default(backend, on_cuda, policy, tp, cache) is on
 
 
 def test_by_default_on_a_cpu_nothing_runs_in_the_background():
@@ -263,3 +266,60 @@ def test_drain_drops_the_queued_warmups_and_waits_for_the_running_one():
     threading.Timer(0.2, release.set).start()
     fast_start.drain()
     assert ran == ["running", "running"] and fast_start._worker is None  # warmed up twice; "b" dropped
+
+
+def test_an_attached_fallback_waits_out_a_background_trace(aot_eager_compile):
+    """HF's own generate (a fallback: beam search) runs the model's modules eagerly, which a trace in another
+    thread would hook: it waits for TRACE_LOCK. Negative control: the same call is not held without fast start."""
+    model = tiny_model("llama")
+    ids = torch.tensor([prompts(7, [10])[0]])
+    kwargs = dict(attention_mask=torch.ones_like(ids), num_beams=2, do_sample=False, max_new_tokens=4,
+                  eos_token_id=None, pad_token_id=0)
+    want = model.generate(ids, **kwargs)
+    for fast_start in (True, False):
+        spec = specgraph.attach(model, NGram(), tree=Chain(3), backend="inductor", max_batch=1, max_cache_len=64,
+                                fast_start=fast_start)
+        held, release, got = threading.Event(), threading.Event(), []
+
+        def tracer():
+            with TRACE_LOCK:
+                held.set()
+                release.wait(timeout=60)
+
+        holder = threading.Thread(target=tracer)
+        holder.start()
+        held.wait(timeout=60)
+        caller = threading.Thread(target=lambda: got.append(model.generate(ids, **kwargs)))
+        try:
+            with pytest.warns(UserWarning, match="falling back"):
+                caller.start()
+                caller.join(timeout=5)
+            assert bool(got) is not fast_start  # held while the "trace" runs, only with a fast start
+        finally:
+            release.set()
+            holder.join()
+            caller.join(timeout=60)
+            specgraph.detach(model)
+        assert torch.equal(got[0], want) and spec.wait_compiled(timeout=600)
+
+
+@pytest.mark.parametrize("cache_on", [True, False])
+def test_with_the_capture_cache_the_worker_runs_no_torch_export(aot_eager_compile, settings, tmp_path, monkeypatch,
+                                                                cache_on):
+    """What the default rests on (refusals.fast_start_default): the serving thread captures, the worker loads
+    from the capture cache. Negative control: with the cache off the worker exports."""
+    import specgraph.capture as capture
+
+    settings(capture_cache=cache_on, cache=tmp_path)
+    threads, real = [], capture.export_tree_step
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(capture, "export_tree_step", spy)
+    spec = specgraph.compile(tiny_model("llama"), NGram(), tree=Chain(3), backend="inductor", max_cache_len=64,
+                             fast_start=True)
+    spec.generate(torch.tensor([prompts(9, [12])[0]]), max_new_tokens=8)
+    assert spec.wait_compiled(timeout=600) and spec.fast_start.ready
+    assert "MainThread" in threads and ("specgraph-compile" in threads) is not cache_on

@@ -1,6 +1,7 @@
 """A fast start: serve with the uncompiled static step while inductor compiles it in the background.
 
-``compile(..., fast_start=True)``; on by default with backend "auto" on CUDA (``refusals.fast_start_default``). A bucket's first call under inductor compiles
+``compile(..., fast_start=True)``; on by default with backend "auto" on CUDA, policy "fixed" and the
+capture cache on (``refusals.fast_start_default``). A bucket's first call under inductor compiles
 its frames (the prefill chunk, the first propose, the draft's pass over the prompt, the decode
 step): about a minute on a GPU, before the first token. With a fast start the calls of a bucket not
 compiled yet run on a second Capture of the same model with ``backend="cudagraphs"`` (the same
@@ -16,6 +17,10 @@ Why the two may run at once, and where they may not:
     ``nn.Module.__call__`` and ``__getattr__`` for every thread while it traces, and torch.export's
     pre-dispatch mode stack is global. So the worker holds ``capture.TRACE_LOCK`` for a warm-up, a
     capture (torch.export) takes it, and so does every serving call that may run a module eagerly.
+    With the capture cache on, the worker loads the graphs the serving thread captured and exports
+    nothing; where it must export (cache off, policy "cost"), the user's own eager module calls in
+    other threads are not safe until ``wait_compiled()`` (torch.export also swaps fake tensors into
+    the modules while it traces).
     A served call runs no module once its bucket's CUDA graphs are recorded (every part is a
     replay): after a bucket's first call serves uncompiled, one more short call records the rest
     (the prefill chunk, the first propose), and from then on its calls run beside the worker. On
