@@ -51,13 +51,14 @@ def test_whole_step_is_token_exact(smollm2_cuda, kind, batch, cuda_graphs, setti
 
 
 @torch.no_grad()
-def test_the_default_configuration_is_token_exact(smollm2_cuda):
+def test_the_default_configuration_is_token_exact(smollm2_cuda, settings, tmp_path):
     """What a user gets with no tree and no backend named: the shipped head's default tree on one CUDA row
     (a dynamic tree with a lookup branch, Draft.default_tree) under inductor + CUDA graphs, with a fast
     start: the first calls uncompiled, then (after the background compile) compiled."""
     from specgraph.models import load_default_draft
     from specgraph.trees import WithLookup
 
+    settings(capture_cache=True, cache=tmp_path)  # a user's default (the suite turns it off)
     model, tokenizer = smollm2_cuda
     spec = specgraph.compile(model, load_default_draft().to(device="cuda", dtype=torch.float32), max_cache_len=512)
     assert isinstance(spec.config.tree, WithLookup) and spec.config.backend == "inductor"
