@@ -287,13 +287,13 @@ class SpecModel:
             depths = {"chain": own.max_depth, "plain": 0, **{f"chain{d}": d for d in CHAIN_LADDER}}
             budgets = {m: draft_tree(tree).nodes for m, (_, tree) in self.modes.items()
                        if isinstance(draft_tree(tree), DynamicTree)}
-            self.policy = CostPolicy({m: depths.get(m) for m in self.modes}, table, budgets)
+            deepest = {m: 1 + max(self.mode(m, b)[1].max_depth for b in {1, config.max_batch}) for m in self.modes}
+            self.policy = CostPolicy({m: depths.get(m) for m in self.modes}, table, budgets, deepest)
         self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
         self._choosing = threading.Lock()  # the policy's state (a call's capture lock may be held by a compile)
 
     def _moved(self) -> bool:
-        """Whether a parameter was moved or replaced since compile. Not looked at while another thread
-        traces (a background compile): torch.export swaps fake tensors into the modules meanwhile."""
+        """A parameter moved or replaced since compile? Not read while another thread traces (export swaps fakes in)."""
         if not TRACE_LOCK.acquire(blocking=False):
             return False
         try:

@@ -379,3 +379,45 @@ def test_under_forced_acceptance_the_policy_sees_each_modes_forced_tau(tmp_path,
     assert spec.policy.expected_tau("tree") == pytest.approx(4, abs=0.3)  # the last step may stop short
     assert spec.policy.expected_tau("chain2") == pytest.approx(3, abs=0.3)
     assert spec.policy.expected_tau("plain") == 1
+
+
+def _run_policy(policy, taus: dict, calls: int) -> list[str]:
+    """``calls`` decisions, each mode reaching the τ given (as forced acceptance does): the modes chosen."""
+    chosen = []
+    for _ in range(calls):
+        mode = policy.choose(16)
+        chosen.append(mode)
+        tau = taus[mode]
+        policy.record(16, mode, None, 4, tau, (1.0,) * (int(tau) - 1))
+    return chosen
+
+
+def test_a_mode_that_cannot_win_even_accepting_every_node_is_never_run(tmp_path):
+    """At a large batch the 16-node tree costs 2.5x the chain for no more tokens per step than the chain's
+    depth allows: once the chain has run at its bound, the tree's best possible rate is below it, so the
+    policy never spends a call on it. Negative control: without the bound (max_tau unknown) it does."""
+    costs = {"tree": 3.0e-3, "chain": 1.2e-3, "plain": 1.0e-3}
+    taus = {"tree": 5.0, "chain": 5.0, "plain": 1.0}  # forced acceptance: both reach depth 4
+    for bounded in (True, False):
+        table = CostTable(tmp_path / f"{bounded}.json", "key")
+        for mode, seconds in costs.items():
+            table.put(16, mode, seconds)
+        policy = CostPolicy({"tree": None, "chain": 4, "plain": 0}, table, {},
+                            {"tree": 5, "chain": 5, "plain": 1} if bounded else {})
+        chosen = _run_policy(policy, taus, 40)
+        if bounded:
+            assert chosen == ["chain"] * 40  # the most promising first: 5 / 1.2 ms against the tree's 5 / 3 ms
+        else:
+            assert chosen[0] == "tree" and chosen[1:].count("chain") >= 35
+
+
+def test_the_bound_prunes_nothing_a_real_head_could_win_with(tmp_path):
+    """Where the tree costs little more than the chain and accepts more (a real head at batch 1), the tree
+    is explored and leads; the chain, whose bound beats the tree's rate, is still refreshed now and then."""
+    table = CostTable(tmp_path / "c.json", "key")
+    for mode, seconds in {"tree": 1.1e-3, "chain": 1.0e-3, "plain": 0.6e-3}.items():
+        table.put(16, mode, seconds)
+    policy = CostPolicy({"tree": None, "chain": 8, "plain": 0}, table, {}, {"tree": 9, "chain": 9, "plain": 1})
+    chosen = _run_policy(policy, {"tree": 3.0, "chain": 2.0, "plain": 1.0}, 40)
+    assert chosen[:2] == ["chain", "tree"] and chosen[-1] == "tree" and chosen.count("tree") >= 35
+    assert chosen[2:].count("chain") >= 1  # refreshed: 9 / 1.0 ms could beat 3 / 1.1 ms

@@ -167,6 +167,7 @@ class CostPolicy:
     modes: dict
     table: CostTable
     budgets: dict = field(default_factory=dict)
+    max_tau: dict = field(default_factory=dict)  # mode -> its deepest path + 1: no step commits more
     explore_every: int = 8
     trial_within: float = 0.9  # a never-run mode predicted at this share of the leader's rate runs once
     max_explore_every: int = 256
@@ -198,17 +199,26 @@ class CostPolicy:
         tau, cost = self.expected_tau(mode), self.table.get(batch, mode)
         return None if tau is None or cost is None else tau / cost
 
+    def upper_rate(self, batch: int, mode: str) -> float | None:
+        """The most tokens per second ``mode`` could give (every node of its deepest path accepted)."""
+        cost = self.table.get(batch, mode)
+        return None if cost is None or mode not in self.max_tau else self.max_tau[mode] / cost
+
     def choose(self, batch: int) -> str:
         n = self.chosen.get(batch, 0)
         self.chosen[batch] = n + 1
-        unknown = [m for m in self.modes if self.rate(batch, m) is None]
+        known = [self.rate(batch, m) for m in self.modes if self.rate(batch, m) is not None]
+        # a mode that could not beat a known rate even if it accepted every node is never run for its τ
+        hopeless = {m for m in self.modes if known and (self.upper_rate(batch, m) or float("inf")) < max(known)}
+        unknown = [m for m in self.modes if self.rate(batch, m) is None and m not in hopeless]
         speculating = [m for m in unknown if self.modes[m] != 0]
-        if unknown:  # measure first: the speculating modes (their τ informs the others), then the rest
-            return (speculating or unknown)[0]
-        best = max(self.modes, key=lambda m: self.rate(batch, m))
+        if unknown:  # measure first: the speculating modes, the most promising at best first, then the rest
+            return max(speculating, key=lambda m: self.upper_rate(batch, m) or float("inf")) if speculating \
+                else unknown[0]
+        best = max((m for m in self.modes if self.rate(batch, m) is not None), key=lambda m: self.rate(batch, m))
         near = self.trial_within * self.rate(batch, best)
         trial = [m for m in self.modes if self.modes[m] != 0 and (batch, m) not in self.observed
-                 and self.rate(batch, m) >= near]
+                 and m not in hopeless and self.rate(batch, m) is not None and self.rate(batch, m) >= near]
         if trial:  # close enough to lead and never seen: find out
             return max(trial, key=lambda m: self.rate(batch, m))
         if self.leader.get(batch) != best:
@@ -219,7 +229,7 @@ class CostPolicy:
         # refresh the τ of a speculating mode that is not leading, in turn
         self.interval[batch] = min(2 * self.interval[batch], self.max_explore_every)
         self.next_refresh[batch] = n + self.interval[batch]
-        refresh = [m for m in self.modes if self.modes[m] != 0 and m != best]
+        refresh = [m for m in self.modes if self.modes[m] != 0 and m != best and m not in hopeless]
         if not refresh:
             return best
         self.refreshes[batch] = self.refreshes.get(batch, 0) + 1
