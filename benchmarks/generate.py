@@ -226,6 +226,7 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
             compiled_after = time.perf_counter() - start
         for name, rows in sets.items():
             before = dict(spec.policy.calls) if spec.policy else {}
+            calls_before = len(spec.policy.history) if policy == "cost" else 0
             outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens, t)
             chosen = {}
             if policy == "measured":
@@ -236,7 +237,9 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
                                             if b == 1 and n > before.get((b, m), 0)},
                               policy_ms_per_step={m: spec.policy.table.get(1, m) * 1e3 for m in spec.modes
                                                   if spec.policy.table.get(1, m) is not None},
-                              policy_tau={m: spec.policy.expected_tau(m) for m in spec.modes})
+                              policy_tau={m: spec.policy.expected_tau(m) for m in spec.modes},
+                              policy_nodes={m: spec.mode(m, 1)[1].num_nodes for m in spec.modes},
+                              policy_history=list(spec.policy.history)[calls_before:])  # per call: mode, τ, conf.
             first = [run_specgraph(spec, [row], 1, t)[1] for row in rows]
             if args.profile and args.out and name == next(iter(sets)):  # one profile, on the first set
                 profile_generate(spec, rows[0], args.max_new_tokens, args.out / f"generate-profile-{re.sub(r'[^A-Za-z0-9._-]', '_', method)}.txt")

@@ -6,6 +6,7 @@
     python3 benchmarks/plots.py batch E2E.json out.png                    # e2e batch section: speedup vs batch
     python3 benchmarks/plots.py budget GEN.json out.png                   # generate.py --budgets: speedup vs tree budget
     python3 benchmarks/plots.py policy E2E.json out.png                   # e2e --batch-policy: what policy="cost" chose
+    python3 benchmarks/plots.py confidence GEN.json out.png               # sg_eagle3_cost: budget vs draft confidence
 """
 from __future__ import annotations
 
@@ -169,9 +170,36 @@ def policy(path: str, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def confidence(path: str, out: str) -> None:
+    """generate.py sg_eagle3_cost: per call, the budget (nodes) the policy chose against the draft's confidence
+    it knew when choosing (the latest DynamicTree call's expected accepted nodes), and (right) each DynamicTree
+    call's τ against its own confidence: how well the draft's confidence predicts acceptance."""
+    r = json.loads(Path(path).read_text())
+    m = r["methods"]["sg_eagle3_cost"]
+    nodes, calls = m["policy_nodes"], m["policy_history"]
+    known, chose = [], []
+    for call in calls:
+        if known:  # the first call had no confidence to go on
+            chose.append((known[-1], nodes[call["mode"]]))
+        if call["confidence"] is not None:
+            known.append(call["confidence"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    left.scatter([c for c, _ in chose], [n for _, n in chose], s=12, alpha=0.6)
+    left.set(yscale="log", xlabel="draft confidence known when choosing (expected accepted nodes)",
+             ylabel="nodes verified by the chosen mode", title=f'policy="cost": {len(calls)} calls')
+    left.set_yticks(sorted(set(nodes.values()) - {0}), [str(n) for n in sorted(set(nodes.values()) - {0})])
+    trees = [c for c in calls if c["confidence"] is not None]
+    right.scatter([c["confidence"] for c in trees], [c["tau"] for c in trees], s=12, alpha=0.6)
+    right.set(xlabel="the call's draft confidence", ylabel="τ of the call", title="confidence against acceptance")
+    fig.suptitle(f"SmolLM2-135M, shipped EAGLE-3 head, batch 1, {r.get('gpu', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
     command = sys.argv[1]
     if command == "compare":
         compare(*sys.argv[2:])
     else:
-        {"history": history, "sweep": sweep, "batch": batch, "budget": budget, "policy": policy}[command](*sys.argv[2:4])
+        {"history": history, "sweep": sweep, "batch": batch, "budget": budget, "policy": policy,
+         "confidence": confidence}[command](*sys.argv[2:4])

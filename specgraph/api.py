@@ -21,7 +21,7 @@ from .fast_paths import draft_fast_paths
 from .generate_args import (max_new_tokens, repetition_penalty, sampling_settings, setting, stopping_criteria,
                             strip_left_padding, token_ids, unsupported_arguments)
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
-from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key
+from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key, mean_confidence
 from .runtime.fast_start import FastStart
 from .refusals import (BACKENDS, TYPICAL_DEFAULT, draft_tree, fast_start_default, fast_start_problems, tree_blockers,
                        verify_problems)
@@ -122,15 +122,14 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     ``policy="cost"``: per call, generate runs the tree, a chain as deep, a DynamicTree's smaller node
     budgets (BUDGET_LADDER), a chain's shallower depths (CHAIN_LADDER) or plain decoding, whichever is
     expected to give the most tokens per second: τ from the latest calls (a smaller budget's from a larger
-    one's steps, a never-run one's predicted by the draft's confidence, ``Tree.confidence``) over the step
-    cost measured once per device, model, draft and batch size and kept on disk (``runtime/budget.py``; all lossless). ``policy="measured"``:
-    the same modes chosen by trial, each call timed whole (``runtime/policy.py``). Either way speculation
-    that loses (a large batch, a CPU) shrinks or switches itself off. ``"fixed"`` (default): the tree.
-    ``verify="typical"``: LOSSY, opt-in — when sampling, Medusa's typical acceptance (a draft is
-    kept iff the target gives it probability > min(threshold, alpha * exp(-entropy))) replaces exact
-    rejection sampling, so the output is NOT distributed as the target's; greedy stays token-exact.
-    ``typical=(posterior_threshold, posterior_alpha)``, default (0.09, 0.3) as Medusa's. Warns here.
-    ``verify="exact"`` (default): greedy token-exact, sampling exact in distribution.
+    one's steps, a never-run one's predicted by the draft's confidence) over the step cost measured once per
+    device, model, draft and batch size, kept on disk (``runtime/budget.py``; lossless). ``"measured"``: the
+    same modes chosen by trial, each call timed whole (``runtime/policy.py``). Either way speculation that
+    loses (a large batch, a CPU) shrinks or switches itself off. ``"fixed"`` (default): the tree.
+    ``verify="exact"`` (default); ``"typical"``: LOSSY, opt-in — when sampling, Medusa's typical acceptance
+    (a draft is kept iff the target gives it probability > min(threshold, alpha * exp(-entropy))) replaces
+    exact rejection sampling, so the output is NOT distributed as the target's; greedy stays token-exact.
+    ``typical=(posterior_threshold, posterior_alpha)``, default (0.09, 0.3) as Medusa's; warns here.
     ``tp=True`` (or a ``torch.distributed.ProcessGroup``): tensor parallelism. Every rank of a
     ``torchrun`` launch calls compile with the same full model and draft; the target's attention
     heads, KV heads and MLP are sharded over the group (in place; specgraph/parallel.py), the draft
@@ -411,7 +410,8 @@ class SpecModel:
                 figures.update(confidence_taus(result.confidence, result.accept_lens, tau, running,
                                                [n for n in budgets if n > running]))
                 self.policy.record(b, mode, result.decode_seconds if compiled else None,  # the steps' time
-                                   len(result.accept_lens), tau, self.last_stats.position_rate, figures)
+                                   len(result.accept_lens), tau, self.last_stats.position_rate, figures,
+                                   mean_confidence(result.confidence, result.accept_lens))
         if not compiled:  # served uncompiled: compiled in the background from now (every mode the policy may run)
             for other in [mode] + [m for m in self.modes if m != mode]:
                 self.fast_start.after_call(*self._bucket_warmup(b, other, sampling, penalty, keep),

@@ -8,6 +8,7 @@ import torch
 import specgraph
 from specgraph import Chain
 from specgraph.drafts import NGram
+from specgraph.refusals import draft_tree
 from specgraph.runtime.budget import CostPolicy, CostTable, chain_tau, confidence_taus, cost_key
 from test_capture import tiny_model
 from test_generate import hf_greedy, prompts
@@ -307,6 +308,11 @@ def test_cost_policy_runs_a_dynamic_trees_smaller_budgets_losslessly(tmp_path, s
     for _ in range(4):  # through generate: whatever the policy picks
         out = spec.generate(torch.tensor([row]), max_new_tokens=16, eos_token_id=None)
         assert out[0, len(row):].tolist() == want
+    history = list(spec.policy.history)  # per call: the mode, τ and (a DynamicTree's) draft confidence
+    assert len(history) == 4 and all(h["mode"] in spec.modes for h in history)
+    for h in history:
+        trees = isinstance(draft_tree(spec.modes[h["mode"]][1]), specgraph.DynamicTree)
+        assert (h["confidence"] is not None) is trees and (not trees or 0 < h["confidence"] < 63)
 
 
 def test_a_larger_budget_is_predicted_from_the_drafts_confidence():

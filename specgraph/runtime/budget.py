@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import tempfile
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +135,12 @@ def confidence_at(confidence: list[float], nodes: int) -> float:
     return confidence[-1]
 
 
+def mean_confidence(confidence: list[list[list[float]]], accept_lens: list[list[int]]) -> list[float] | None:
+    """A call's ``Tree.confidence`` rows averaged over its live row-steps (None: a tree that reports none)."""
+    rows = [conf for step, lens in zip(confidence, accept_lens) for conf, n in zip(step, lens) if n > 0 and conf]
+    return [sum(col) / len(rows) for col in zip(*rows)] if rows else None
+
+
 def confidence_taus(confidence: list[list[list[float]]], accept_lens: list[list[int]], tau: float, running: int,
                     budgets) -> dict[int, float]:
     """τ per node budget N' of the same DynamicTree draft predicted from the draft's own confidence
@@ -141,10 +148,9 @@ def confidence_taus(confidence: list[list[list[float]]], accept_lens: list[list[
     expected ones do, calibrated by what the running budget (``running`` nodes) accepted: τ(N') =
     1 + (τ - 1) · conf(N') / conf(running). For budgets larger than the running one (smaller ones
     are known exactly: ``budget_taus``)."""
-    rows = [conf for step, lens in zip(confidence, accept_lens) for conf, n in zip(step, lens) if n > 0 and conf]
-    if not rows:
+    mean = mean_confidence(confidence, accept_lens)
+    if mean is None:
         return {}
-    mean = [sum(col) / len(rows) for col in zip(*rows)]
     base = confidence_at(mean, running)
     if base <= 0:
         return {}
@@ -183,6 +189,7 @@ class CostPolicy:
     refreshes: dict = field(default_factory=dict)  # batch -> refreshes made (which mode is next)
     saved: dict = field(default_factory=dict)  # (batch, mode) -> the cost last written to the table's file
     observed: set = field(default_factory=set)  # (batch, mode) whose τ a call measured (its own or a larger budget's)
+    history: deque = field(default_factory=lambda: deque(maxlen=4096))  # per call: mode, τ, draft confidence
 
     def expected_tau(self, mode: str) -> float | None:
         depth = self.modes[mode]
@@ -236,11 +243,14 @@ class CostPolicy:
         return refresh[self.refreshes[batch] % len(refresh)]
 
     def record(self, batch: int, mode: str, seconds: float | None, steps: int, tau: float,
-               position_rate: tuple[float, ...], budget_tau: dict | None = None) -> None:
+               position_rate: tuple[float, ...], budget_tau: dict | None = None,
+               confidence: list[float] | None = None) -> None:
         """A finished call: ``steps`` target steps in ``seconds`` (None: not a timing, a call run uncompiled while
         its bucket compiles: its τ counts, its cost does not), ``tau`` tokens per step; ``budget_tau``:
         what the other budgets of a DynamicTree mode would have had (the smaller ones exactly, ``budget_taus``;
-        the larger ones predicted from the draft's confidence, ``confidence_taus``)."""
+        the larger ones predicted from the draft's confidence, ``confidence_taus``); ``confidence``: its
+        ``mean_confidence`` (in ``history``: the expected accepted nodes at the widest budget given)."""
+        self.history.append(dict(batch=batch, mode=mode, tau=tau, confidence=confidence[-1] if confidence else None))
         runs = self.calls.get((batch, mode), 0)
         self.calls[batch, mode] = runs + 1
         if self.modes[mode] != 0 and steps > 0:
