@@ -143,7 +143,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     (``runtime/fast_start.py``; ``SpecModel.wait_compiled``). Same tokens either way; unseeded sampled
     calls meanwhile stay exact in distribution but share the global RNG with the background warm-up (for
     reproducible samples pass ``seed=`` to generate, or ``fast_start=False``).
-    It costs a second KV cache (the uncompiled step's own). Where the worker must capture a bucket itself
+    It costs a second KV cache (the uncompiled step's own) until everything it served runs compiled. Where the worker must capture a bucket itself
     (``fast_start=True`` with the capture cache off, or policy "cost"), torch.export runs in it: until
     ``wait_compiled()``, run no module of the model eagerly in another thread.
     Everything that cannot be supported is refused here, all blockers at once.
@@ -252,8 +252,8 @@ class SpecModel:
         self.model, self.draft, self.config = model, draft, config
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
         self.capture = Capture.shared(model.eval(), config.max_cache_len, config.backend)  # reused across compiles
-        self.fast_start = None if not config.fast_start else FastStart(
-            Capture.shared(model, config.max_cache_len, "cudagraphs"), self.capture)
+        self.fast_start = None if not config.fast_start else FastStart(  # its own Capture: let go when compiled
+            lambda: Capture(model, config.max_cache_len, backend="cudagraphs"), self.capture)
         fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
         self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
         # what generate may run per call: the tree; with a policy also a chain as deep as the

@@ -323,3 +323,20 @@ def test_with_the_capture_cache_the_worker_runs_no_torch_export(aot_eager_compil
     spec.generate(torch.tensor([prompts(9, [12])[0]]), max_new_tokens=8)
     assert spec.wait_compiled(timeout=600) and spec.fast_start.ready
     assert "MainThread" in threads and ("specgraph-compile" in threads) is not cache_on
+
+
+def test_the_uncompiled_capture_is_let_go_once_everything_it_served_runs_compiled(aot_eager_compile):
+    """Its KV cache and graphs are a second copy. A failed warm-up keeps it (that bucket serves uncompiled)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    row = prompts(11, [14])[0]
+    want = hf_greedy(model, row, max_new_tokens=8, eos_token_id=None)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=64, fast_start=True)
+    fast = weakref.ref(spec.fast_start.fast)
+    assert spec.generate(torch.tensor([row]), max_new_tokens=8, eos_token_id=None)[0, len(row):].tolist() == want
+    assert spec.wait_compiled(timeout=600) and spec.fast_start.ready  # (the worker lets it go before it is idle)
+    gc.collect()
+    assert spec.fast_start._fast is None and fast() is None
+    assert spec.generate(torch.tensor([row]), max_new_tokens=8, eos_token_id=None)[0, len(row):].tolist() == want

@@ -12,7 +12,9 @@ warm-up has finished runs compiled. Both are the same lossless step: only the sp
 
 Why the two may run at once, and where they may not:
   - The two Captures share the model's weights only (read by both): each has its own KV cache,
-    static buffers, draft sessions, pinned readback buffers and lock.
+    static buffers, draft sessions, pinned readback buffers and lock. The uncompiled one is the
+    FastStart's own and is let go (its second KV cache and CUDA graphs freed) once every bucket it
+    served runs compiled; a later new bucket makes it again (its graph from the capture cache).
   - Tracing is process-wide: fx's tracer (under torch.export and AOTAutograd) patches
     ``nn.Module.__call__`` and ``__getattr__`` for every thread while it traces, and torch.export's
     pre-dispatch mode stack is global. So the worker holds ``capture.TRACE_LOCK`` for a warm-up, a
@@ -76,8 +78,8 @@ class FastStart:
     ``fast`` holds (``TRACE_LOCK`` until the bucket runs as replays only); ``after_call(key, warm)``:
     after a call served uncompiled, record the rest of its graphs and queue ``warm(compiled)``."""
 
-    def __init__(self, fast, compiled):
-        self.fast, self.compiled = fast, compiled
+    def __init__(self, make_fast: Callable[[], object], compiled):
+        self._make_fast, self._fast, self.compiled = make_fast, None, compiled
         self.ready: set[Hashable] = set()
         self.failed: set[Hashable] = set()
         self.replaying: set[Hashable] = set()  # fast buckets whose calls are CUDA-graph replays only
@@ -86,9 +88,18 @@ class FastStart:
         self._idle = threading.Event()
         self._idle.set()
         self._worker: threading.Thread | None = None
-        self._lock = threading.Lock()  # guards _queued, _worker and the switch interval
+        self._lock = threading.Lock()  # guards _queued, _worker, _fast and the switch interval
         self._closing = False  # at interpreter exit a warm-up fails (inductor cannot register atexit then)
         _LIVE.add(self)
+
+    @property
+    def fast(self):
+        """The uncompiled Capture: made on first use, let go once every bucket it served runs compiled
+        (its KV cache and CUDA graphs are a second copy; a later new bucket makes it again)."""
+        with self._lock:
+            if self._fast is None:
+                self._fast = self._make_fast()
+            return self._fast
 
     def serving(self, key: Hashable):
         """The Capture to run this call on."""
@@ -105,9 +116,10 @@ class FastStart:
         failed already."""
         if key in self.ready or key in self._queued or key in self.failed:
             return
-        if record_fast and self.fast.kv_device.type == "cuda" and cuda_graphs_on(self.fast.kv_device):
-            with self.fast.lock, TRACE_LOCK:
-                warm(self.fast)
+        if record_fast and self.compiled.kv_device.type == "cuda" and cuda_graphs_on(self.compiled.kv_device):
+            fast = self.fast
+            with fast.lock, TRACE_LOCK:
+                warm(fast)
             self.replaying.add(key)
         with self._lock:
             self._queued.add(key)
@@ -150,6 +162,9 @@ class FastStart:
                 except queue.Empty:
                     with self._lock:
                         if self._jobs.empty():  # nothing came in meanwhile: stop, and give the GIL back its pace
+                            if not self.failed:  # every bucket served uncompiled runs compiled now
+                                self._fast = None
+                                self.replaying.clear()
                             self._worker = None
                             sys.setswitchinterval(self._switch)
                             self._idle.set()
