@@ -142,10 +142,10 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     from uncompiled calls and costs from compiled ones); the first call after that runs compiled
     (``runtime/fast_start.py``; ``SpecModel.wait_compiled``). Same tokens either way; unseeded sampled
     calls meanwhile stay exact in distribution but share the global RNG with the background warm-up (for
-    reproducible samples pass ``seed=`` to generate, or ``fast_start=False``).
-    It costs a second KV cache (the uncompiled step's own) until everything it served runs compiled. Where the worker must capture a bucket itself
-    (``fast_start=True`` with the capture cache off, or policy "cost"), torch.export runs in it: until
-    ``wait_compiled()``, run no module of the model eagerly in another thread.
+    reproducible samples pass ``seed=`` to generate, or ``fast_start=False``). It costs a second KV cache
+    (the uncompiled step's own) until everything it served runs compiled. Where the worker must capture a
+    bucket itself (``fast_start=True`` with the capture cache off, or policy "cost"), torch.export runs in
+    it: until ``wait_compiled()``, run no module of the model eagerly in another thread.
     Everything that cannot be supported is refused here, all blockers at once.
     """
     max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")
