@@ -139,18 +139,52 @@ def test_fast_start_serves_while_inductor_compiles_then_compiled_token_exact(smo
                                                                                           device="cuda"),
                             do_sample=False, max_new_tokens=64, eos_token_id=None, pad_token_id=0)[0, len(row):].tolist()
              for row in rows]
-    calls = 0
+    calls, replayed = 0, False
     while not spec.fast_start.ready:  # the first call queues the compile; the rest run beside it
         row, want = rows[calls % len(rows)], wants[calls % len(rows)]
         out = spec.generate(torch.tensor([row], device="cuda"), max_new_tokens=64, eos_token_id=None)
         assert out[0, len(row):].tolist() == want, f"call {calls}"
-        calls += 1
+        calls, replayed = calls + 1, replayed or bool(spec.fast_start.replaying)
         assert calls < 100_000
     assert spec.wait_compiled(timeout=600) and not spec.fast_start.failed
-    assert calls >= 3 and spec.fast_start.replaying  # calls ran beside the worker, as replays
+    assert calls >= 3 and replayed  # calls ran beside the worker, as replays
+    assert spec.fast_start._fast is None  # let go: everything it served runs compiled
     for row, want in zip(rows, wants):
         out = spec.generate(torch.tensor([row], device="cuda"), max_new_tokens=64, eos_token_id=None)
         assert out[0, len(row):].tolist() == want
     (bucket,) = spec.capture.decode_steps.values()
     assert bucket.run.graph is not None  # the compiled step, recorded by the worker, replayed here
+    Capture.release(model)
+
+
+@torch.no_grad()
+def test_the_default_fast_starts_seeded_sampling_is_plain_decodings_while_and_after_compiling(smollm2_cuda, settings,
+                                                                                             tmp_path):
+    """Sampling under the default fast start: seeded calls (kernels/gumbel.py) emit plain decoding's tokens
+    for their seed whether served uncompiled beside the worker or compiled; unseeded calls between them
+    (drawing from the generator the worker's warm-up also draws from) run and give valid tokens."""
+    from specgraph.capture import Capture
+    from specgraph.models import load_default_draft
+
+    settings(capture_cache=True, cache=tmp_path)  # a user's default (the suite turns it off)
+    model, tokenizer = smollm2_cuda
+    Capture.release(model)
+    torch._dynamo.reset()
+    plain = specgraph.compile(model, None, max_batch=1, max_cache_len=512, backend="inductor")
+    ids = torch.tensor([chat(tokenizer, QUESTIONS[1])], device="cuda")
+    sample = dict(do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=40, eos_token_id=None)
+    wants = {seed: plain.generate(ids, seed=seed, **sample) for seed in (1, 2, 3)}
+    spec = specgraph.compile(model, load_default_draft().to(device="cuda", dtype=torch.float32), max_cache_len=512)
+    assert spec.fast_start is not None
+    calls = 0
+    while not spec.fast_start.ready:
+        seed = 1 + calls % 3
+        assert torch.equal(spec.generate(ids, seed=seed, **sample), wants[seed]), f"call {calls}"
+        free = spec.generate(ids, **sample)[0, ids.shape[1]:]
+        assert len(free) == 40 and 0 <= int(free.min()) and int(free.max()) < model.config.vocab_size
+        calls += 1
+        assert calls < 100_000
+    assert spec.wait_compiled(timeout=900) and not spec.fast_start.failed and calls >= 2
+    for seed, want in wants.items():
+        assert torch.equal(spec.generate(ids, seed=seed, **sample), want), seed
     Capture.release(model)
