@@ -484,9 +484,8 @@ class SpecModel:
         return first
 
     def export(self, path, format: str = "onnx", batch: int = 1):
-        """Write the verify step of the (``batch``, tree nodes) bucket with explicit KV caches
-        (see specgraph/export.py for its inputs and outputs). ``format``: "onnx" (opset 20, standard
-        ops only) or "tensorrt" (needs torch-tensorrt). Returns the written path."""
+        """Write the (``batch``, tree nodes) bucket's verify step with explicit KV caches (export.py): ``format``
+        "onnx" (opset 20, standard ops only) or "tensorrt" (needs torch-tensorrt). Returns the written path."""
         from .export import export_onnx, export_tensorrt
 
         exporters = {"onnx": export_onnx, "tensorrt": export_tensorrt}
@@ -497,4 +496,5 @@ class SpecModel:
             raise ValueError(f"format={format!r}: one of {sorted(exporters)}")
         if not isinstance(batch, int) or not 1 <= batch <= self.config.max_batch:
             raise ValueError(f"batch={batch!r}: an int in 1 .. max_batch={self.config.max_batch}")
-        return exporters[format](self.capture, self.config.tree_for(batch), path, batch)
+        with self.capture.lock, TRACE_LOCK:  # it traces: not beside a call on this Capture or a background compile
+            return exporters[format](self.capture, self.config.tree_for(batch), path, batch)
