@@ -1,5 +1,6 @@
 """runtime/fast_start.py: calls run uncompiled while inductor compiles the bucket in a background thread,
 then compiled; the same tokens throughout."""
+import contextlib
 import sys
 import threading
 import warnings
@@ -14,6 +15,26 @@ from specgraph.drafts import NGram
 from specgraph.refusals import fast_start_default
 from test_capture import tiny_model
 from test_generate import hf_greedy, prompts
+
+
+@contextlib.contextmanager
+def _held_elsewhere(lock):
+    """``lock`` held by another thread for the block (as a background compile holds TRACE_LOCK)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            release.wait(timeout=60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(timeout=60)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join()
 
 
 def _spy_captures(monkeypatch):
@@ -224,21 +245,8 @@ def test_the_moved_weights_check_does_not_read_modules_another_thread_traces():
             except RuntimeError:
                 misread = True
         assert misread
-        held, done = threading.Event(), threading.Event()
-
-        def tracer():
-            with TRACE_LOCK:
-                held.set()
-                done.wait(timeout=60)
-
-        thread = threading.Thread(target=tracer)
-        thread.start()
-        held.wait(timeout=60)
-        try:
+        with _held_elsewhere(TRACE_LOCK):
             assert spec._moved() is False
-        finally:
-            done.set()
-            thread.join()
     finally:
         norm._parameters["weight"] = real
     assert not spec._moved()
@@ -279,25 +287,15 @@ def test_an_attached_fallback_waits_out_a_background_trace(aot_eager_compile):
     for fast_start in (True, False):
         spec = specgraph.attach(model, NGram(), tree=Chain(3), backend="inductor", max_batch=1, max_cache_len=64,
                                 fast_start=fast_start)
-        held, release, got = threading.Event(), threading.Event(), []
-
-        def tracer():
-            with TRACE_LOCK:
-                held.set()
-                release.wait(timeout=60)
-
-        holder = threading.Thread(target=tracer)
-        holder.start()
-        held.wait(timeout=60)
+        got = []
         caller = threading.Thread(target=lambda: got.append(model.generate(ids, **kwargs)))
         try:
-            with pytest.warns(UserWarning, match="falling back"):
-                caller.start()
-                caller.join(timeout=5)
-            assert bool(got) is not fast_start  # held while the "trace" runs, only with a fast start
+            with _held_elsewhere(TRACE_LOCK):
+                with pytest.warns(UserWarning, match="falling back"):
+                    caller.start()
+                    caller.join(timeout=5)
+                assert bool(got) is not fast_start  # held while the "trace" runs, only with a fast start
         finally:
-            release.set()
-            holder.join()
             caller.join(timeout=60)
             specgraph.detach(model)
         assert torch.equal(got[0], want) and spec.wait_compiled(timeout=600)
