@@ -338,3 +338,26 @@ def test_the_uncompiled_capture_is_let_go_once_everything_it_served_runs_compile
     gc.collect()
     assert spec.fast_start._fast is None and fast() is None
     assert spec.generate(torch.tensor([row]), max_new_tokens=8, eos_token_id=None)[0, len(row):].tolist() == want
+
+
+def test_a_bucket_recorded_on_a_capture_let_go_meanwhile_is_not_called_replaying(monkeypatch):
+    """If the worker lets the uncompiled Capture go while a bucket's recording call runs on it, that bucket is
+    not marked replay-only: its next call runs on a new Capture that has recorded nothing (and would trace),
+    so it must take TRACE_LOCK. Control: a bucket recorded on the kept Capture is marked."""
+    import specgraph.runtime.fast_start as module
+
+    monkeypatch.setattr(module, "cuda_graphs_on", lambda device: True)
+
+    class Stand:  # a CUDA Capture as FastStart uses it
+        def __init__(self):
+            self.lock, self.kv_device = threading.Lock(), torch.device("cuda")
+
+    fast_start = module.FastStart(Stand, Stand())
+    fast_start._work = lambda: sys.setswitchinterval(fast_start._switch)  # no compile: only what after_call marks
+
+    def let_go(capture):
+        fast_start._fast = None  # as the worker's idle branch does
+
+    fast_start.after_call("a", let_go)
+    fast_start.after_call("b", lambda capture: None)
+    assert "a" not in fast_start.replaying and "b" in fast_start.replaying

@@ -120,7 +120,9 @@ class FastStart:
             fast = self.fast
             with fast.lock, TRACE_LOCK:
                 warm(fast)
-            self.replaying.add(key)
+            with self._lock:
+                if self._fast is fast:  # not let go meanwhile (a new one has recorded nothing: calls take TRACE_LOCK)
+                    self.replaying.add(key)
         with self._lock:
             self._queued.add(key)
             self._idle.clear()
