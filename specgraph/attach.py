@@ -19,9 +19,10 @@ import warnings
 
 import torch
 
-from .api import DEFAULT_CACHE_LEN, SpecModel, cache_len_argument, compile
+from .api import SpecModel, compile
 from .capture import TRACE_LOCK
 from .generate_args import max_new_tokens, unsupported_arguments
+from .spec_config import DEFAULT_CACHE_LEN, cache_len_argument
 
 _ATTR = "_specgraph_original_generate"
 
