@@ -150,10 +150,11 @@ def test_a_second_process_loads_every_bucket(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_token.py"
-    done = subprocess.run([sys.executable, str(script), "--tiny", "--runs", "2", "--out", str(tmp_path / "ft.json")],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--runs", "2", "--calls", "2", "--max-new-tokens", "8",
+                           "--out", str(tmp_path / "ft.json")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     cold, warm = json.loads((tmp_path / "ft.json").read_text())["runs"]
+    assert [len(cold["first_calls"]), len(warm["steady_calls"])] == [2, 2] and cold["first_calls_tok_s"] > 0
     assert len(cold["capture_s"]) >= 2 and cold["capture_loaded_s"] == []
     assert warm["capture_s"] == [] and len(warm["capture_loaded_s"]) == len(cold["capture_s"])
 
