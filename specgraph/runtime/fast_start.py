@@ -128,6 +128,8 @@ class FastStart:
             self._idle.clear()
             self._jobs.put((key, warm))
             if self._worker is None:
+                log.info("calls run uncompiled while inductor compiles in the background (SpecModel.wait_compiled() "
+                         "waits for it; compile(..., fast_start=False) compiles before the first token instead)")
                 self._switch = sys.getswitchinterval()
                 sys.setswitchinterval(min(self._switch, SWITCH_INTERVAL_S))
                 self._worker = threading.Thread(target=self._work, name="specgraph-compile", daemon=True)
