@@ -210,6 +210,21 @@ def test_inductor_compiled_step_is_token_exact(aot_eager_compile):
         assert torch.equal(seeded(spec, rows, trial)[0], seeded(plain, rows, trial)[0])
 
 
+def test_fast_start_samples_plain_samplings_tokens_uncompiled_and_compiled(aot_eager_compile):
+    """fast_start=True: the first call runs the uncompiled static step while the worker compiles, later ones the
+    compiled step; seeded sampling emits plain sampling's tokens on both."""
+    model = small_model()
+    plain = specgraph.compile(model, None, max_batch=3, max_cache_len=128)
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=3, max_cache_len=128, backend="inductor",
+                             fast_start=True)
+    rows = rows_for(90, 3)
+    assert not spec.fast_start.ready
+    assert torch.equal(seeded(spec, rows, 5)[0], seeded(plain, rows, 5)[0])  # served uncompiled
+    assert spec.wait_compiled(timeout=600) and spec.fast_start.ready and not spec.fast_start.failed
+    for seed in (5, 6):
+        assert torch.equal(seeded(spec, rows, seed)[0], seeded(plain, rows, seed)[0])  # compiled
+
+
 # ----------------------------------------------------------------------------- the rule the step takes; bad seeds
 def test_the_sampled_step_picks_its_rule(monkeypatch):
     """Seeded: the Gumbel-max rule; unseeded: block verification on a chain, token-wise elsewhere."""
