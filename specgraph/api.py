@@ -411,32 +411,29 @@ class SpecModel:
             raise ValueError("sampling=True with synthetic_accept (benchmarks only, greedy only): pass sampling=False")
         typical = self.config.typical if self.config.verify == "typical" else None
         samplings = [None] + ([Sampling(1.0, typical=typical)] if sampling else [])
-        run = lambda draft, tree, b, new, s: speculative_generate(  # noqa: E731
-            self.capture, draft, tree, [[1] * 8] * b, new, set(), self.config.max_cache_len, s,
-            synthetic_accept=self.config.synthetic_accept, time_steps=True)
 
         def timed_step(draft, tree, b) -> float:  # seconds per step of a 16-token call
-            result = run(draft, tree, b, 16, None)
+            result = speculative_generate(self.capture, draft, tree, [[1] * 8] * b, 16, set(),
+                                          self.config.max_cache_len, synthetic_accept=self.config.synthetic_accept,
+                                          time_steps=True)
             return result.decode_seconds / max(len(result.accept_lens), 1)
 
         first = {}
         with self.capture.lock, self._choosing:  # (the policy's state too: generate chooses under _choosing alone)
             for b in batch_sizes:
                 for mode in self.modes:
-                    draft, tree = self.mode(mode, b)
-                    for s in samplings:  # steps enough that the bucket's CUDA graph is recorded before the timing
+                    for s in samplings:  # the bucket compiled and its CUDA graphs recorded before the timing
+                        key, warm = self._bucket_warmup(b, mode, s, None, (False, False))
                         start = time.perf_counter()
-                        run(draft, tree, b, 2 * (tree.max_depth + 1) + 1, s)
+                        warm(self.capture)
                         first.setdefault((b, mode), time.perf_counter() - start)
+                        if self.fast_start is not None:  # compiled now: calls need not wait for the background
+                            self.fast_start.mark_ready(key)
                     if isinstance(self.policy, CostPolicy) and self.policy.table.get(b, mode) is None:
                         # the faster of two: a one-off (a late compile, a cache write) lands in one of them
-                        self.policy.table.put(b, mode, min(timed_step(draft, tree, b) for _ in range(2)))
+                        self.policy.table.put(b, mode, min(timed_step(*self.mode(mode, b), b) for _ in range(2)))
                     if self.policy is not None:  # compiled now: the policy's next call of it is a measurement
                         self.policy.calls[b, mode] = max(self.policy.calls.get((b, mode), 0), 1)
-                if self.fast_start is not None:  # compiled now: calls need not wait for the background
-                    for mode in self.modes:
-                        for s in samplings:
-                            self.fast_start.mark_ready(self._bucket_warmup(b, mode, s, None, (False, False))[0])
         log.info("warmed up %s", ", ".join(f"batch {b} {m}: {s:.1f} s" for (b, m), s in first.items()))
         return first
 

@@ -214,20 +214,20 @@ class CostPolicy:
     def choose(self, batch: int) -> str:
         n = self.chosen.get(batch, 0)
         self.chosen[batch] = n + 1
-        known = [self.rate(batch, m) for m in self.modes if self.rate(batch, m) is not None]
+        rates = {m: self.rate(batch, m) for m in self.modes}
+        known = {m: r for m, r in rates.items() if r is not None}
+        upper = {m: self.upper_rate(batch, m) or float("inf") for m in self.modes}  # inf: no bound known
         # a mode that could not beat a known rate even if it accepted every node is never run for its τ
-        hopeless = {m for m in self.modes if known and (self.upper_rate(batch, m) or float("inf")) < max(known)}
-        unknown = [m for m in self.modes if self.rate(batch, m) is None and m not in hopeless]
+        hopeless = {m for m in self.modes if known and upper[m] < max(known.values())}
+        unknown = [m for m in self.modes if m not in known and m not in hopeless]
         speculating = [m for m in unknown if self.modes[m] != 0]
         if unknown:  # measure first: the speculating modes, the most promising at best first, then the rest
-            return max(speculating, key=lambda m: self.upper_rate(batch, m) or float("inf")) if speculating \
-                else unknown[0]
-        best = max((m for m in self.modes if self.rate(batch, m) is not None), key=lambda m: self.rate(batch, m))
-        near = self.trial_within * self.rate(batch, best)
-        trial = [m for m in self.modes if self.modes[m] != 0 and (batch, m) not in self.observed
-                 and m not in hopeless and self.rate(batch, m) is not None and self.rate(batch, m) >= near]
+            return max(speculating, key=upper.get) if speculating else unknown[0]
+        best = max(known, key=known.get)
+        trial = [m for m in known if self.modes[m] != 0 and (batch, m) not in self.observed and m not in hopeless
+                 and known[m] >= self.trial_within * known[best]]
         if trial:  # close enough to lead and never seen: find out
-            return max(trial, key=lambda m: self.rate(batch, m))
+            return max(trial, key=known.get)
         if self.leader.get(batch) != best:
             self.leader[batch], self.interval[batch] = best, self.explore_every
             self.next_refresh[batch] = n + self.explore_every
