@@ -24,8 +24,8 @@ from .generate_args import (max_new_tokens, repetition_penalty, sampling_setting
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key, mean_confidence
 from .runtime.fast_start import FastStart
-from .refusals import (BACKENDS, TYPICAL_DEFAULT, draft_tree, fast_start_default, fast_start_problems, tree_blockers,
-                       verify_problems)
+from .refusals import (BACKENDS, TYPICAL_DEFAULT, auto_backend, draft_tree, fast_start_default, fast_start_problems,
+                       tree_blockers, verify_problems)
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
@@ -46,7 +46,7 @@ def resolve_backend(backend: str, model) -> str:
     if backend != "auto":
         return backend
     on_cuda = model_device(model).type == "cuda"
-    chosen = "inductor" if on_cuda else "eager"
+    chosen = auto_backend(on_cuda)
     log.info("backend 'auto' -> %r%s", chosen, " (each batch size's first generate compiles its "
              "step once, about a minute)" if on_cuda else " (the model is not on CUDA)")
     return chosen

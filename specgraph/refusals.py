@@ -14,6 +14,12 @@ VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY w
 TYPICAL_DEFAULT = (0.09, 0.3)  # (posterior_threshold, posterior_alpha): FasterDecoding/Medusa medusa_generate
 
 
+def auto_backend(on_cuda: bool) -> str:
+    """What backend "auto" means: the compiled whole step on CUDA, eager elsewhere (compiling costs more
+    than it saves on a CPU)."""
+    return "inductor" if on_cuda else "eager"
+
+
 def fast_start_default(backend, on_cuda: bool, policy, tp, capture_cache_on: bool) -> bool:
     """``fast_start=None``: on where specgraph picks the backend and it picks inductor (``"auto"`` on
     CUDA), with policy "fixed" and the capture cache on: then the background worker loads each bucket's
@@ -28,7 +34,7 @@ def fast_start_problems(fast_start, backend, on_cuda: bool, policy, tp) -> list[
     if not isinstance(fast_start, bool):
         return [f"fast_start={fast_start!r}: True, False, or None (on with backend 'auto' on CUDA)"]
     problems = []
-    if (backend if backend != "auto" else "inductor" if on_cuda else "eager") != "inductor":
+    if (backend if backend != "auto" else auto_backend(on_cuda)) != "inductor":
         problems.append(f"fast_start=True with backend={backend!r}: it serves uncompiled while inductor compiles; "
                         f"pass backend='inductor' (or 'auto' with the model on CUDA)")
     if policy == "measured":
