@@ -67,10 +67,20 @@ def settings():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def check_graph_after_every_pass():
+def check_graph_after_every_pass(tmp_path_factory):
     """Every test's captures check the graph invariants after every pass (passes/invariants.py), and
-    are captured afresh (tests that patch a pass must see it run; test_capture_cache.py turns the cache on)."""
+    are captured afresh (tests that patch a pass must see it run; test_capture_cache.py turns the cache on).
+    specgraph's cache (step costs, compiled frames, converted models) is this run's own, shared by its xdist
+    workers: what an earlier run left in ``~/.cache/specgraph`` (a persisted step cost) changes what runs."""
     from specgraph import config
 
-    with config.patch(check_graph=True, capture_cache=False):
+    base = tmp_path_factory.getbasetemp()
+    cache = base.parent / "specgraph-cache" if os.environ.get("PYTEST_XDIST_WORKER") else base / "specgraph-cache"
+    before = os.environ.get("SPECGRAPH_CACHE")
+    os.environ["SPECGRAPH_CACHE"] = str(cache)  # the same for the processes tests start
+    with config.patch(check_graph=True, capture_cache=False, cache=cache):
         yield
+    if before is None:
+        os.environ.pop("SPECGRAPH_CACHE")
+    else:
+        os.environ["SPECGRAPH_CACHE"] = before
