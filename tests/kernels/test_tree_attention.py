@@ -36,8 +36,10 @@ def test_cpu_op_reads_only_the_slots_in_use(seed):
         case.k[row, :, int(case.cache_len[row]) + 64:] = float("nan")
         case.v[row, :, int(case.cache_len[row]) + 64:] = float("nan")
     got = torch.ops.specgraph.tree_attention(*case.args())
+    assert not got.isnan().any()
     torch.testing.assert_close(got.double(), oracle(case), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, tree_attention_reference(*case.args()), atol=1e-12, rtol=1e-12)
+    # float32 math over fewer slots: the matmuls' blocking may differ from the whole cache's by an ulp or so
+    torch.testing.assert_close(got, tree_attention_reference(*case.args()), atol=1e-6, rtol=1e-6)
 
 
 def test_chain_mask_is_causal_attention():
