@@ -22,8 +22,9 @@ Every figure is measured in this run, on the same model:
              at B = 1, 4, 16, 64 (--batches; --batch-trees picks the trees, tree8 the same drafting with 8 nodes
              verified): tokens/s and speedup, saved after every figure (plot: plots.py batch); --batch-policy:
              also policy="cost" over the 16-node tree (its modes: 16 and 8 nodes, a chain of 4, plain)
-             under the same forced τ, after its warmup: tokens/s over 12 whole calls (prefill included)
-             against 4 whole calls of each fixed mode run (plain and --batch-trees), and the modes it ran
+             under the same forced τ, after its warmup: tokens/s over its first 12 whole calls (prefill
+             included; it learns each mode's τ) and over the 36 after them (settled), against 4 whole calls
+             of each fixed mode run (plain and --batch-trees), and the modes it ran in each window
   profile    torch.profiler over --profile-steps plain decode steps at the prompt's context (the
              recorded step graph replayed back to back): device time per step by kernel kind
              (matmul, attention, copy, reduction, elementwise, other) against the wall time per
@@ -75,7 +76,8 @@ SHAPES = {"llama8b": ("Llama-3.1-8B", LLAMA_8B), "smollm2": ("SmolLM2-135M", SMO
           "qwen1.5b": ("Qwen2.5-1.5B", QWEN_1_5B), "tiny": ("tiny", TINY)}
 BATCH_TREES = {"chain": specgraph.Chain(4), "tree": specgraph.DynamicTree(steps=4, topk=4, nodes=16),
                "tree8": specgraph.DynamicTree(steps=4, topk=4, nodes=8)}
-POLICY_CALLS = 12  # timed generate calls of the cost policy per batch size, after its warmup
+POLICY_CALLS = 12  # timed generate calls of the cost policy per batch size, right after its warmup (it learns τ)
+POLICY_STEADY_CALLS = 36  # then timed again: the policy settled, refreshing other modes' τ ever less often
 FIXED_CALLS = 4  # whole calls of each fixed mode, timed the same way (their speed does not drift)
 
 
@@ -96,15 +98,18 @@ def policy_row(spec, ids: torch.Tensor, new_tokens: int, device, fixed_call_tok_
     how many calls each mode ran."""
     b = ids.shape[0]
     spec.warmup((b,))
-    before = dict(spec.policy.calls)
-    tok_s = calls_tok_s(spec, ids, new_tokens, device, POLICY_CALLS)
     best = max(fixed_call_tok_s, key=fixed_call_tok_s.get)
-    return dict(cost_call_tok_s=tok_s, cost_x_plain=tok_s / fixed_call_tok_s["plain"],
-                cost_of_best=tok_s / fixed_call_tok_s[best], best_fixed=best,
-                cost_calls={m: n - before.get((bb, m), 0) for (bb, m), n in spec.policy.calls.items()
-                            if bb == b and n > before.get((bb, m), 0)},
-                cost_ms_per_step={m: spec.policy.table.get(b, m) * 1e3 for m in spec.modes
-                                  if spec.policy.table.get(b, m) is not None})
+    row = dict(best_fixed=best)
+    for prefix, calls in (("cost", POLICY_CALLS), ("cost_steady", POLICY_STEADY_CALLS)):
+        before = dict(spec.policy.calls)
+        tok_s = calls_tok_s(spec, ids, new_tokens, device, calls)
+        row.update({f"{prefix}_call_tok_s": tok_s, f"{prefix}_x_plain": tok_s / fixed_call_tok_s["plain"],
+                    f"{prefix}_of_best": tok_s / fixed_call_tok_s[best],
+                    f"{prefix}_calls": {m: n - before.get((bb, m), 0) for (bb, m), n in spec.policy.calls.items()
+                                        if bb == b and n > before.get((bb, m), 0)}})
+    row["cost_ms_per_step"] = {m: spec.policy.table.get(b, m) * 1e3 for m in spec.modes
+                               if spec.policy.table.get(b, m) is not None}
+    return row
 
 
 def make_target(shape: dict, device: str):

@@ -144,23 +144,32 @@ def policy(path: str, out: str) -> None:
     policy="cost", and (right) the share of the policy's calls each mode ran."""
     r = json.loads(Path(path).read_text())
     rows = sorted(((int(k[1:]), v) for k, v in r["batch"].items() if "cost_call_tok_s" in v), key=lambda kv: kv[0])
-    fixed = [k.removesuffix("_call_tok_s") for k in rows[0][1] if k.endswith("_call_tok_s") and k != "cost_call_tok_s"]
+    fixed = [k.removesuffix("_call_tok_s") for k in rows[0][1]
+             if k.endswith("_call_tok_s") and not k.startswith("cost")]
+    steady = all("cost_steady_call_tok_s" in v for _, v in rows)  # results before the settled window lack it
     modes = sorted({m for _, v in rows for m in v["cost_calls"]})
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     for name in fixed:
         left.plot([b for b, _ in rows], [v[f"{name}_call_tok_s"] / v["plain_call_tok_s"] for _, v in rows], "o--",
                   label=f"fixed: {name}")
-    left.plot([b for b, _ in rows], [v["cost_x_plain"] for _, v in rows], "s-", color="black", label='policy="cost"')
+    left.plot([b for b, _ in rows], [v["cost_x_plain"] for _, v in rows], "s-", color="black",
+              label='policy="cost", first calls' if steady else 'policy="cost"')
     for b, v in rows:
         left.annotate(f"{v['cost_of_best']:.3f} of {v['best_fixed']}", (b, v["cost_x_plain"]), fontsize=7,
                       xytext=(3, -10), textcoords="offset points")
+    if steady:
+        left.plot([b for b, _ in rows], [v["cost_steady_x_plain"] for _, v in rows], "s-", color="grey",
+                  label='policy="cost", settled')
+        for b, v in rows:
+            left.annotate(f"{v['cost_steady_of_best']:.3f}", (b, v["cost_steady_x_plain"]), fontsize=7,
+                          xytext=(3, 4), textcoords="offset points")
     left.set(xscale="log", xlabel="batch size", ylabel="whole-call tokens/s over plain", title="speed")
     bottom = [0.0] * len(rows)
     for mode in modes:
         share = [v["cost_calls"].get(mode, 0) / sum(v["cost_calls"].values()) for _, v in rows]
         right.bar([str(b) for b, _ in rows], share, bottom=bottom, label=mode)
         bottom = [x + y for x, y in zip(bottom, share)]
-    right.set(xlabel="batch size", ylabel="share of the policy's calls", title="modes chosen")
+    right.set(xlabel="batch size", ylabel="share of the policy's calls", title="modes chosen (first calls)" if steady else "modes chosen")
     for ax in (left, right):
         ax.legend(fontsize=7)
     left.minorticks_off()
