@@ -143,9 +143,17 @@ class Eagle3(FeatureDraft):
     def lm_head_from_target(self) -> bool:
         return self.lm_head is None
 
+    @property
+    def head(self) -> nn.Module:
+        """The linear layer that makes the draft logits: its own ``lm_head``, or the target's."""
+        return self._head.module if self.lm_head is None else self.lm_head
+
+    def head_input(self, hidden):
+        """What ``head`` reads: the layer's output, normalized unless the layer did (``norm_output``)."""
+        return hidden if self.norm_output else self.norm(hidden)
+
     def draft_logits(self, hidden):
-        head = self._head.module if self.lm_head is None else self.lm_head
-        return head(hidden if self.norm_output else self.norm(hidden))
+        return self.head(self.head_input(hidden))
 
     def to_target(self, draft_ids):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]

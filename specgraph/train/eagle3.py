@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafts.eagle3 import Eagle3
+from .soft_cross_entropy import soft_cross_entropy
 
 STEP_DECAY = 0.8
 
@@ -94,39 +95,43 @@ def ttt_forward(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps:
 def eagle3_loss(model, draft: Eagle3, steps: int = 7):
     """``loss_fn(batch) -> (loss, metrics)`` for ``specgraph.train.loop.train``; the target is frozen.
 
-    Logits are computed only for the rows that carry loss (an [M, V] product per step, not [B, T, V]:
-    what makes the full vocabulary affordable). Metrics: ``acc_step{j}`` (draft argmax = target
+    The loss of each step is ``soft_cross_entropy``'s: the draft's and the teacher's [M, V] logits exist
+    a row chunk at a time, only for the rows that carry loss (what makes the full vocabulary
+    affordable). Metrics: ``acc_step{j}`` (draft argmax = target
     argmax among step j's loss rows) and ``tau``: 1 + the mean run of consecutive hits from step 0,
     over the rows whose step-0 token is an assistant token — the accepted length of a ``steps``-deep
     greedy chain when the data is the target's own greedy output (then the fed tokens are the ones
     the target would have verified)."""
+    if draft.head.bias is not None:
+        raise ValueError("eagle3_loss: the draft's LM head has a bias; the chunked loss reads its weight only")
+    columns = None if draft.t2d is None else draft.t2d.nonzero().squeeze(1)  # the draft vocabulary's target ids
 
     def loss_fn(batch):
         ids, mask = batch["input_ids"], batch["loss_mask"]
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
             features = tap_states(out.hidden_states, draft.aux_layer_ids, draft.aux_convention)
-            target_logits = out.logits  # z_t predicts x_{t+1}
-        b, t = ids.shape
-        flat = target_logits.reshape(b * t, -1)  # row b·T + s: the target's distribution of x_{s+1}
+            b, t = ids.shape
+            teacher = out.logits.reshape(b * t, -1)  # row b·T + s: the target's distribution of x_{s+1}
+            teacher_top = teacher.argmax(-1) if columns is not None else None
         total, metrics, chain = 0.0, {}, 0
         run = first = None
         for j, hidden in enumerate(ttt_hidden(draft, ids, features, steps)):
             keep = _shift(mask, 2 + j, False)  # row t of step j predicts x_{t+2+j}: loss where that is an answer token
             rows, cols = keep.nonzero(as_tuple=True)
-            z = flat[rows * t + cols + 1 + j].float()  # [M, V]: the teacher, for those rows only
-            if draft.t2d is not None:  # a target token outside the draft vocabulary cannot be learnt: no loss
-                inside = draft.t2d[z.argmax(-1)]
-                rows, cols, z = rows[inside], cols[inside], z[inside][:, draft.t2d]
+            index = rows * t + cols + 1 + j  # [M]: the teacher row of each
+            if columns is not None:  # a target token outside the draft vocabulary cannot be learnt: no loss
+                inside = draft.t2d[teacher_top[index]]
+                rows, cols, index = rows[inside], cols[inside], index[inside]
                 keep = torch.zeros_like(keep)
                 keep[rows, cols] = True
-            logits = draft.draft_logits(hidden[rows, cols]).float()  # [M, V_draft]
-            per_row = -(torch.softmax(z, -1) * torch.log_softmax(logits, -1)).sum(-1)  # [M]
+            loss, draft_top, target_top = soft_cross_entropy(draft.head_input(hidden[rows, cols]), draft.head.weight,
+                                                             teacher, index, columns)
             count = keep.sum().clamp(min=1)
-            total = total + STEP_DECAY ** j * per_row.sum() / count
+            total = total + STEP_DECAY ** j * loss / count
             with torch.no_grad():
                 hit = torch.zeros_like(keep)
-                hit[rows, cols] = logits.argmax(-1) == z.argmax(-1)
+                hit[rows, cols] = draft_top == target_top
                 metrics[f"acc_step{j}"] = hit.sum() / count
                 run, first = (hit, keep) if j == 0 else (run & hit, first)  # rows still on the chain
                 chain = chain + run.sum()
