@@ -23,11 +23,11 @@ CHUNK_ELEMENTS = 1 << 26  # rows per chunk x vocabulary: 256 MB per float32 bloc
 
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, teacher, index, columns, chunk_rows):
+    def forward(ctx, hidden, weight, teacher, index, columns, chunk_rows, grad_on):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         exact = torch.promote_types(dtype, torch.float32)  # softmax's dtype: float32, or float64 for float64 inputs
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_hidden, want_weight = grad_on and ctx.needs_input_grad[0], grad_on and ctx.needs_input_grad[1]
         m = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=exact, device=weight.device) if want_weight else None
@@ -63,7 +63,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (None if grad_hidden is None else grad_total * grad_hidden,
                 None if grad_weight is None else (grad_total * grad_weight).to(ctx.weight_dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, index: torch.Tensor,
@@ -78,4 +78,5 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torc
         raise ValueError(f"the head has {vocab} rows but the teacher gives {teacher.shape[-1]} columns"
                          f"{'' if columns is None else f' ({columns.numel()} selected)'}")
     chunk = chunk_rows or max(1, CHUNK_ELEMENTS // vocab)
-    return _ChunkedSoftCrossEntropy.apply(hidden, weight, teacher, index, columns, chunk)
+    # under no_grad (evaluation) no gradient is made: needs_input_grad reads requires_grad alone
+    return _ChunkedSoftCrossEntropy.apply(hidden, weight, teacher, index, columns, chunk, torch.is_grad_enabled())

@@ -129,3 +129,17 @@ def test_nothing_of_rows_x_vocabulary_is_kept_for_backward():
 
     assert largest_kept(written_out) >= m * vocab
     assert largest_kept(soft_cross_entropy) == max(m * h, vocab * h) < m * vocab
+
+
+def test_under_no_grad_no_gradient_is_made(monkeypatch):
+    """Evaluation runs the loss under no_grad: the forward makes no gradient (it would cost a product per chunk)."""
+    hidden, weight, teacher, index, _ = case(3)
+    products = []
+    real = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: products.append(1) or real(a, b))
+    soft_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), teacher, index, chunk_rows=5)
+    with_grad, products[:] = len(products), []
+    with torch.no_grad():
+        loss, _, _ = soft_cross_entropy(hidden, weight, teacher, index, chunk_rows=5)
+    assert with_grad == 2 * 3 and len(products) == 2  # per chunk: logits, d hidden, d weight; then logits only
+    torch.testing.assert_close(loss, written_out(hidden, weight, teacher, index, None)[0])
