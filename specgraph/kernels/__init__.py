@@ -13,6 +13,7 @@ import torch
 from . import compact_kv as _compact_kv  # noqa: F401
 from . import fused_linear as _fused_linear
 from . import kv_write as _kv_write  # noqa: F401  (export traces it as its reference: export.py)
+from . import soft_ce as _soft_ce  # noqa: F401  (training's loss: specgraph.train.soft_cross_entropy)
 from . import topk as _topk
 from . import tree_attention as _tree_attention
 from . import tree_attention_write as _tree_attention_write  # noqa: F401  (export traces its reference)

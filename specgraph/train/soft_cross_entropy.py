@@ -8,7 +8,10 @@ the whole draft vocabulary. Written out, each step kept its [M, V] float32 logit
 and teacher probabilities for the backward pass, so memory grew with batch x vocabulary x steps and
 much of a step went to elementwise passes over them. Here each [chunk, V] block lives only inside
 the loop, and the gradient is made in the forward pass (d loss / d logits = softmax(logits) - p,
-scaled by the scalar that reaches the loss in backward): one pass, nothing [M, V] kept.
+scaled by the scalar that reaches the loss in backward): nothing [M, V] kept. Per chunk the head's
+product is the only [chunk, V] tensor made besides its gradient: ``specgraph::soft_ce_rows``
+(kernels/soft_ce.py) reads it and the teacher's rows in place, and on CUDA does the softmaxes, the
+loss, the argmaxes and q - p in one kernel.
 
 Numerics follow the written-out form under autocast: the head's product in autocast's dtype (or the
 inputs' own without autocast), softmax and log-softmax in float32 (float64 for float64 inputs), the
@@ -17,6 +20,8 @@ gradient's products in the forward product's dtype, the weight's gradient summed
 from __future__ import annotations
 
 import torch
+
+from .. import kernels  # noqa: F401  (registers specgraph::soft_ce_rows)
 
 CHUNK_ELEMENTS = 1 << 26  # rows per chunk x vocabulary: 256 MB per float32 block
 
@@ -39,20 +44,14 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             for start in range(0, m, chunk_rows):
                 part = slice(start, start + chunk_rows)
                 h = hidden[part].to(dtype)  # [c, H]
-                rows = index[part]
-                z = teacher[rows] if columns is None else teacher[rows.unsqueeze(1), columns]  # [c, V]
-                p = torch.softmax(z.to(exact), -1)
-                logits = (h @ w.T).to(exact)
-                log_q = torch.log_softmax(logits, -1)
-                total += -(p * log_q).sum()
-                draft_top[part] = logits.argmax(-1)
-                teacher_top[part] = z.argmax(-1)
-                if want_hidden or want_weight:
-                    g = (log_q.exp() * p.sum(-1, keepdim=True) - p).to(dtype)  # d loss / d logits, [c, V]
-                    if want_hidden:
-                        grad_hidden[part] = g @ w
-                    if want_weight:
-                        grad_weight += (g.T @ h).to(exact)
+                # [c] loss, [c, V] d loss / d logits, argmaxes: the logits read twice, the teacher rows in place
+                loss, g, draft_top[part], teacher_top[part] = torch.ops.specgraph.soft_ce_rows(
+                    h @ w.T, teacher, index[part], columns)
+                total += loss.sum()
+                if want_hidden:
+                    grad_hidden[part] = g @ w
+                if want_weight:
+                    grad_weight += (g.T @ h).to(exact)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(draft_top, teacher_top)
