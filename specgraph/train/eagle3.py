@@ -102,12 +102,12 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
     over the rows whose step-0 token is an assistant token — the accepted length of a ``steps``-deep
     greedy chain when the data is the target's own greedy output (then the fed tokens are the ones
     the target would have verified)."""
-    if draft.head.bias is not None:
+    if getattr(draft.head, "bias", None) is not None:
         raise ValueError("eagle3_loss: the draft's LM head has a bias; the chunked loss reads its weight only")
-    columns = None if draft.t2d is None else draft.t2d.nonzero().squeeze(1)  # the draft vocabulary's target ids
 
     def loss_fn(batch):
         ids, mask = batch["input_ids"], batch["loss_mask"]
+        columns = None if draft.t2d is None else draft.t2d.nonzero().squeeze(1)  # the draft vocabulary's target ids
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
             features = tap_states(out.hidden_states, draft.aux_layer_ids, draft.aux_convention)
