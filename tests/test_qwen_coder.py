@@ -66,16 +66,23 @@ def drafts(model):
     }
 
 
-@pytest.mark.parametrize("kind", ["ngram", "eagle", "eagle3", "medusa"])
-def test_greedy_speculation_is_token_exact(qwen, kind):
+@pytest.fixture(scope="module")
+def greedy(qwen):
+    """(the prompts' token rows, each row's 16 greedy tokens from model.generate): one oracle for every draft."""
     model, tokenizer = qwen
     rows = [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
             for p in PROMPTS]
+    return rows, [hf_greedy(model, list(row), max_new_tokens=16, eos_token_id=None) for row in rows]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle", "eagle3", "medusa"])
+def test_greedy_speculation_is_token_exact(qwen, greedy, kind):
+    model, _ = qwen
+    rows, wants = greedy
     draft, tree = drafts(model)[kind]
     spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=256)
     ids, mask = left_pad([list(r) for r in rows])
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None, return_dict_in_generate=True)
-    for row, got in zip(rows, generated_rows(out["sequences"], ids.shape[1])):
-        assert got == hf_greedy(model, list(row), max_new_tokens=16, eos_token_id=None)
+    assert generated_rows(out["sequences"], ids.shape[1]) == wants
     if kind == "ngram":  # code repeats itself: the n-gram draft does get accepted on this prompt
         assert max(max(step) for step in out["accept_lens"]) > 1
