@@ -93,3 +93,38 @@ def test_the_cuda_op_at_a_real_vocabulary_equals_the_reference(columns):
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got[1].float(), want[1].float(), atol=1e-4, rtol=1e-2)
     assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+
+
+COMPILE_FOR_THE_H200 = """
+import inspect, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specgraph.kernels.soft_ce import BLOCK, _soft_ce_kernel
+names = list(inspect.signature(_soft_ce_kernel.fn).parameters)
+for dtype, columns in (("*bf16", True), ("*fp32", False)):
+    pointers = dict(Logits=dtype, Teacher=dtype, Index="*i64", Columns="*i64", Loss="*fp32", Grad=dtype,
+                    DraftTop="*i64", TeacherTop="*i64")
+    constants = dict(HAS_COLUMNS=columns, BLOCK=BLOCK)
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    constexprs = {(names.index(n),): v for n, v in constants.items()}
+    kernel = triton.compile(ASTSource(fn=_soft_ce_kernel, signature=signature, constexprs=constexprs, attrs={}),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    assert "ld.global" in kernel.asm["ptx"] and kernel.asm["cubin"]
+"""
+
+
+def test_the_kernel_compiles_for_the_h200():
+    """The interpreter runs Python, not Triton's compiler: compile the kernel for sm_90 (PTX, then ptxas) in a
+    process without TRITON_INTERPRET, for bf16 logits with a column map and float32 without."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton.backends.nvidia as nvidia_backend
+
+    if not (Path(nvidia_backend.__file__).parent / "bin" / "ptxas").exists():
+        pytest.skip("this triton ships no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_THE_H200], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
