@@ -33,8 +33,8 @@ def _soft_ce_kernel(Logits, Teacher, Index, Columns, Loss, Grad, DraftTop, Teach
     teacher_row = Teacher + tl.load(Index + row).to(tl.int64) * stride_t
     lane = tl.arange(0, BLOCK)
     inf = float("inf")
-    max_l, sum_l, top_l, arg_l = -inf, 0.0, -inf, 0  # the logits: running max, Σ exp(l - max), argmax
-    max_z, sum_z, top_z, arg_z = -inf, 0.0, -inf, 0  # the teacher's
+    max_l, sum_l, arg_l = -inf, 0.0, 0  # the logits: running max, Σ exp(l - max), argmax
+    max_z, sum_z, arg_z = -inf, 0.0, 0  # the teacher's
     pl = 0.0  # Σ exp(z - max_z) · l: with sum_z, Σ p · l
     for start in range(0, V, BLOCK):
         offs = start + lane
@@ -43,9 +43,8 @@ def _soft_ce_kernel(Logits, Teacher, Index, Columns, Loss, Grad, DraftTop, Teach
         col = tl.load(Columns + offs, mask=alive, other=0) if HAS_COLUMNS else offs
         z = tl.load(teacher_row + col, mask=alive, other=-inf).to(tl.float32)
         block_l, block_z = tl.max(l, 0), tl.max(z, 0)
-        arg_l = tl.where(block_l > top_l, start + tl.argmax(l, 0), arg_l)  # strict: the first maximum stays
-        arg_z = tl.where(block_z > top_z, start + tl.argmax(z, 0), arg_z)
-        top_l, top_z = tl.maximum(top_l, block_l), tl.maximum(top_z, block_z)
+        arg_l = tl.where(block_l > max_l, start + tl.argmax(l, 0), arg_l)  # strict: the first maximum stays
+        arg_z = tl.where(block_z > max_z, start + tl.argmax(z, 0), arg_z)
         new_l, new_z = tl.maximum(max_l, block_l), tl.maximum(max_z, block_z)
         sum_l = sum_l * tl.exp(max_l - new_l) + tl.sum(tl.where(alive, tl.exp(l - new_l), 0.0), 0)
         e = tl.where(alive, tl.exp(z - new_z), 0.0)

@@ -34,7 +34,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         exact = torch.promote_types(dtype, torch.float32)  # softmax's dtype: float32, or float64 for float64 inputs
         want_hidden, want_weight = grad_on and ctx.needs_input_grad[0], grad_on and ctx.needs_input_grad[1]
         m = hidden.shape[0]
-        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None  # every chunk writes its rows
         grad_weight = torch.zeros(weight.shape, dtype=exact, device=weight.device) if want_weight else None
         total = torch.zeros((), dtype=exact, device=hidden.device)
         draft_top = torch.empty(m, dtype=torch.long, device=hidden.device)
