@@ -247,6 +247,7 @@ class SpecModel:
             self.policy = CostPolicy({m: depths.get(m) for m in self.modes}, table, budgets, deepest)
         self.last_stats: AcceptanceStats | None = None  # of the latest generate call (τ, per-position rates)
         self._choosing = threading.Lock()  # the policy's state (a call's capture lock may be held by a compile)
+        self._compiled: set = set()  # bucket keys (_bucket_warmup) whose first call on self.capture has run
 
     def _moved(self) -> bool:
         """A parameter moved or replaced since compile? Not read while another thread traces (export swaps fakes in)."""
@@ -341,11 +342,13 @@ class SpecModel:
         with self._choosing:
             mode = self.policy.choose(b) if self.policy else "tree"
         capture, guard = self.capture, contextlib.nullcontext()
+        key = self._bucket_warmup(b, mode, sampling, penalty, keep)[0]
         if self.fast_start is not None:  # uncompiled until the bucket's background compile is done
-            key = self._bucket_warmup(b, mode, sampling, penalty, keep)[0]
             capture = self.fast_start.serving(key)
             if capture is not self.capture:
                 guard = self.fast_start.guard(key)
+        elif self.capture.backend == "inductor" and key not in self._compiled:
+            guard = TRACE_LOCK  # a bucket's first call compiles: not beside another thread's compile or trace
         with capture.lock, guard:  # SpecModels of one model share its caches: one call at a time
             draft, tree = self.mode(mode, b)
             start = time.perf_counter()
@@ -357,6 +360,8 @@ class SpecModel:
             seconds = time.perf_counter() - start  # every row's tokens were read back: the device work is done
             self.last_stats = AcceptanceStats.of(result, tree.max_depth)
         compiled = capture is self.capture  # an uncompiled call's τ counts, its time does not
+        if compiled:
+            self._compiled.add(key)
         with self._choosing:
             if isinstance(self.policy, MeasuredPolicy):
                 self.policy.record(b, mode, seconds, sum(map(len, result.sequences)))  # (never uncompiled)
@@ -419,7 +424,8 @@ class SpecModel:
             return result.decode_seconds / max(len(result.accept_lens), 1)
 
         first = {}
-        with self.capture.lock, self._choosing:  # (the policy's state too: generate chooses under _choosing alone)
+        # it compiles: not beside another thread's compile or trace (TRACE_LOCK, taken after a call's locks)
+        with self.capture.lock, TRACE_LOCK, self._choosing:  # (the policy's state: generate chooses under it alone)
             for b in batch_sizes:
                 for mode in self.modes:
                     for s in samplings:  # the bucket compiled and its CUDA graphs recorded before the timing
@@ -427,6 +433,7 @@ class SpecModel:
                         start = time.perf_counter()
                         warm(self.capture)
                         first.setdefault((b, mode), time.perf_counter() - start)
+                        self._compiled.add(key)
                         if self.fast_start is not None:  # compiled now: calls need not wait for the background
                             self.fast_start.mark_ready(key)
                     if isinstance(self.policy, CostPolicy) and self.policy.table.get(b, mode) is None:

@@ -2,7 +2,8 @@
 
 A captured bucket (``capture.CapturedStep``) is the exported step rewritten by the pass pipeline:
 a flat ``torch.fx.GraphModule`` whose state (parameters, buffers, the KV cache) is passed in by
-position. What is kept is the graph's code and, for that state, where each tensor comes from:
+position. What is kept is the graph, node by node (``_graph_rows``), and, for that state, where each
+tensor comes from:
 
   - a tensor of the exported module (``capture.TreeStep``: the model's parameters and buffers, the
     KV cache) by its qualified name, looked up again on the live model;
@@ -19,6 +20,12 @@ rewritten; the ``KEEP`` most recently used stay. ``config.capture_cache``
 (``SPECGRAPH_CAPTURE_CACHE=0``) turns it off. A graph always goes through the same save / load
 round trip when the cache is on, so a cold and a warm process run the same code (and hit the same
 inductor cache entries).
+
+The graph is kept as a table of nodes (op, name, target, arguments), not as a pickled GraphModule:
+unpickling one re-traces its code with an fx Tracer, and fx patches ``nn.Module.__call__`` and
+``__getattr__`` for every thread while it traces, so a load in a background compile (fast start)
+broke the user's own eager module calls in other threads ("module is not installed as a
+submodule"). Rebuilding the table traces nothing.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ import transformers
 from . import config
 
 log = logging.getLogger(__name__)
-FORMAT = 1  # bump when what is stored changes
+FORMAT = 2  # bump when what is stored changes
 KEEP = 256  # files kept (the least recently used go): a few hundred kB each, and any code change makes new keys
 
 
@@ -167,7 +174,7 @@ def _dumps(graph, targets, state, module, pass_results) -> bytes:
         for name in buffers:
             graph.register_buffer(name, torch.empty(0), persistent=False)
         graph._tracer_cls = None
-        code = pickle.dumps(graph)
+        code = pickle.dumps(_graph_rows(graph.graph))
     finally:
         graph._tracer_cls = tracer
         for name, buffer in buffers.items():
@@ -177,6 +184,62 @@ def _dumps(graph, targets, state, module, pass_results) -> bytes:
     torch.save(dict(format=FORMAT, code=code, sources=sources, views=views, fused_from=fused_from,
                     counters=counters), out)
     return out.getvalue()
+
+
+class _Ref:
+    """A node's argument that is another node, by name."""
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return _Ref, (self.name,)
+
+
+def _graph_rows(graph: torch.fx.Graph) -> list[tuple]:
+    """``graph`` as rows (op, name, target, args, kwargs) that pickle without the graph: an operator by
+    (namespace, name, overload), a node argument as a ``_Ref``. Flat graphs only (no submodules)."""
+    if type(graph._codegen) is not torch.fx.graph.CodeGen:
+        raise TypeError(f"graph with {type(graph._codegen).__name__}: only plain CodeGen graphs are kept")
+    rows = []
+    for node in graph.nodes:
+        target = node.target
+        if node.op == "call_module" or isinstance(target, torch._ops.HigherOrderOperator):
+            raise TypeError(f"{node.format_node()}: a graph with submodules is not kept")
+        if isinstance(target, torch._ops.OpOverload):
+            target = ("op", target.namespace, target._opname, target._overloadname)
+        elif isinstance(target, torch._ops.OpOverloadPacket):
+            target = ("packet", *target._qualified_op_name.split("::"))
+        elif node.op == "call_function":
+            target = ("fn", target)  # by reference (operator.getitem): pickle checks it
+        refs = functools.partial(torch.fx.node.map_arg, fn=lambda n: _Ref(n.name))
+        rows.append((node.op, node.name, target, refs(node.args), refs(node.kwargs)))
+    return rows
+
+
+def _graph_of(rows: list[tuple], views: dict) -> torch.fx.GraphModule:
+    """The GraphModule of ``_graph_rows``; its ``get_attr`` targets (``views``) stand in empty until the
+    caller registers them. Nothing is traced."""
+    graph, nodes = torch.fx.Graph(), {}
+
+    def node_of(value):
+        return nodes[value.name] if isinstance(value, _Ref) else value
+
+    for op, name, target, args, kwargs in rows:
+        if isinstance(target, tuple):
+            kind, *where = target
+            if kind == "fn":
+                target = where[0]
+            else:
+                packet = getattr(getattr(torch.ops, where[0]), where[1])
+                target = getattr(packet, where[2]) if kind == "op" else packet
+        args = torch.fx.node.map_aggregate(args, node_of)
+        kwargs = torch.fx.node.map_aggregate(kwargs, node_of)
+        nodes[name] = graph.create_node(op, target, args, kwargs, name=name)
+        if nodes[name].name != name:
+            raise ValueError(f"node {name} came back as {nodes[name].name}")
+    return torch.fx.GraphModule({name: torch.empty(0) for name in views}, graph)
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -192,7 +255,7 @@ def _loads(blob: bytes, module, device) -> tuple:
         raise ValueError(f"format {stored['format']} != {FORMAT}")
     named = _named_tensors(module)
     state = [named[ref] if kind == "module" else ref.to(device) for kind, ref in stored["sources"]]
-    graph = pickle.loads(stored["code"])
+    graph = _graph_of(pickle.loads(stored["code"]), stored["views"])
     for name, (base, offset, size, stride) in stored["views"].items():
         graph.register_buffer(name, torch.as_strided(state[base], size, stride, offset), persistent=False)
     for node in graph.graph.find_nodes(op="get_attr"):

@@ -168,3 +168,25 @@ def test_only_the_most_recently_used_files_are_kept(cache_on, monkeypatch):
     assert len(list(cache_on.glob("*.pt"))) == 2
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: pytest.fail("the newest file was deleted"))
     Capture(model, 64).step(1, 3)
+
+
+def test_a_load_traces_nothing_so_other_threads_module_calls_are_safe(cache_on, monkeypatch):
+    """fx's Tracer patches nn.Module.__call__ for every thread while it traces (a user's eager call in another
+    thread then fails: "module is not installed as a submodule"), and unpickling a GraphModule traces its
+    code. A load rebuilds the graph from its node table instead: no Tracer runs, the same code comes back."""
+    import pickle
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        kept = Capture(model, 64).step(2, 4)
+    traced = []
+    real_trace = torch.fx.Tracer.trace
+    monkeypatch.setattr(torch.fx.Tracer, "trace", lambda self, *a, **k: traced.append(type(self)) or real_trace(self, *a, **k))
+    pickle.loads(pickle.dumps(kept.graph))
+    assert traced  # negative control: the pickled GraphModule is re-traced
+    traced.clear()
+    no_export(monkeypatch)
+    with torch.no_grad():
+        loaded = Capture(model, 64).step(2, 4)
+    assert not traced
+    assert loaded.graph.code == kept.graph.code

@@ -118,6 +118,31 @@ def test_a_call_that_runs_modules_eagerly_waits_while_another_thread_traces():
     assert result["out"][0, len(row):].tolist() == want
 
 
+def test_a_compiled_buckets_first_call_waits_for_another_threads_compile(aot_eager_compile, monkeypatch):
+    """Two compiles at once in one process are not safe (dynamo's and AOTAutograd's tracing state is partly
+    process-wide), and another SpecModel's background compile holds TRACE_LOCK: a SpecModel without a fast
+    start holds it through a bucket's first call (it compiles); its later calls (compiled) run beside
+    another thread holding it. Oracle: HF greedy."""
+    import specgraph.api as api
+
+    model = tiny_model("llama")
+    row = prompts(7, [10])[0]
+    want = hf_greedy(model, row, max_new_tokens=8, eos_token_id=None)
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=64, fast_start=False)
+    held, real = [], api.speculative_generate
+    monkeypatch.setattr(api, "speculative_generate", lambda *a, **k: held.append(TRACE_LOCK._is_owned()) or real(*a, **k))
+    out = spec.generate(torch.tensor([row]), max_new_tokens=8, eos_token_id=None)
+    assert out[0, len(row):].tolist() == want and held == [True]  # the first call compiled under the lock
+    result = {}
+    with _held_elsewhere(TRACE_LOCK):
+        call = threading.Thread(target=lambda: result.update(out=spec.generate(torch.tensor([row]), max_new_tokens=8,
+                                                                               eos_token_id=None)))
+        call.start()
+        call.join(120)
+        assert not call.is_alive()  # compiled: it ran beside the lock's holder
+    assert result["out"][0, len(row):].tolist() == want and held == [True, False]
+
+
 def test_a_failed_background_compile_keeps_serving_uncompiled(monkeypatch, caplog):
     model = tiny_model("llama")
     row = prompts(4, [12])[0]

@@ -19,10 +19,13 @@ Why the two may run at once, and where they may not:
     ``nn.Module.__call__`` and ``__getattr__`` for every thread while it traces, and torch.export's
     pre-dispatch mode stack is global. So the worker holds ``capture.TRACE_LOCK`` for a warm-up, a
     capture (torch.export) takes it, and so does every serving call that may run a module eagerly.
-    With the capture cache on, the worker loads the graphs the serving thread captured and exports
-    nothing; where it must export (cache off, policy "cost"), the user's own eager module calls in
-    other threads are not safe until ``wait_compiled()`` (torch.export also swaps fake tensors into
-    the modules while it traces).
+    A SpecModel without a fast start takes it too for a bucket's first call (it compiles): two
+    compiles at once in one process are not safe. With the capture cache on, the worker loads the
+    graphs the serving thread captured (from a node table: nothing traced) and exports nothing, so
+    the user's own eager module calls in other threads run safely beside it (its AOTAutograd trace
+    passes foreign modules' calls through); where it must export (cache off, policy "cost") they are
+    not safe until ``wait_compiled()`` (torch.export also swaps fake tensors into the modules while
+    it traces), nor is the user's own torch.compile in another thread while the worker compiles.
     A served call runs no module once its bucket's CUDA graphs are recorded (every part is a
     replay): after a bucket's first call serves uncompiled, one more short call records the rest
     (the prefill chunk, the first propose), and from then on its calls run beside the worker. On
