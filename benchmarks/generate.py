@@ -18,7 +18,7 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
   sg_plain        specgraph.compile(model, None): plain decoding on the same engine, inductor
   sg_eagle3_chain the shipped EAGLE-3 head, Chain(4), inductor
   sg_eagle3_tree  the shipped EAGLE-3 head, DynamicTree(8, 8, 64), inductor
-  sg_default      the shipped EAGLE-3 head with compile's defaults (no tree, no backend named): what a user gets
+  sg_default      the EAGLE-3 head (--eagle3; default the shipped one) with compile's defaults (no tree, no backend named): what a user gets
                   (on CUDA a fast start: timed once the background compile is done, its seconds recorded)
   sg_cudagraphs   the same, backend="cudagraphs": the static step recorded as CUDA graphs, nothing compiled
   sg_fast_start   backend="inductor" with fast_start=True, timed once the background compile is done (its

@@ -19,7 +19,8 @@
 #      (another target, a .gguf path or HF directory: e.g. Qwen2.5-Coder-1.5B's GGUF, with VOCAB=32768),
 #      LR (default 1e-3), VOCAB (default 0), INIT (eagle3: a trained head to start from, e.g. the shipped
 #      one), STEPS (the cosine schedule's length, default 20000), OUT_HEAD (default
-#      $WORK/eagle3-vocab$VOCAB), EAGLE3 (the head eval reads, default $OUT_HEAD/best), EVAL_ARGS.
+#      $WORK/eagle3-vocab$VOCAB), EAGLE3 (the head eval reads, default $OUT_HEAD/best), EVAL_ARGS, MASK_REPEATS
+#      (W: no loss on answer tokens inside a W-token span the answer already had: the target's loops).
 set -euo pipefail
 phase=$1
 minutes=${2:-9}
@@ -29,7 +30,8 @@ OUT_HEAD=${OUT_HEAD:-$WORK/eagle3-vocab$VOCAB}
 data=(${DATA:+--data "$DATA"})
 target=(${TARGET:+--target "$TARGET"})
 train=(--shards "$WORK/data" --held-out 200 --max-minutes "$minutes" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" --warmup-steps 200
-       --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15)
+       --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15
+       ${MASK_REPEATS:+--mask-repeats "$MASK_REPEATS"})
 case $phase in
   distill) python3 -m specgraph.train.distill --out "$WORK/data" "${target[@]}" "${data[@]}" --temperatures 0 0.8 --batch-size 256 \
              --max-new-tokens 512 --max-prompt-tokens 1536 --max-length 2048 --max-minutes "$minutes" ;;

@@ -145,6 +145,10 @@ def _train(args: argparse.Namespace) -> int:
             print(f"out of time: {err}")
             return 3
         held_out = max(1, len(examples) // 50)
+    if args.mask_repeats:
+        from .train.distill import mask_repeats
+
+        examples = mask_repeats(examples, args.mask_repeats)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
                          max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20),
@@ -414,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--held-out", type=whole_number(0), default=200,  # train.distill.HELD_OUT_CONVERSATIONS
                        help="with --shards: conversations held out (evaluated on "
                        "their greedy variant)")
+    train.add_argument("--mask-repeats", type=whole_number(2), default=None, metavar="W",
+                       help="no loss on answer tokens inside a W-token span already seen in the same answer (a small "
+                       "target's loops: what a lookup branch drafts), in training and held-out examples")
     train.add_argument("--select", default=None, help="keep DIR/best at the best of this held-out metric (e.g. eval_tau)")
     train.add_argument("--patience", type=whole_number(1), default=None,
                        help="stop after this many evaluations without a new best")

@@ -216,6 +216,31 @@ def load_shards(folder: str | Path, variants: list[str] | None = None) -> list[d
     return out
 
 
+def mask_repeats(examples: list[dict], window: int) -> list[dict]:
+    """``examples`` with no loss on answer tokens inside a ``window``-token span that already occurred in
+    the same answer (an answer is a run of loss tokens): a small target's greedy answers loop, the
+    repeats are what a prompt-lookup branch drafts, and teacher-forced they are easy to predict, so they
+    would dominate the loss and the held-out τ. They stay in the context."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    out = []
+    for example in examples:
+        mask = example["loss_mask"].numpy().copy()
+        ids = example["input_ids"].numpy()
+        edges = np.flatnonzero(np.diff(np.r_[0, mask.astype(np.int8), 0]))  # [start, end) of each answer
+        for start, end in zip(edges[::2], edges[1::2]):
+            if end - start <= window:
+                continue
+            spans = np.ascontiguousarray(sliding_window_view(ids[start:end], window))  # [n - window + 1, window]
+            keys = spans.view(np.dtype((np.void, spans.dtype.itemsize * window))).ravel()
+            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+            seen = (first[inverse] < np.arange(len(keys))).astype(np.int32)  # the span starting here occurred earlier
+            covered = np.convolve(seen, np.ones(window, np.int32))[: end - start] > 0  # its tokens
+            mask[start:end] &= ~covered
+        out.append({**example, "loss_mask": torch.from_numpy(mask)})
+    return out
+
+
 def conversation_order(n: int, seed: int) -> list[int]:
     """The seeded shuffle of ``n`` conversations that numbers them (``"conversation"`` in the shards)."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()

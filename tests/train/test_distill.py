@@ -8,8 +8,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
-from specgraph.train.distill import (DistillConfig, Progress, distill, load_shards, split_held_out, variant_name,
+from specgraph.train.distill import (DistillConfig, Progress, distill, load_shards, mask_repeats, split_held_out, variant_name,
                                      write_shards)
 
 pytestmark = pytest.mark.model
@@ -117,3 +120,43 @@ def test_held_out_conversations_stay_out_of_training_in_every_variant():
     train, held = split_held_out(examples, 3)
     assert sorted(e["conversation"] for e in held) == [0, 1, 2] and {e["variant"] for e in held} == {"greedy"}
     assert len(train) == 14 and min(e["conversation"] for e in train) == 3
+
+
+def _masked_by_hand(ids: list[int], mask: list[bool], window: int) -> list[bool]:
+    """The oracle, written out: per answer (a run of loss tokens), every span of ``window`` tokens that starts
+    at an earlier position of the same answer too has its tokens' loss dropped."""
+    out, t = list(mask), 0
+    while t < len(ids):
+        if not mask[t]:
+            t += 1
+            continue
+        end = t
+        while end < len(ids) and mask[end]:
+            end += 1
+        for i in range(t, end - window + 1):
+            if any(ids[j:j + window] == ids[i:i + window] for j in range(t, i)):
+                out[i:i + window] = [False] * window
+        t = end
+    return out
+
+
+@hypothesis_settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.lists(st.booleans(), min_size=60, max_size=60),
+       st.integers(2, 5))
+def test_mask_repeats_drops_exactly_the_repeated_spans_of_each_answer(ids, mask, window):
+    mask = mask[: len(ids)]
+    example = {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask), "conversation": 3}
+    (out,) = mask_repeats([example], window)
+    assert out["loss_mask"].tolist() == _masked_by_hand(ids, mask, window)
+    assert out["input_ids"] is example["input_ids"] and out["conversation"] == 3  # context and the rest kept
+    assert example["loss_mask"].tolist() == mask  # the input untouched
+
+
+def test_mask_repeats_keeps_a_loop_s_first_copy_and_answers_apart():
+    """A loop's first copy keeps its loss, its repeats lose it; the same span in another answer (or in the
+    prompt) is no repeat; an answer without repeats is unchanged (negative control)."""
+    loop, other = [5, 6, 7], [9, 8, 1, 2]
+    ids = [1, 2, 3] + loop * 3 + [0] + loop + other
+    mask = [False] * 3 + [True] * 9 + [False] + [True] * 7
+    (out,) = mask_repeats([{"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask)}], 3)
+    assert out["loss_mask"].tolist() == [False] * 3 + [True] * 3 + [False] * 6 + [False] + [True] * 7
