@@ -167,18 +167,11 @@ def _dumps(graph, targets, state, module, pass_results) -> bytes:
             raise TypeError(f"graph buffer {name} is no view of the step's state")
         views[name] = (base, buffer.storage_offset(), tuple(buffer.shape), tuple(buffer.stride()))
     for node in graph.graph.find_nodes(op="get_attr"):
+        if node.target not in views:
+            raise TypeError(f"get_attr {node.target}: not a buffer over the step's state")
         if "fused_from" in node.meta:  # export.py reads it to un-join the weights
             fused_from[node.target] = list(node.meta["fused_from"])
-    buffers, tracer = dict(graph.named_buffers()), graph._tracer_cls
-    try:  # the code alone: the buffers stand in empty, the exporting tracer (it needs a scope) left out
-        for name in buffers:
-            graph.register_buffer(name, torch.empty(0), persistent=False)
-        graph._tracer_cls = None
-        code = pickle.dumps(_graph_rows(graph.graph))
-    finally:
-        graph._tracer_cls = tracer
-        for name, buffer in buffers.items():
-            graph.register_buffer(name, buffer, persistent=False)
+    code = pickle.dumps(_graph_rows(graph.graph))
     counters = [(name, r.modified, dict(r.counters)) for name, r in pass_results]
     out = io.BytesIO()
     torch.save(dict(format=FORMAT, code=code, sources=sources, views=views, fused_from=fused_from,
