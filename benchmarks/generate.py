@@ -34,6 +34,7 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
   sg_eagle3_treeN the same head and drafting, DynamicTree(8, 8, N): the tree budget (--budgets N ... adds them;
                   plots.py budget GEN.json out.png draws tokens/s against plain decode per budget)
   sg_ngram@chainK NGram (prompt lookup) K tokens deep (--ngram-trees chainK ...), inductor
+  sg_default:NAME the EAGLE-3 head NAME of --heads NAME=DIR with compile's defaults (heads compared in one run)
   sg_eagle3@TREE  the head on any tree spec (--trees TREE ...: chainK, dynamic:STEPS,TOPK,NODES, eagle1; any of
                   them +lookupK: a K-token prompt-lookup branch beside the head's tree, specgraph.WithLookup):
                   fewer draft steps cost fewer launches per step, at the price of depth
@@ -82,11 +83,13 @@ def _tree_spec(text: str) -> str:
     return text
 
 
-def specgraph_method(model, method: str, eagle3: str | None = None):
+def specgraph_method(model, method: str, eagle3: str | None = None, heads: dict | None = None):
     """(draft, tree, backend) of a specgraph method; ``eagle3``: the head's directory (None: the shipped
-    SmolLM2 head)."""
+    SmolLM2 head); ``heads``: {name: directory} of the ``sg_default:NAME`` methods."""
     from specgraph.models import load_default_draft
 
+    if method.startswith("sg_default:"):
+        return specgraph.drafts.Eagle3.from_pretrained(heads[method.removeprefix("sg_default:")]), None, "auto"
     head = (lambda: specgraph.drafts.Eagle3.from_pretrained(eagle3)) if eagle3 else load_default_draft
     budget = method.removeprefix("sg_eagle3_tree")
     if budget.isdigit():
@@ -211,7 +214,7 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
             first = [run_hf(model, [row], 1, temperature=t, **kwargs)[1] for row in rows]
             entries[name] = (outs, elapsed, None, first, {})
     else:
-        draft, tree, backend = specgraph_method(model, method, args.eagle3)
+        draft, tree, backend = specgraph_method(model, method, args.eagle3, args.heads)
         policy = {"sg_eagle3_measured": "measured", "sg_eagle3_cost": "cost"}.get(method, "fixed")
         spec = specgraph.compile(model, draft, tree=tree, backend=backend, max_cache_len=1024, policy=policy,
                                  fast_start=True if method == "sg_fast_start" else None)
@@ -291,6 +294,9 @@ def main() -> None:
                         help=f"the target: {' | '.join(MODELS)} | a .gguf path (default smollm2)")
     parser.add_argument("--eagle3", default=None, help="the EAGLE-3 head of the sg_eagle3_* methods (default: "
                         "the shipped SmolLM2 head; required with another --model)")
+    parser.add_argument("--heads", nargs="*", default=[], metavar="NAME=DIR",
+                        help="also run sg_default:NAME for each: compile's defaults with that EAGLE-3 head (heads "
+                        "compared in one run)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (match rates against hf_eager); "
                         "T > 0: plain sampling at T for every method (exact in distribution; no match rates)")
@@ -311,6 +317,10 @@ def main() -> None:
     bad = [n for n in args.budgets if not 2 <= n <= 64]
     if bad:
         parser.error(f"--budgets {bad}: a tree budget counts nodes, root included: 2 .. 64")
+    if any("=" not in h or not h.split("=", 1)[0] for h in args.heads):
+        parser.error(f"--heads {args.heads}: NAME=DIR each")
+    args.heads = dict(h.split("=", 1) for h in args.heads)
+    args.methods += [f"sg_default:{name}" for name in args.heads]
     args.methods += [f"sg_eagle3_tree{n}" for n in args.budgets] + [f"sg_eagle3@{t}" for t in args.trees] + \
         [f"sg_ngram@{t}" for t in args.ngram_trees]
     if args.model != "smollm2" and args.eagle3 is None:
