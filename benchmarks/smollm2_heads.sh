@@ -2,7 +2,7 @@
 # Make, train and evaluate SmolLM2-135M-Instruct draft heads (or another target's: TARGET) on one GPU, in time-boxed, resumable
 # phases (rerun a phase to continue it: the regenerated answers, training state and results stay in $WORK).
 #
-#   bash benchmarks/smollm2_heads.sh distill|eagle3|medusa|eval|all [MINUTES]
+#   bash benchmarks/smollm2_heads.sh distill|eagle3|medusa|eval|compare|all [MINUTES]
 #
 # distill: every ShareGPT conversation, all turns, answered again by the target on specgraph's batched
 #          plain decoding (inductor, 256 rows a batch), greedy and sampled at T = 0.8 -> token shards in
@@ -12,6 +12,8 @@
 #          VOCAB=N: the N most frequent answer tokens with an LM head of its own.
 # medusa:  4 Medusa heads sharing the target's LM head, on the same shards.
 # eval:    benchmarks/acceptance.py on MT-bench (all 80 first turns): τ per tree, greedy and T = 1.
+# compare: end to end in one run (benchmarks/generate.py, bf16): plain decoding, the shipped head and $EAGLE3 under
+#          compile's defaults, on all 80 MT-bench first turns and 40 HumanEval prompts, 256 tokens ($WORK/compare).
 # all:     distill, eagle3, eval in turn, each for its share of MINUTES (DISTILL_MIN, TRAIN_MIN, EVAL_MIN
 #          override), for one unattended run (e.g. started with setsid on a GPU machine between calls).
 # Env: WORK (default $HOME/specgraph-heads), DATA (ShareGPT-format JSON, .gz too; default: the
@@ -40,9 +42,11 @@ case $phase in
   medusa) python3 -m specgraph train medusa "${target[@]}" "${train[@]}" --out "$WORK/medusa" --shared-lm-head --heads 4 ;;
   eval) python3 benchmarks/acceptance.py "${target[@]}" --eagle3 "${EAGLE3:-$OUT_HEAD/best}" --out "$WORK/acceptance" \
           --budget-s "$(python3 -c "print(int($minutes * 60))")" ${EVAL_ARGS:-} ;;
+  compare) python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
+             --methods sg_plain sg_default --heads "new=${EAGLE3:-$OUT_HEAD/best}" --out "$WORK/compare" ;;
   all) share() { python3 -c "print(round($minutes * $1, 1))"; }
        bash "$0" distill "${DISTILL_MIN:-$(share 0.3)}" || [ $? -eq 3 ]  # 3: out of time, the shards made are kept
        bash "$0" eagle3 "${TRAIN_MIN:-$(share 0.55)}"
        bash "$0" eval "${EVAL_MIN:-$(share 0.15)}" ;;
-  *) echo "phase: distill | eagle3 | medusa | eval | all" >&2; exit 2 ;;
+  *) echo "phase: distill | eagle3 | medusa | eval | compare | all" >&2; exit 2 ;;
 esac
