@@ -186,6 +186,7 @@ def test_the_default_fast_starts_seeded_sampling_is_plain_decodings_while_and_af
     wants = {seed: plain.generate(ids, seed=seed, **sample) for seed in (1, 2, 3)}
     spec = specgraph.compile(model, load_default_draft().to(device="cuda", dtype=torch.float32), max_cache_len=512)
     assert spec.fast_start is not None
+
     def served(calls: int) -> None:
         seed = 1 + calls % 3
         assert torch.equal(spec.generate(ids, seed=seed, **sample), wants[seed]), f"call {calls}"
