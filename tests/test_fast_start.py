@@ -348,6 +348,30 @@ def test_with_the_capture_cache_the_worker_runs_no_torch_export(aot_eager_compil
     assert "MainThread" in threads and ("specgraph-compile" in threads) is not cache_on
 
 
+def test_the_users_own_eager_calls_run_beside_the_background_compile(aot_eager_compile, settings, tmp_path):
+    """With the capture cache on (the default's condition) the worker loads the bucket (no tracing) and
+    compiles it (AOTAutograd's trace patches nn.Module.__call__ for every thread, and passes calls of modules
+    outside its graph through): the user's eager forward passes of the same model in this thread, made while
+    the worker holds TRACE_LOCK, run and give the model's own logits."""
+    settings(capture_cache=True, cache=tmp_path)
+    model = tiny_model("llama")
+    ids = torch.tensor([prompts(12, [10])[0]])
+    with torch.no_grad():
+        want = model(ids).logits
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), backend="inductor", max_cache_len=64, fast_start=True)
+    spec.generate(ids, max_new_tokens=8)  # captured here; the worker loads and compiles from now
+    beside = 0
+    while not spec.fast_start.ready and not spec.fast_start.failed:
+        held = not TRACE_LOCK.acquire(blocking=False)  # by the worker
+        if not held:
+            TRACE_LOCK.release()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+        beside += held
+    assert spec.wait_compiled(timeout=600) and not spec.fast_start.failed
+    assert beside > 0  # some calls ran while the worker traced and compiled
+
+
 def test_the_uncompiled_capture_is_let_go_once_everything_it_served_runs_compiled(aot_eager_compile):
     """Its KV cache and graphs are a second copy. A failed warm-up keeps it (that bucket serves uncompiled)."""
     import gc
