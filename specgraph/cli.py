@@ -145,6 +145,7 @@ def _train(args: argparse.Namespace) -> int:
             print(f"out of time: {err}")
             return 3
         held_out = max(1, len(examples) // 50)
+    unmasked = examples  # the draft vocabulary covers every answer token, repeats too
     if args.mask_repeats:
         from .train.distill import mask_repeats
 
@@ -160,7 +161,7 @@ def _train(args: argparse.Namespace) -> int:
         from .drafts import Eagle3
 
         init = None if args.init_from is None else Eagle3.from_pretrained(args.init_from)
-        draft = new_eagle3_for(model, examples[held_out:], draft_vocab_size=args.draft_vocab, init_from=init)
+        draft = new_eagle3_for(model, unmasked[held_out:], draft_vocab_size=args.draft_vocab, init_from=init)
         loss_fn = eagle3_loss(model, draft, steps=args.ttt_steps)
     history = train(draft, loss_fn, examples[held_out:], config, args.out,
                     eval_examples=examples[:held_out], stop_at=args.stop_at, deadline=deadline)

@@ -85,3 +85,27 @@ def test_train_on_distilled_shards_keeps_the_best_head_by_held_out_tau(tmp_path)
     history = json.loads((out / "history.json").read_text())
     assert [h["step"] for h in history] == [1, 2] and all("eval_tau" in h for h in history)
     assert Eagle3.from_pretrained(out / "best").lm_head_from_target
+
+
+@pytest.mark.model
+def test_train_with_mask_repeats_picks_the_draft_vocabulary_from_every_answer_token(tmp_path):
+    """--mask-repeats drops the loss on a loop's repeats, not their place in the draft vocabulary: the
+    looping tokens (100-104, six times each) are chosen over tokens seen once (10-13), which a vocabulary
+    counted after masking would take (every count 1; ties go to the lowest ids)."""
+    import torch
+
+    from specgraph.drafts import Eagle3
+    from specgraph.train.distill import write_shards
+
+    loop, once = [100, 101, 102, 103, 104], [10, 11, 12, 13]
+    row = [1] * 8 + loop * 6 + once
+    examples = [{"input_ids": torch.tensor(row).numpy(), "loss_mask": (torch.arange(len(row)) >= 8).numpy(),
+                 "conversation": c} for c in range(3)]
+    write_shards(examples, tmp_path / "data" / "greedy", vocab_size=49152)
+    out = tmp_path / "head"
+    assert main(["train", "eagle3", "--shards", str(tmp_path / "data"), "--held-out", "1", "--draft-vocab", "4",
+                 "--mask-repeats", "5", "--out", str(out), "--steps", "1", "--batch-size", "2", "--ttt-steps", "2",
+                 "--cpu"]) == 0
+    head = Eagle3.from_pretrained(out)
+    used = (torch.arange(4) + head.d2t).tolist()
+    assert set(used) <= set(loop)

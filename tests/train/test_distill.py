@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from specgraph.train.distill import (DistillConfig, Progress, distill, load_shards, mask_repeats, split_held_out, variant_name,
-                                     write_shards)
+from specgraph.train.distill import (DistillConfig, Progress, distill, load_shards, mask_repeats, split_held_out,
+                                     variant_name, write_shards)
 
 pytestmark = pytest.mark.model
 
