@@ -111,7 +111,7 @@ def _path(cache_key: str) -> Path:
 
 def store(cache_key: str, graph: torch.fx.GraphModule, targets: list[str], state: list[torch.Tensor],
           module: torch.nn.Module, pass_results) -> tuple:
-    """Write the bucket (``graph``'s code, the sources of its state, ``targets[i]`` naming ``state[i]``,
+    """Write the bucket (``graph``'s node table, the sources of its state, ``targets[i]`` naming ``state[i]``,
     and the passes' counters) and return what a load of it gives: (graph, state, pass_results). A graph
     that cannot be kept, or a file that cannot be written, costs a later start its speed (logged), no
     more: the graph comes back as it was."""
@@ -171,10 +171,10 @@ def _dumps(graph, targets, state, module, pass_results) -> bytes:
             raise TypeError(f"get_attr {node.target}: not a buffer over the step's state")
         if "fused_from" in node.meta:  # export.py reads it to un-join the weights
             fused_from[node.target] = list(node.meta["fused_from"])
-    code = pickle.dumps(_graph_rows(graph.graph))
+    rows = pickle.dumps(_graph_rows(graph.graph))
     counters = [(name, r.modified, dict(r.counters)) for name, r in pass_results]
     out = io.BytesIO()
-    torch.save(dict(format=FORMAT, code=code, sources=sources, views=views, fused_from=fused_from,
+    torch.save(dict(format=FORMAT, rows=rows, sources=sources, views=views, fused_from=fused_from,
                     counters=counters), out)
     return out.getvalue()
 
@@ -248,7 +248,7 @@ def _loads(blob: bytes, module, device) -> tuple:
         raise ValueError(f"format {stored['format']} != {FORMAT}")
     named = _named_tensors(module)
     state = [named[ref] if kind == "module" else ref.to(device) for kind, ref in stored["sources"]]
-    graph = _graph_of(pickle.loads(stored["code"]), stored["views"])
+    graph = _graph_of(pickle.loads(stored["rows"]), stored["views"])
     for name, (base, offset, size, stride) in stored["views"].items():
         graph.register_buffer(name, torch.as_strided(state[base], size, stride, offset), persistent=False)
     for node in graph.graph.find_nodes(op="get_attr"):
