@@ -45,7 +45,7 @@ import transformers
 from . import config
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # bump when what is stored changes
+FORMAT = 3  # bump when what is stored changes
 KEEP = 256  # files kept (the least recently used go): a few hundred kB each, and any code change makes new keys
 
 
