@@ -342,7 +342,7 @@ class SpecModel:
         with self._choosing:
             mode = self.policy.choose(b) if self.policy else "tree"
         capture, guard = self.capture, contextlib.nullcontext()
-        key = self._bucket_warmup(b, mode, sampling, penalty, keep)[0]
+        key = self._bucket_key(b, mode, sampling, penalty, keep)
         if self.fast_start is not None:  # uncompiled until the bucket's background compile is done
             capture = self.fast_start.serving(key)
             if capture is not self.capture:
@@ -388,13 +388,17 @@ class SpecModel:
                                       accept_lens=result.accept_lens, acceptance=self.last_stats)
         return sequences
 
-    def _bucket_warmup(self, b: int, mode: str, sampling: Sampling | None, penalty, keep) -> tuple:
-        """(key, warm): a fast start's name for the compiled bucket a call of ``mode`` needs (as ``decode_step``
-        keys it), and ``warm(capture)``, the short call that compiles it on ``capture`` and records its graphs."""
-        draft, tree = self.mode(mode, b)
+    def _bucket_key(self, b: int, mode: str, sampling: Sampling | None, penalty, keep) -> tuple:
+        """A fast start's (and the first-call lock's) name for the compiled bucket a call of ``mode`` needs, as
+        ``decode_step`` keys it."""
         rule = None if sampling is None else (sampling.typical is not None, sampling.seed is not None)
-        key = (b, mode, repr(tree), rule, penalty is None, keep)
-        return key, lambda capture: speculative_generate(
+        return (b, mode, repr(self.mode(mode, b)[1]), rule, penalty is None, keep)
+
+    def _bucket_warmup(self, b: int, mode: str, sampling: Sampling | None, penalty, keep) -> tuple:
+        """(``_bucket_key``, warm): ``warm(capture)`` is the short call that compiles the bucket on ``capture``
+        and records its graphs."""
+        draft, tree = self.mode(mode, b)
+        return self._bucket_key(b, mode, sampling, penalty, keep), lambda capture: speculative_generate(
             capture, draft, tree, [[1] * 8] * b, 2 * (tree.max_depth + 1) + 1, set(), self.config.max_cache_len,
             sampling, synthetic_accept=self.config.synthetic_accept, penalty=penalty, keep=keep)
 

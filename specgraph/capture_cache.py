@@ -195,7 +195,7 @@ def _graph_rows(graph: torch.fx.Graph) -> list[tuple]:
     (namespace, name, overload), a node argument as a ``_Ref``. Flat graphs only (no submodules)."""
     if type(graph._codegen) is not torch.fx.graph.CodeGen:
         raise TypeError(f"graph with {type(graph._codegen).__name__}: only plain CodeGen graphs are kept")
-    rows = []
+    rows, refs = [], functools.partial(torch.fx.node.map_arg, fn=lambda n: _Ref(n.name))
     for node in graph.nodes:
         target = node.target
         if node.op == "call_module" or isinstance(target, torch._ops.HigherOrderOperator):
@@ -206,7 +206,6 @@ def _graph_rows(graph: torch.fx.Graph) -> list[tuple]:
             target = ("packet", *target._qualified_op_name.split("::"))
         elif node.op == "call_function":
             target = ("fn", target)  # by reference (operator.getitem): pickle checks it
-        refs = functools.partial(torch.fx.node.map_arg, fn=lambda n: _Ref(n.name))
         rows.append((node.op, node.name, target, refs(node.args), refs(node.kwargs)))
     return rows
 
