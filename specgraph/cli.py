@@ -146,10 +146,10 @@ def _train(args: argparse.Namespace) -> int:
             return 3
         held_out = max(1, len(examples) // 50)
     unmasked = examples  # the draft vocabulary covers every answer token, repeats too
-    if args.mask_repeats:
+    if args.mask_repeats:  # training examples only: the held-out τ is what generating the answers gives
         from .train.distill import mask_repeats
 
-        examples = mask_repeats(examples, args.mask_repeats)
+        examples = examples[:held_out] + mask_repeats(examples[held_out:], args.mask_repeats)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
                          max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20),
@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "their greedy variant)")
     train.add_argument("--mask-repeats", type=whole_number(2), default=None, metavar="W",
                        help="no loss on answer tokens inside a W-token span already seen in the same answer (a small "
-                       "target's loops: what a lookup branch drafts), in training and held-out examples")
+                       "target's loops: what a lookup branch drafts), in the training examples (held-out ones keep theirs)")
     train.add_argument("--select", default=None, help="keep DIR/best at the best of this held-out metric (e.g. eval_tau)")
     train.add_argument("--patience", type=whole_number(1), default=None,
                        help="stop after this many evaluations without a new best")

@@ -88,14 +88,25 @@ def test_train_on_distilled_shards_keeps_the_best_head_by_held_out_tau(tmp_path)
 
 
 @pytest.mark.model
-def test_train_with_mask_repeats_picks_the_draft_vocabulary_from_every_answer_token(tmp_path):
+def test_train_with_mask_repeats_picks_the_draft_vocabulary_from_every_answer_token(tmp_path, monkeypatch):
     """--mask-repeats drops the loss on a loop's repeats, not their place in the draft vocabulary: the
     looping tokens (100-104, six times each) are chosen over tokens seen once (10-13), which a vocabulary
-    counted after masking would take (every count 1; ties go to the lowest ids)."""
+    counted after masking would take (every count 1; ties go to the lowest ids). The held-out example
+    keeps its repeats (its τ is what generating it gives)."""
     import torch
 
+    import specgraph.train
     from specgraph.drafts import Eagle3
     from specgraph.train.distill import write_shards
+
+    seen = {}
+
+    def recording_train(draft, loss_fn, examples, config, out, eval_examples=None, **kwargs):
+        seen.update(train=examples, held=eval_examples)
+        return real_train(draft, loss_fn, examples, config, out, eval_examples=eval_examples, **kwargs)
+
+    real_train = specgraph.train.train
+    monkeypatch.setattr(specgraph.train, "train", recording_train)
 
     loop, once = [100, 101, 102, 103, 104], [10, 11, 12, 13]
     row = [1] * 8 + loop * 6 + once
@@ -109,3 +120,6 @@ def test_train_with_mask_repeats_picks_the_draft_vocabulary_from_every_answer_to
     head = Eagle3.from_pretrained(out)
     used = (torch.arange(4) + head.d2t).tolist()
     assert set(used) <= set(loop)
+    answer = len(row) - 8
+    assert [int(e["loss_mask"].sum()) for e in seen["held"]] == [answer]
+    assert [int(e["loss_mask"].sum()) for e in seen["train"]] == [answer - 5 * 5] * 2  # five repeats of the loop

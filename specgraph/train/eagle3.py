@@ -92,16 +92,42 @@ def ttt_forward(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps:
     return [draft.draft_logits(h) for h in ttt_hidden(draft, ids, features, steps)]
 
 
+def chain_walk(runs: list[int], answer: list[bool]) -> list[int]:
+    """Tokens a greedy chain commits per target step while generating the answers of one sequence that is
+    the target's own greedy output. ``runs[t]``: drafted tokens accepted by a step whose committed text ends
+    at x_{t+1}; ``answer[t]``: x_t is an answer token. An answer's first step drafts from the prompt's last
+    token (as ``generate`` does after its prefill); a step commits ``runs[t]`` + 1 tokens (the target's
+    bonus token included) and the next step starts there, so stretches count by the steps spent on
+    them, as in generation."""
+    committed, t, n = [], 0, len(answer)
+    while t < n:
+        if not answer[t]:
+            t += 1
+            continue
+        end = t
+        while end < n and answer[end]:
+            end += 1
+        row = max(t - 2, 0)  # the committed text ends at x_{t-1}, the prompt's last token
+        while row + 2 < end:  # answer tokens x_{row+2} .. x_{end-1} left to commit
+            take = min(runs[row] + 1, end - row - 2)
+            committed.append(take)
+            row += take
+        t = end
+    return committed
+
+
 def eagle3_loss(model, draft: Eagle3, steps: int = 7):
     """``loss_fn(batch) -> (loss, metrics)`` for ``specgraph.train.loop.train``; the target is frozen.
 
     The loss of each step is ``soft_cross_entropy``'s: the draft's and the teacher's [M, V] logits exist
     a row chunk at a time, only for the rows that carry loss (what makes the full vocabulary
-    affordable). Metrics: ``acc_step{j}`` (draft argmax = target
-    argmax among step j's loss rows) and ``tau``: 1 + the mean run of consecutive hits from step 0,
-    over the rows whose step-0 token is an assistant token — the accepted length of a ``steps``-deep
-    greedy chain when the data is the target's own greedy output (then the fed tokens are the ones
-    the target would have verified)."""
+    affordable). Metrics: ``acc_step{j}`` (draft argmax = target argmax among step j's loss rows);
+    ``tau``: tokens per target step of a ``steps``-deep greedy chain generating the answers
+    (``chain_walk``), which is what generation gives when the data is the target's own greedy output
+    (then the fed tokens are the ones the target would have verified); ``tau_rows``: 1 + the mean run
+    of hits over every row whose step-0 token is an answer token. ``tau_rows`` weighs a stretch by its
+    length, not by the steps generation spends on it, so easy stretches (a small target's loops)
+    inflate it: 5.4 on held-out data where generation gave 2.7."""
     if getattr(draft.head, "bias", None) is not None:
         raise ValueError("eagle3_loss: the draft's LM head has a bias; the chunked loss reads its weight only")
 
@@ -116,6 +142,7 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
             teacher_top = teacher.argmax(-1) if columns is not None else None
         total, metrics, chain = 0.0, {}, 0
         run = first = None
+        runs = torch.zeros_like(ids)  # [B, T]: drafted tokens a chain step at row t gets accepted
         for j, hidden in enumerate(ttt_hidden(draft, ids, features, steps)):
             keep = _shift(mask, 2 + j, False)  # row t of step j predicts x_{t+2+j}: loss where that is an answer token
             rows, cols = keep.nonzero(as_tuple=True)
@@ -135,7 +162,10 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
                 metrics[f"acc_step{j}"] = hit.sum() / count
                 run, first = (hit, keep) if j == 0 else (run & hit, first)  # rows still on the chain
                 chain = chain + run.sum()
-        metrics["tau"] = 1 + chain / first.sum().clamp(min=1)
+                runs += run
+        metrics["tau_rows"] = 1 + chain / first.sum().clamp(min=1)
+        committed = [n for row_runs, answer in zip(runs.tolist(), mask.tolist()) for n in chain_walk(row_runs, answer)]
+        metrics["tau"] = torch.tensor(sum(committed) / max(len(committed), 1))
         return total, metrics
 
     return loss_fn

@@ -9,7 +9,7 @@ import torch
 import specgraph
 from specgraph.drafts import Eagle3
 from specgraph.train import TrainConfig, train
-from specgraph.train.eagle3 import eagle3_loss, new_eagle3_for, select_vocab, tap_states, ttt_forward
+from specgraph.train.eagle3 import chain_walk, eagle3_loss, new_eagle3_for, select_vocab, tap_states, ttt_forward
 from test_capture import tiny_model
 from test_medusa_train import self_distilled
 
@@ -77,7 +77,7 @@ def test_eagle3_training_learns_and_the_head_speculates(tmp_path):
 
 
 @torch.no_grad()
-def test_tau_is_the_greedy_chain_accepted_length_on_self_distilled_data():
+def test_tau_rows_is_the_mean_accepted_length_over_answer_rows():
     """Oracle: for each row t whose step-0 token is an answer token, count the leading steps j whose
     draft argmax (from the unrolled forward) equals the target's argmax at x_{t+2+j}."""
     model = frozen_target()
@@ -104,8 +104,51 @@ def test_tau_is_the_greedy_chain_accepted_length_on_self_distilled_data():
                     break
                 run += 1
             runs.append(run)
-    assert float(metrics["tau"]) == pytest.approx(1 + sum(runs) / len(runs), abs=1e-6)
+    assert float(metrics["tau_rows"]) == pytest.approx(1 + sum(runs) / len(runs), abs=1e-6)
     assert 0 < sum(runs)  # the check can see hits: a random head agrees on some of this tiny vocabulary
+
+
+def test_tau_is_what_a_chain_commits_per_step_generating_the_same_answers(tmp_path):
+    """Oracle: generation. On the target's own greedy continuations, the held-out ``tau`` of a trained head
+    equals the tokens per step that ``spec.generate`` with ``Chain(steps)`` commits writing the same
+    answers; ``tau_rows`` (every answer row weighed alike: the old held-out τ) is the negative control."""
+    model = frozen_target()
+    examples = self_distilled(model, 24)
+    torch.manual_seed(1)
+    draft = new_eagle3_for(model, examples, draft_vocab_size=0, aux_layer_ids=(0, 1, 1))
+    config = TrainConfig(steps=40, batch_size=8, lr=1e-2, warmup_steps=5, save_every=40, eval_every=1000)
+    loss_fn = eagle3_loss(model, draft, steps=3)
+    train(draft, loss_fn, examples, config, tmp_path)
+    draft.eval()
+    held = examples[:6]
+    with torch.no_grad():
+        _, metrics = loss_fn({k: torch.stack([e[k] for e in held]) for k in ("input_ids", "loss_mask")})
+    spec = specgraph.compile(model, Eagle3.from_pretrained(tmp_path), tree=specgraph.Chain(3), max_cache_len=128)
+    committed = []
+    for e in held:
+        prompt = int((~e["loss_mask"]).sum())
+        out = spec.generate(e["input_ids"][None, :prompt], max_new_tokens=len(e["input_ids"]) - prompt,
+                            eos_token_id=None, return_dict_in_generate=True)
+        assert out["sequences"][0].tolist() == e["input_ids"].tolist()
+        lens = [step[0] for step in out["accept_lens"]]
+        lens[-1] -= sum(lens) - (len(e["input_ids"]) - prompt)  # the last step's tokens past the length: dropped
+        assert lens[-1] >= 1  # (and the first answer token is drafted too: counted)
+        committed += lens
+    tokens, steps = sum(committed), len(committed)
+    assert 1.3 < tokens / steps  # the head is accepted: steps commit several tokens
+    assert float(metrics["tau"]) == pytest.approx(tokens / steps, abs=1e-6)
+    assert float(metrics["tau_rows"]) != pytest.approx(tokens / steps, abs=1e-3)  # rows weighed alike: not it
+
+
+@pytest.mark.parametrize("runs, answer, committed", [
+    ([0] * 6, [0, 0, 1, 1, 1, 1], [1, 1, 1, 1]),  # one token a step, from the prompt's last token x_1 (row 0)
+    ([1, 3, 9, 9, 9, 9, 9, 9], [0, 0, 1, 1, 1, 1, 1, 1], [2, 4]),  # row 0: 1 accepted + bonus; row 2: 3 + bonus
+    ([0, 3, 9, 9, 9, 9, 9, 9], [0, 0, 1, 1, 1, 1, 0, 0], [1, 3]),  # row 1: capped at the answer's end (x_5)
+    ([2, 2, 2, 2, 2, 2, 2, 2], [0, 0, 1, 1, 0, 0, 0, 1], [2, 1]),  # two answers (turns), each from its prompt
+    ([5, 0, 0], [1, 1, 1], [1]),  # an answer from position 0: x_0 and x_1 are given
+])
+def test_chain_walk_steps_through_each_answer(runs, answer, committed):
+    assert chain_walk(runs, [bool(a) for a in answer]) == committed
 
 
 def test_full_vocabulary_head_drafts_through_the_targets_lm_head(tmp_path):
