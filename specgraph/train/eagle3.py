@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafts.eagle3 import Eagle3
+from .loop import Ratio
 from .soft_cross_entropy import soft_cross_entropy
 
 STEP_DECAY = 0.8
@@ -159,13 +160,13 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
             with torch.no_grad():
                 hit = torch.zeros_like(keep)
                 hit[rows, cols] = draft_top == target_top
-                metrics[f"acc_step{j}"] = hit.sum() / count
+                metrics[f"acc_step{j}"] = Ratio(hit.sum(), keep.sum())
                 run, first = (hit, keep) if j == 0 else (run & hit, first)  # rows still on the chain
                 chain = chain + run.sum()
                 runs += run
-        metrics["tau_rows"] = 1 + chain / first.sum().clamp(min=1)
+        metrics["tau_rows"] = Ratio(first.sum() + chain, first.sum())  # 1 + the mean run
         committed = [n for row_runs, answer in zip(runs.tolist(), mask.tolist()) for n in chain_walk(row_runs, answer)]
-        metrics["tau"] = torch.tensor(sum(committed) / max(len(committed), 1))
+        metrics["tau"] = Ratio(sum(committed), len(committed))
         return total, metrics
 
     return loss_fn

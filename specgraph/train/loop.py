@@ -4,7 +4,8 @@ early stopping.
 
 A trainer supplies ``loss_fn(batch) -> (loss, metrics)`` over batches of
 examples (``{"input_ids": [T], "loss_mask": [T]}``) and the draft module to
-optimise. A checkpoint directory holds the draft in its public format
+optimise; a metric is a number or a ``Ratio`` (held out, a ratio of totals
+over the batches, not a mean of the batches' ratios). A checkpoint directory holds the draft in its public format
 (``save_pretrained``) plus ``trainer.pt`` (optimizer, scheduler, step, data
 position, RNG states), so an interrupted run resumes to the same state, and
 ``history.json`` / ``history.png`` (the curves). With ``select`` (a held-out
@@ -22,10 +23,19 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from tqdm import tqdm
+
+
+class Ratio(NamedTuple):
+    """A metric made of counts, e.g. tokens per step: evaluated over many batches as total / total."""
+    numerator: float | torch.Tensor
+    denominator: float | torch.Tensor
+
+    def __float__(self) -> float:
+        return float(self.numerator) / max(float(self.denominator), 1e-12)
 
 
 @dataclass
@@ -174,15 +184,17 @@ def _track_best(draft, entry: dict, state: dict, config: TrainConfig, out: Path)
 
 @torch.no_grad()
 def evaluate(draft, loss_fn, examples: list[dict], batch_size: int, device) -> dict[str, float]:
-    """The loss and every metric of ``loss_fn``, averaged over batches of ``examples`` (in order)."""
+    """The loss and every metric of ``loss_fn`` over batches of ``examples`` (in order): the mean of the
+    batches' values, a ``Ratio`` as its totals' ratio."""
     draft.eval()
-    sums: dict[str, float] = {}
-    batches = range(0, len(examples), batch_size)
-    for i in batches:
+    sums: dict[str, list[float]] = {}  # name -> [numerator, denominator]
+    for i in range(0, len(examples), batch_size):
         loss, metrics = loss_fn({k: v.to(device) for k, v in collate(examples[i:i + batch_size]).items()})
         for k, v in {"loss": loss, **metrics}.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-    return {k: v / len(batches) for k, v in sums.items()}
+            num, den = (float(v.numerator), float(v.denominator)) if isinstance(v, Ratio) else (float(v), 1.0)
+            total = sums.setdefault(k, [0.0, 0.0])
+            total[0], total[1] = total[0] + num, total[1] + den
+    return {k: float(Ratio(num, den)) for k, (num, den) in sums.items()}
 
 
 def save(draft, optimizer, scheduler, state: dict, config, out: Path) -> None:

@@ -62,3 +62,21 @@ def test_the_best_checkpoint_is_kept_and_patience_stops_the_run(tmp_path):
     assert (tmp_path / "history.png").is_file() and json.loads((tmp_path / "history.json").read_text()) == history
     with pytest.raises(ValueError, match="patience needs select"):
         train(draft, scripted(draft, taus, [0]), examples, TrainConfig(patience=1), tmp_path / "x")
+
+
+def test_evaluate_takes_a_ratio_metric_as_the_ratio_of_its_totals():
+    """Batches of 3 and 1 examples: a Ratio of counts (tokens per step) is total / total over the held-out
+    set; a plain number is the mean of the batches' values (the negative control: they differ)."""
+    from specgraph.train.loop import Ratio, evaluate
+
+    def loss_fn(batch):
+        rows = batch["input_ids"].shape[0]
+        tokens, steps = (3 * rows, rows) if rows == 3 else (1, 1)  # 3 tokens a step, then 1
+        return torch.tensor(0.0), {"tau": Ratio(torch.tensor(tokens), torch.tensor(steps)),
+                                   "tau_mean": torch.tensor(tokens / steps)}
+
+    examples = [{"input_ids": torch.ones(2, dtype=torch.int64), "loss_mask": torch.ones(2, dtype=torch.bool)}] * 4
+    out = evaluate(Scalar(), loss_fn, examples, batch_size=3, device=torch.device("cpu"))
+    assert out["tau"] == pytest.approx(10 / 4)
+    assert out["tau_mean"] == pytest.approx((3 + 1) / 2)
+    assert float(Ratio(0, 0)) == 0.0  # no steps: no division error
