@@ -8,7 +8,8 @@ the held-out loss and step-0 accuracy.
         --shards WORK/data --limit 60 --prompt-set mt-bench --prompts 30 --max-new-tokens 128 --out results.json
 
 ``--shards``: the held-out conversations of a ``python -m specgraph.train.distill`` folder (the first
-``--held-out`` of its seeded order, their greedy variant, as ``specgraph train`` holds them out).
+``--held-out`` of its seeded order, their greedy variant, as ``specgraph train`` holds them out; with
+``--first-answer N`` only the first N tokens of each first answer).
 ``--prompt-set``: first turns answered here by the target (fp32, greedy, ``model.generate``); with
 ``--generate`` the chain also runs end to end (``specgraph.compile(target, head, tree=Chain(steps))``) on
 the same prompts, whose τ the offline ``tau`` should equal (fp32: the same greedy tokens).
@@ -29,8 +30,9 @@ from specgraph.train.evaluate import prompt_set  # noqa: E402
 from specgraph.train.loop import evaluate  # noqa: E402
 
 
-def greedy_examples(model, tokenizer, name: str, n: int, max_new_tokens: int, batch: int = 10) -> list[dict]:
-    """Prompt + the target's greedy answer (eos included, as generation commits it), loss on the answer."""
+def greedy_examples(model, tokenizer, name: str, n: int, max_new_tokens: int, batch: int = 1) -> list[dict]:
+    """Prompt + the target's greedy answer (eos included, as generation commits it), loss on the answer.
+    One prompt a call by default: padding moves near-ties, and the chain then writes another answer."""
     prompts = [first_turn_ids(tokenizer, q) for q in prompt_set(name, n)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
@@ -50,28 +52,30 @@ def greedy_examples(model, tokenizer, name: str, n: int, max_new_tokens: int, ba
     return out
 
 
-def held_out_examples(shards: str, conversations: int, limit: int | None) -> list[dict]:
-    from specgraph.train.distill import load_shards, split_held_out
+def held_out_examples(shards: str, conversations: int, limit: int | None, first_answer: int | None) -> list[dict]:
+    from specgraph.train.distill import first_answers, load_shards, split_held_out
 
     _, held = split_held_out(load_shards(shards), conversations)
-    return held[:limit]
+    return (first_answers(held, first_answer) if first_answer else held)[:limit]
 
 
-def chain_tau(model, head: Eagle3, examples: list[dict], steps: int) -> float:
-    """Tokens per step of ``Chain(steps)`` generating each example's answer from its prompt (one row a call)."""
+def chain_tau(model, head: Eagle3, examples: list[dict], steps: int) -> tuple[float, int]:
+    """Tokens per step of ``Chain(steps)`` generating each example's answer from its prompt (one row a call),
+    and how many answers it wrote otherwise (a near-tie decided apart from the batched ``model.generate``)."""
     import specgraph
 
     spec = specgraph.compile(model, head, tree=specgraph.Chain(steps),
                              max_cache_len=max(len(e["input_ids"]) for e in examples) + 2 * steps + 2)
-    tokens = calls = 0
+    tokens = calls = other = 0
     for e in tqdm(examples, desc="chain, end to end", leave=False):
         prompt = int((~e["loss_mask"]).sum())
         n = len(e["input_ids"]) - prompt
         out = spec.generate(e["input_ids"][None, :prompt], max_new_tokens=n, eos_token_id=None,
                             return_dict_in_generate=True)
+        other += out["sequences"][0].tolist() != e["input_ids"].tolist()
         lens = [step[0] for step in out["accept_lens"]]
         tokens, calls = tokens + n, calls + len(lens)  # the last step's tokens past n are not committed
-    return tokens / calls
+    return tokens / calls, other
 
 
 def main() -> None:
@@ -81,6 +85,9 @@ def main() -> None:
     parser.add_argument("--shards", help="a python -m specgraph.train.distill folder: its held-out conversations")
     parser.add_argument("--held-out", type=int, default=200, help="conversations held out (specgraph train's default)")
     parser.add_argument("--limit", type=int, default=None, help="the first N held-out examples")
+    parser.add_argument("--first-answer", type=int, default=None, metavar="N",
+                        help="held-out examples cut after N tokens of their first answer (specgraph train "
+                        "--held-out-first-answer)")
     parser.add_argument("--prompt-set", nargs="*", default=[], help="mt-bench, humaneval, sharegpt-held-out")
     parser.add_argument("--prompts", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -93,7 +100,7 @@ def main() -> None:
     model.eval().requires_grad_(False)
     sets = {}
     if args.shards:
-        sets["held-out shards"] = held_out_examples(args.shards, args.held_out, args.limit)
+        sets["held-out shards"] = held_out_examples(args.shards, args.held_out, args.limit, args.first_answer)
     for name in args.prompt_set:
         sets[name] = greedy_examples(model, tokenizer, name, args.prompts, args.max_new_tokens)
     results = []
@@ -108,10 +115,11 @@ def main() -> None:
             row = {"head": label, "set": set_name, "examples": len(examples),
                    **evaluate(head, loss_fn, examples, args.batch_size, torch.device("cpu"))}
             if args.generate and set_name != "held-out shards":
-                row["tau_generated"] = chain_tau(model, head, examples, args.steps)
+                row["tau_generated"], row["generated_otherwise"] = chain_tau(model, head, examples, args.steps)
             results.append(row)
             print(f"{label:>10} {set_name:>16} ({len(examples)}): tau {row['tau']:.3f}, tau_rows {row['tau_rows']:.3f}"
-                  + (f", generated {row['tau_generated']:.3f}" if "tau_generated" in row else "")
+                  + (f", generated {row['tau_generated']:.3f} ({row['generated_otherwise']} answers differ)"
+                     if "tau_generated" in row else "")
                   + f", loss {row['loss']:.3f}, acc_step0 {row['acc_step0']:.3f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -7,8 +7,8 @@
 # distill: every ShareGPT conversation, all turns, answered again by the target on specgraph's batched
 #          plain decoding (inductor, 256 rows a batch), greedy and sampled at T = 0.8 -> token shards in
 #          $WORK/data (python -m specgraph.train.distill; exit 3: out of time, rerun to continue).
-# eagle3:  the EAGLE-3 head on those shards (TTT 7), the held-out τ every EVAL_EVERY steps, $OUT_HEAD/best
-#          kept at the best held-out τ. VOCAB=0: the full vocabulary through the target's LM head;
+# eagle3:  the EAGLE-3 head on those shards (TTT 7), the held-out τ (a 7-deep chain writing the held-out first
+#          answers) every EVAL_EVERY steps, $OUT_HEAD/best kept at the best held-out τ. VOCAB=0: the full vocabulary through the target's LM head;
 #          VOCAB=N: the N most frequent answer tokens with an LM head of its own.
 # medusa:  4 Medusa heads sharing the target's LM head, on the same shards.
 # eval:    benchmarks/acceptance.py on MT-bench (all 80 first turns): τ per tree, greedy and T = 1.
@@ -22,7 +22,9 @@
 #      LR (default 1e-3), VOCAB (default 0), INIT (eagle3: a trained head to start from, e.g. the shipped
 #      one), STEPS (the cosine schedule's length, default 20000), OUT_HEAD (default
 #      $WORK/eagle3-vocab$VOCAB), EAGLE3 (the head eval reads, default $OUT_HEAD/best), EVAL_ARGS, MASK_REPEATS
-#      (W: no loss on answer tokens inside a W-token span the answer already had: the target's loops).
+#      (W: no loss on answer tokens inside a W-token span the answer already had: the target's loops),
+#      HELD_OUT_TOKENS (default 256: the held-out τ is taken on the first 256 tokens of each held-out first answer,
+#      as the benchmarks generate).
 set -euo pipefail
 phase=$1
 minutes=${2:-9}
@@ -31,7 +33,7 @@ VOCAB=${VOCAB:-0}
 OUT_HEAD=${OUT_HEAD:-$WORK/eagle3-vocab$VOCAB}
 data=(${DATA:+--data "$DATA"})
 target=(${TARGET:+--target "$TARGET"})
-train=(--shards "$WORK/data" --held-out 200 --max-minutes "$minutes" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" --warmup-steps 200
+train=(--shards "$WORK/data" --held-out 200 --held-out-first-answer "${HELD_OUT_TOKENS:-256}" --max-minutes "$minutes" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" --warmup-steps 200
        --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15
        ${MASK_REPEATS:+--mask-repeats "$MASK_REPEATS"})
 case $phase in

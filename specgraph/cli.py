@@ -145,6 +145,11 @@ def _train(args: argparse.Namespace) -> int:
             print(f"out of time: {err}")
             return 3
         held_out = max(1, len(examples) // 50)
+    if args.held_out_first_answer:  # held out as benchmarks generate: first turns, capped answers
+        from .train.distill import first_answers
+
+        held = first_answers(examples[:held_out], args.held_out_first_answer)
+        examples, held_out = held + examples[held_out:], len(held)
     unmasked = examples  # the draft vocabulary covers every answer token, repeats too
     if args.mask_repeats:  # training examples only: the held-out τ is what generating the answers gives
         from .train.distill import mask_repeats
@@ -419,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--held-out", type=whole_number(0), default=200,  # train.distill.HELD_OUT_CONVERSATIONS
                        help="with --shards: conversations held out (evaluated on "
                        "their greedy variant)")
+    train.add_argument("--held-out-first-answer", type=whole_number(1), default=None, metavar="N",
+                       help="evaluate on the first N tokens of each held-out example's first answer (as benchmarks "
+                       "generate), not on whole conversations")
     train.add_argument("--mask-repeats", type=whole_number(2), default=None, metavar="W",
                        help="no loss on answer tokens inside a W-token span already seen in the same answer (a small "
                        "target's loops: what a lookup branch drafts), in the training examples (held-out ones keep theirs)")

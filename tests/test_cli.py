@@ -92,7 +92,7 @@ def test_train_with_mask_repeats_picks_the_draft_vocabulary_from_every_answer_to
     """--mask-repeats drops the loss on a loop's repeats, not their place in the draft vocabulary: the
     looping tokens (100-104, six times each) are chosen over tokens seen once (10-13), which a vocabulary
     counted after masking would take (every count 1; ties go to the lowest ids). The held-out example
-    keeps its repeats (its τ is what generating it gives)."""
+    keeps its repeats (its τ is what generating it gives), cut by --held-out-first-answer."""
     import torch
 
     import specgraph.train
@@ -115,11 +115,12 @@ def test_train_with_mask_repeats_picks_the_draft_vocabulary_from_every_answer_to
     write_shards(examples, tmp_path / "data" / "greedy", vocab_size=49152)
     out = tmp_path / "head"
     assert main(["train", "eagle3", "--shards", str(tmp_path / "data"), "--held-out", "1", "--draft-vocab", "4",
-                 "--mask-repeats", "5", "--out", str(out), "--steps", "1", "--batch-size", "2", "--ttt-steps", "2",
+                 "--mask-repeats", "5", "--held-out-first-answer", "20", "--out", str(out), "--steps", "1", "--batch-size", "2", "--ttt-steps", "2",
                  "--cpu"]) == 0
     head = Eagle3.from_pretrained(out)
     used = (torch.arange(4) + head.d2t).tolist()
     assert set(used) <= set(loop)
     answer = len(row) - 8
-    assert [int(e["loss_mask"].sum()) for e in seen["held"]] == [answer]
+    assert [int(e["loss_mask"].sum()) for e in seen["held"]] == [20]  # four copies of the loop: masked, 5
+    assert [len(e["input_ids"]) for e in seen["held"]] == [8 + 20]
     assert [int(e["loss_mask"].sum()) for e in seen["train"]] == [answer - 5 * 5] * 2  # five repeats of the loop

@@ -257,6 +257,22 @@ def split_held_out(examples: list[dict], conversations: int, variant: str = "gre
     return train, held
 
 
+def first_answers(examples: list[dict], tokens: int) -> list[dict]:
+    """Each example cut after the first ``tokens`` tokens of its first answer (what a benchmark generates:
+    a first turn, an answer of capped length); examples without an answer are left out."""
+    out = []
+    for example in examples:
+        mask = example["loss_mask"]
+        answer = mask.nonzero().flatten()
+        if len(answer) == 0:
+            continue
+        start = int(answer[0])
+        rest = (~mask[start:]).nonzero().flatten()  # the first non-answer token after it ends the answer
+        end = min(start + tokens, start + int(rest[0]) if len(rest) else len(mask))
+        out.append({**example, "input_ids": example["input_ids"][:end], "loss_mask": mask[:end]})
+    return out
+
+
 def summarize(progress: Progress, examples: list[dict]) -> dict:
     turns = sum(map(len, progress.answers))
     lengths = [len(a) for answers in progress.answers for a in answers]

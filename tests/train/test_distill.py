@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from specgraph.train.distill import (DistillConfig, Progress, distill, load_shards, mask_repeats, split_held_out,
-                                     variant_name, write_shards)
+from specgraph.train.distill import (DistillConfig, Progress, distill, first_answers, load_shards, mask_repeats,
+                                     split_held_out, variant_name, write_shards)
 
 pytestmark = pytest.mark.model
 
@@ -160,3 +160,16 @@ def test_mask_repeats_keeps_a_loop_s_first_copy_and_answers_apart():
     mask = [False] * 3 + [True] * 9 + [False] + [True] * 7
     (out,) = mask_repeats([{"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask)}], 3)
     assert out["loss_mask"].tolist() == [False] * 3 + [True] * 3 + [False] * 6 + [False] + [True] * 7
+
+
+@pytest.mark.parametrize("tokens, end", [(2, 5), (4, 7), (10, 7)])
+def test_first_answers_keep_the_prompt_and_the_first_tokens_of_the_first_answer(tokens, end):
+    """Cut after ``tokens`` tokens of the first answer, never into the next turn; an example without an
+    answer is left out."""
+    ids = torch.arange(12)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)  # answers at 3-6 and 9-11
+    out = first_answers([{"input_ids": ids, "loss_mask": mask, "conversation": 4},
+                         {"input_ids": ids, "loss_mask": torch.zeros(12, dtype=torch.bool), "conversation": 5}], tokens)
+    assert len(out) == 1 and out[0]["conversation"] == 4
+    assert out[0]["input_ids"].tolist() == list(range(end))
+    assert out[0]["loss_mask"].tolist() == mask[:end].tolist()
