@@ -5,8 +5,8 @@ early stopping.
 A trainer supplies ``loss_fn(batch) -> (loss, metrics)`` over batches of
 examples (``{"input_ids": [T], "loss_mask": [T]}``) and the draft module to
 optimise; a metric is a number or a ``Ratio`` (held out, a ratio of totals
-over the batches, not a mean of the batches' ratios). A checkpoint directory holds the draft in its public format
-(``save_pretrained``) plus ``trainer.pt`` (optimizer, scheduler, step, data
+over the batches, not a mean of the batches' ratios). A checkpoint
+directory holds the draft in its public format (``save_pretrained``) plus ``trainer.pt`` (optimizer, scheduler, step, data
 position, RNG states), so an interrupted run resumes to the same state, and
 ``history.json`` / ``history.png`` (the curves). With ``select`` (a held-out
 metric, e.g. "eval_tau"), ``best/`` holds the checkpoint that scored highest,

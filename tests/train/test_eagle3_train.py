@@ -222,7 +222,7 @@ def test_padding_to_the_width_multiple_changes_no_loss_or_metric():
 
     model = frozen_target()
     examples = self_distilled(model, 4)
-    draft = new_eagle3_for(model, examples, draft_vocab_size=0, aux_layer_ids=(0, 1, 1))
+    draft = new_eagle3_for(model, examples, draft_vocab_size=0, aux_layer_ids=(0, 1, 1)).eval()  # eval: tau too
     loss_fn = eagle3_loss(model, draft, steps=3)
     padded = collate(examples)
     width = max(len(e["input_ids"]) for e in examples)
@@ -230,4 +230,4 @@ def test_padding_to_the_width_multiple_changes_no_loss_or_metric():
     exact = {k: v[:, :width] for k, v in padded.items()}
     (a, ma), (b, mb) = loss_fn(padded), loss_fn(exact)
     torch.testing.assert_close(a, b)
-    assert set(ma) == set(mb) and all(float(ma[k]) == pytest.approx(float(mb[k]), abs=1e-6) for k in ma)
+    assert "tau" in ma and set(ma) == set(mb) and all(float(ma[k]) == pytest.approx(float(mb[k]), abs=1e-6) for k in ma)
