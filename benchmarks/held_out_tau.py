@@ -30,25 +30,19 @@ from specgraph.train.evaluate import prompt_set  # noqa: E402
 from specgraph.train.loop import evaluate  # noqa: E402
 
 
-def greedy_examples(model, tokenizer, name: str, n: int, max_new_tokens: int, batch: int = 1) -> list[dict]:
+def greedy_examples(model, tokenizer, name: str, n: int, max_new_tokens: int) -> list[dict]:
     """Prompt + the target's greedy answer (eos included, as generation commits it), loss on the answer.
-    One prompt a call by default: padding moves near-ties, and the chain then writes another answer."""
-    prompts = [first_turn_ids(tokenizer, q) for q in prompt_set(name, n)]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    One prompt a call: padding moves near-ties, and the chain would then write another answer."""
     out = []
-    for i in tqdm(range(0, len(prompts), batch), desc=f"{name} answers", leave=False):
-        rows = prompts[i:i + batch]
-        width = max(map(len, rows))
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    for question in tqdm(prompt_set(name, n), desc=f"{name} answers", leave=False):
+        prompt = first_turn_ids(tokenizer, question)
         with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                 pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)[:, width:].tolist()
-        for prompt, answer in zip(rows, gen):
-            if tokenizer.eos_token_id in answer:
-                answer = answer[: answer.index(tokenizer.eos_token_id) + 1]
-            ids = torch.tensor(prompt + answer)
-            out.append({"input_ids": ids, "loss_mask": torch.arange(len(ids)) >= len(prompt)})
+            answer = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                                    eos_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+        if tokenizer.eos_token_id in answer:
+            answer = answer[: answer.index(tokenizer.eos_token_id) + 1]
+        ids = torch.tensor(prompt + answer)
+        out.append({"input_ids": ids, "loss_mask": torch.arange(len(ids)) >= len(prompt)})
     return out
 
 

@@ -141,7 +141,7 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
             b, t = ids.shape
             teacher = out.logits.reshape(b * t, -1)  # row b·T + s: the target's distribution of x_{s+1}
             teacher_top = teacher.argmax(-1) if columns is not None else None
-        total, metrics, chain = 0.0, {}, 0
+        total, metrics = 0.0, {}
         run = first = None
         runs = torch.zeros_like(ids)  # [B, T]: drafted tokens a chain step at row t gets accepted
         for j, hidden in enumerate(ttt_hidden(draft, ids, features, steps)):
@@ -162,9 +162,8 @@ def eagle3_loss(model, draft: Eagle3, steps: int = 7):
                 hit[rows, cols] = draft_top == target_top
                 metrics[f"acc_step{j}"] = Ratio(hit.sum(), keep.sum())
                 run, first = (hit, keep) if j == 0 else (run & hit, first)  # rows still on the chain
-                chain = chain + run.sum()
                 runs += run
-        metrics["tau_rows"] = Ratio(first.sum() + chain, first.sum())  # 1 + the mean run
+        metrics["tau_rows"] = Ratio(first.sum() + runs.sum(), first.sum())  # 1 + the mean run
         if not draft.training:
             committed = [n for rr, answer in zip(runs.tolist(), mask.tolist()) for n in chain_walk(rr, answer)]
             metrics["tau"] = Ratio(sum(committed), len(committed))
