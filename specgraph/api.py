@@ -19,8 +19,8 @@ from .drafts.base import Draft
 from .drafts.layer import fuse_projections as fuse_draft_projections
 from .drafts.plain import Plain
 from .fast_paths import draft_fast_paths
-from .generate_args import (max_new_tokens, repetition_penalty, sampling_settings, setting, stopping_criteria,
-                            strip_left_padding, token_ids, unsupported_arguments)
+from .generate_args import (generation_config, max_new_tokens, repetition_penalty, sampling_settings, setting,
+                            stopping_criteria, strip_left_padding, token_ids, unsupported_arguments)
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key, mean_confidence
 from .runtime.fast_start import FastStart
@@ -146,14 +146,14 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                  max_batch, f"; one-row calls: {one_row_tree}" if one_row_tree is not None else "")
     blockers += tree_blockers(model, draft, tree, max_cache_len)
     blockers += draft.bind(model)
-    if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or
+    if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or isinstance(synthetic_accept, bool) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
         blockers.append(f"synthetic_accept={synthetic_accept!r}: an int in 1 .. tree depth + 1 = {tree.max_depth + 1}")
     if policy not in ("fixed", "measured", "cost"):
         blockers.append(f"policy={policy!r}: 'fixed' (always the tree), 'cost' or 'measured' (the tree, a chain "
                         f"as deep, or plain decoding, whichever is faster)")
     blockers += verify_problems(verify, typical, synthetic_accept)
-    if not isinstance(max_batch, int) or max_batch < 1:
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
         blockers.append(f"max_batch={max_batch!r}: an int >= 1")
     tp, tp_blockers = parallel.resolve(tp)
     blockers += tp_blockers
@@ -277,8 +277,9 @@ class SpecModel:
         if self._moved():
             raise RuntimeError("the model's or the draft's parameters were moved or replaced since specgraph.compile "
                                "(model.to(...), .half(), a new layer, ...): the captured graphs still read the old "
-                               "ones. Call specgraph.compile again after moving the model")
-        gen = kwargs.get("generation_config") or self.model.generation_config
+                               "ones. Call specgraph.compile again after moving the model (after attach: "
+                               "specgraph.detach(model), then attach again)")
+        gen = generation_config(self.model, kwargs.get("generation_config"))  # unset fields: the model's
         unknown = unsupported_arguments(kwargs, gen)
         if unknown:
             raise TypeError(f"SpecModel.generate does not support {unknown} yet; they would change the result, "
@@ -292,7 +293,7 @@ class SpecModel:
         if sampling is not None and self.config.verify == "typical":  # lossy, opted in at compile
             sampling = replace(sampling, typical=self.config.typical)
         penalty = repetition_penalty(kwargs, gen)
-        as_dict = kwargs.get("return_dict_in_generate")
+        as_dict = setting(kwargs, gen, "return_dict_in_generate")
         # scores / logits only come back in a dict (as in model.generate): only then are they gathered
         keep = tuple(bool(as_dict and setting(kwargs, gen, name)) for name in ("output_scores", "output_logits"))
         if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -305,6 +306,10 @@ class SpecModel:
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"input_ids hold ids outside the vocabulary 0 .. {vocab - 1} "
                              f"(min {int(input_ids.min())}, max {int(input_ids.max())})")
+        if attention_mask is not None and not torch.is_tensor(attention_mask):
+            raise TypeError(f"attention_mask: a [B, T] tensor of 0/1 like input_ids (the tokenizer's, with "
+                            f"return_tensors='pt'); got {type(attention_mask).__name__}")
+        input_ids = input_ids.long()  # the output is int64 whatever the prompt's integer type, as in model.generate
         b, t = input_ids.shape
         if b > self.config.max_batch:
             raise ValueError(f"batch of {b} rows > max_batch={self.config.max_batch} given to specgraph.compile")
@@ -413,7 +418,10 @@ class SpecModel:
         ``sampling=True``), at each of ``batch_sizes``. Under ``policy="cost"`` it also times each
         mode's step where the cost table lacks it. Prompts of other lengths may still compile their
         prefill. Returns {(batch, mode): seconds of its first call}."""
-        bad = [b for b in batch_sizes if not isinstance(b, int) or not 1 <= b <= self.config.max_batch]
+        if not isinstance(batch_sizes, (list, tuple, range)):
+            raise TypeError(f"batch_sizes={batch_sizes!r}: a list or tuple of batch sizes, e.g. (1,) or [1, 4]")
+        bad = [b for b in batch_sizes if not isinstance(b, int) or isinstance(b, bool) or
+               not 1 <= b <= self.config.max_batch]
         if bad:
             raise ValueError(f"batch_sizes={list(batch_sizes)}: ints in 1 .. max_batch={self.config.max_batch}")
         if sampling and self.config.synthetic_accept is not None:
@@ -459,7 +467,7 @@ class SpecModel:
                              "rank's shard and its collectives; compile without tp to export")
         if format not in exporters:
             raise ValueError(f"format={format!r}: one of {sorted(exporters)}")
-        if not isinstance(batch, int) or not 1 <= batch <= self.config.max_batch:
+        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= self.config.max_batch:
             raise ValueError(f"batch={batch!r}: an int in 1 .. max_batch={self.config.max_batch}")
         with self.capture.lock, TRACE_LOCK:  # it traces: not beside a call on this Capture or a background compile
             return exporters[format](self.capture, self.config.tree_for(batch), path, batch)

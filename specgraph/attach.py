@@ -21,7 +21,7 @@ import torch
 
 from .api import SpecModel, compile
 from .capture import TRACE_LOCK
-from .generate_args import max_new_tokens, unsupported_arguments
+from .generate_args import generation_config as merged_config, max_new_tokens, unsupported_arguments
 from .spec_config import DEFAULT_CACHE_LEN, cache_len_argument
 
 _ATTR = "_specgraph_original_generate"
@@ -54,7 +54,7 @@ def attach(model, draft=None, tree=None, backend: str = "auto", max_batch: int =
                 return original(input_ids, generation_config=generation_config, **kwargs)
         want_dict = kwargs.pop("return_dict_in_generate", None)
         if want_dict is None:
-            want_dict = (generation_config or model.generation_config).return_dict_in_generate
+            want_dict = merged_config(model, generation_config).return_dict_in_generate
         return spec.generate(input_ids, generation_config=generation_config, return_dict_in_generate=want_dict,
                              **kwargs)
 
@@ -74,7 +74,7 @@ def detach(model) -> None:
 
 
 def _fallback_reasons(spec: SpecModel, input_ids, generation_config, kwargs: dict) -> list[str]:
-    gen = generation_config or spec.model.generation_config
+    gen = merged_config(spec.model, generation_config)
     reasons = unsupported_arguments({k: v for k, v in kwargs.items() if v is not None
                                      and k != "return_dict_in_generate"}, gen)
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2:

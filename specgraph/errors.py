@@ -14,3 +14,8 @@ class CompileError(Exception):
         lines = "\n".join(f"  - {b}" for b in self.blockers)
         super().__init__(f"{what}: {len(self.blockers)} blocker(s)\n{lines}")
 
+
+
+class SettingError(ValueError):
+    """A setting refused before any work is done, the message naming it and the fix (the CLI prints
+    it without a traceback)."""

@@ -134,7 +134,7 @@ def export_tensorrt(capture, tree, path: str | Path, batch: int = 1) -> Path:
     try:
         import torch_tensorrt
     except ImportError:
-        raise RuntimeError(
+        raise ModuleNotFoundError(
             "format='tensorrt' needs torch-tensorrt (and TensorRT), which is not installed here. Export ONNX "
             "instead (spec.export(path, format='onnx')): it uses standard ops only, and TensorRT's ONNX parser "
             "(trtexec --onnx=...) builds an engine from it.") from None

@@ -3,7 +3,9 @@ length to generate, token ids in any of HF's forms, sampling settings, stopping 
 repetition penalty and left padding. Checked before any work, each error naming the argument."""
 from __future__ import annotations
 
+import copy
 import math
+import operator
 
 import torch
 
@@ -46,15 +48,41 @@ def _is_off(name: str, value) -> bool:
     return hasattr(value, "__len__") and len(value) == 0
 
 
+def generation_config(model, given):
+    """The generation config a call runs with, as model.generate makes it: ``given`` (a user's
+    GenerationConfig) with every setting it leaves unset (None) taken from ``model.generation_config``
+    (its eos and pad ids, say); None -> the model's own."""
+    if given is None:
+        return model.generation_config
+    merged = copy.deepcopy(given)
+    merged.update(**model.generation_config.to_dict(), defaults_only=True)
+    return merged
+
+
+def _given(value) -> bool:
+    """An argument set to something: None and an empty list of processors or criteria are HF's defaults."""
+    return value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0)
+
+
 def unsupported_arguments(kwargs: dict, generation_config) -> list[str]:
     """Every argument or generation_config setting of a generate call that the speculative path
     would not honour, as ``name=value`` (empty: it can run)."""
-    problems = [f"{k}={kwargs[k]!r}" for k in sorted(set(kwargs) - GENERATE_ARGS - set(UNSUPPORTED_CONFIG))]
+    problems = [f"{k}={_show(kwargs[k])}" for k in sorted(set(kwargs) - GENERATE_ARGS - set(UNSUPPORTED_CONFIG))
+                if _given(kwargs[k])]
     for name in UNSUPPORTED_CONFIG:
         value = kwargs[name] if name in kwargs else getattr(generation_config, name, None)
         if not _is_off(name, value):
-            problems.append(f"{name}={value!r}")
+            problems.append(f"{name}={_show(value)}")
     return problems
+
+
+def _show(value) -> str:
+    """A value as an error or warning names it: a tensor by its shape (the same reason reads the same
+    whatever its data, so attach warns once per reason)."""
+    if torch.is_tensor(value):
+        return f"<tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 HF_DEFAULT_MAX_LENGTH = 20  # what model.generate uses when neither the call nor the generation config sets a length
@@ -67,14 +95,32 @@ def max_new_tokens(kwargs: dict, generation_config, prompt_width: int) -> int:
     if max_new is None:
         max_new = getattr(generation_config, "max_new_tokens", None)
     if max_new is not None:
-        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-            raise ValueError(f"max_new_tokens={max_new!r}: a whole number >= 1")
+        max_new = _whole(max_new)
+        if max_new is None or max_new < 1:
+            raise ValueError(f"max_new_tokens={kwargs.get('max_new_tokens', max_new)!r}: a whole number >= 1")
         return max_new
-    max_length = kwargs.get("max_length") or getattr(generation_config, "max_length", None) or HF_DEFAULT_MAX_LENGTH
+    max_length = kwargs.get("max_length")
+    if max_length is None:
+        max_length = getattr(generation_config, "max_length", None)
+    if max_length is None:
+        max_length = HF_DEFAULT_MAX_LENGTH
+    if _whole(max_length) is None and not (isinstance(max_length, float) and max_length.is_integer()):
+        raise ValueError(f"max_length={max_length!r}: a whole number of tokens, prompt included")
+    max_length = int(max_length)
     if max_length <= prompt_width:
         raise ValueError(f"max_length={max_length} leaves no room after the prompt of {prompt_width} tokens: "
                          f"pass max_new_tokens, or a max_length above the prompt's length")
     return max_length - prompt_width
+
+
+def _whole(value) -> int | None:
+    """``value`` as an int when it is an integer (a Python or numpy integer, a 0-d integer tensor), else None."""
+    if isinstance(value, bool) or (torch.is_tensor(value) and (value.dim() or value.dtype.is_floating_point)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def token_ids(value, name: str) -> list[int]:
@@ -88,6 +134,8 @@ def token_ids(value, name: str) -> list[int]:
         return [int(v) for v in value.reshape(-1).tolist()]
     if isinstance(value, (list, tuple)):
         return [i for v in value for i in token_ids(v, name)]
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", 0) > 0:  # an array: its ids as a list
+        return token_ids(value.tolist(), name)
     if hasattr(value, "__index__") and not isinstance(value, bool):
         return [int(value.__index__())]
     raise TypeError(f"{name}={value!r}: an integer token id, a list of them, or a tensor of them")
@@ -97,6 +145,14 @@ def stopping_criteria(kwargs: dict, gen):
     """The call's stopping criteria, with ``stop_strings`` as transformers' StopStringCriteria (which,
     as in model.generate, needs ``tokenizer=``)."""
     criteria = kwargs.get("stopping_criteria")
+    if criteria is not None:
+        from transformers import StoppingCriteriaList
+
+        if isinstance(criteria, (list, tuple)) and not isinstance(criteria, StoppingCriteriaList):
+            criteria = StoppingCriteriaList(criteria)  # model.generate takes a plain list too
+        if not isinstance(criteria, StoppingCriteriaList) or not all(callable(c) for c in criteria):
+            raise TypeError(f"stopping_criteria={kwargs['stopping_criteria']!r}: a StoppingCriteriaList or a list of "
+                            f"StoppingCriteria (callables of (input_ids, scores))")
     stop_strings = kwargs.get("stop_strings") or getattr(gen, "stop_strings", None)
     if not stop_strings:
         return criteria

@@ -241,19 +241,24 @@ def parse_tree(text: str) -> TreeSpec:
     """A tree from its command-line spelling: ``chainK`` (``Chain(K)``), ``dynamic:STEPS,TOPK,NODES``
     (``DynamicTree``), ``eagle1`` or ``medusa`` (the shipped ``mc_sim_7b_63`` trees); any of them
     ``+lookupK`` (``WithLookup(tree, K)``: a K-token prompt-lookup branch beside it)."""
+    def count(digits: str) -> int:  # ASCII digits only: int() also reads "+4", " 4" and other scripts' digits
+        if not (digits.isascii() and digits.isdigit()):
+            raise ValueError(f"{digits!r} is not a whole number")
+        return int(digits)
+
     base, plus, lookup = text.partition("+lookup")
     if plus:
         try:
-            return WithLookup(parse_tree(base), int(lookup))
+            return WithLookup(parse_tree(base), count(lookup))
         except ValueError as err:
             raise ValueError(f"tree {text!r}: {err}") from None
     if text in NAMED_TREES:
         return NAMED_TREES[text]
     try:
         if text.startswith("chain"):
-            return Chain(int(text[5:]))
+            return Chain(count(text[5:]))
         if text.startswith("dynamic:"):
-            steps, topk, nodes = map(int, text[8:].split(","))
+            steps, topk, nodes = map(count, text[8:].split(","))
             return DynamicTree(steps, topk, nodes)
     except ValueError as err:
         raise ValueError(f"tree {text!r}: {err}") from None

@@ -60,7 +60,7 @@ def test_export_command_writes_onnx_that_runs(tmp_path):
     assert ((1 <= accept_len) & (accept_len <= 4)).all()
     bad = subprocess.run([sys.executable, "-m", "specgraph", "export", str(out), "--nodes", "65"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and "--nodes 65" in bad.stderr
+    assert bad.returncode == 2 and "--nodes: 65: a whole number in 1 .. 64" in bad.stderr
 
 
 @pytest.mark.model
@@ -78,13 +78,18 @@ def test_train_on_distilled_shards_keeps_the_best_head_by_held_out_tau(tmp_path)
     examples = [{"input_ids": torch.randint(0, 49152, (24,), generator=g).numpy(),
                  "loss_mask": (torch.arange(24) >= 8).numpy(), "conversation": c} for c in range(5)]
     write_shards(examples, tmp_path / "data" / "greedy", vocab_size=49152)
-    out = tmp_path / "head"
-    assert main(["train", "eagle3", "--shards", str(tmp_path / "data"), "--held-out", "1", "--draft-vocab", "0",
-                 "--out", str(out), "--steps", "2", "--batch-size", "2", "--eval-every", "1", "--ttt-steps", "2",
-                 "--select", "eval_tau", "--cpu"]) == 0
-    history = json.loads((out / "history.json").read_text())
+    def run(out, *extra):
+        assert main(["train", "eagle3", "--shards", str(tmp_path / "data"), "--held-out", "1", "--draft-vocab", "0",
+                     "--out", str(out), "--steps", "2", "--batch-size", "2", "--eval-every", "1", "--ttt-steps", "2",
+                     "--select", "eval_tau", "--cpu", *extra]) == 0
+        return json.loads((out / "history.json").read_text())
+
+    history = run(tmp_path / "head")
     assert [h["step"] for h in history] == [1, 2] and all("eval_tau" in h for h in history)
-    assert Eagle3.from_pretrained(out / "best").lm_head_from_target
+    assert Eagle3.from_pretrained(tmp_path / "head" / "best").lm_head_from_target
+    # the same command trains the same head (its initial weights are seeded); another --seed another one
+    assert [h["loss"] for h in run(tmp_path / "again")] == [h["loss"] for h in history]
+    assert run(tmp_path / "seed1", "--seed", "1")[0]["loss"] != history[0]["loss"]
 
 
 @pytest.mark.model

@@ -68,3 +68,19 @@ def test_only_the_config_module_reads_the_environment():
     readers = [str(p.relative_to(root)) for p in root.rglob("*.py")
                if p.name != "config.py" and re.search(r"os\.environ|os\.getenv|getenv\(", p.read_text())]
     assert readers == []
+
+
+def test_a_dump_directory_that_cannot_be_made_is_refused_naming_the_variable(tmp_path):
+    import torch
+
+    import specgraph
+    from specgraph.errors import SettingError
+    from test_capture import tiny_model
+
+    (tmp_path / "file").write_text("")
+    spec = specgraph.compile(tiny_model("llama"), None, max_cache_len=32)
+    with config.patch(dump=tmp_path / "file" / "dump"), pytest.raises(SettingError, match="SPECGRAPH_DUMP=.*unset it"):
+        spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+    with config.patch(dump=tmp_path / "dump"):
+        spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+    assert sorted(p.name for p in (tmp_path / "dump").iterdir())[0].startswith("00_")

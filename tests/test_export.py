@@ -59,7 +59,7 @@ def test_export_refuses_what_it_cannot_do(tmp_path):
     try:
         import torch_tensorrt  # noqa: F401
     except ImportError:
-        with pytest.raises(RuntimeError, match="torch-tensorrt .* not installed.*format='onnx'"):
+        with pytest.raises(ModuleNotFoundError, match="torch-tensorrt .* not installed.*format='onnx'"):
             spec.export(tmp_path / "x.engine", format="tensorrt")
 
 

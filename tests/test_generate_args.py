@@ -38,7 +38,7 @@ def test_eos_as_a_tensor_a_numpy_integer_or_a_list_stops_where_model_generate_do
     eos = free[6]  # a token the answer reaches: generation must stop there
     want = hf_greedy(model, row, max_new_tokens=20, eos_token_id=eos)
     assert len(want) == free.index(eos) + 1 < 20
-    for given in (torch.tensor([eos]), torch.tensor(eos), np.int64(eos), [eos], (eos,)):
+    for given in (torch.tensor([eos]), torch.tensor(eos), np.int64(eos), [eos], (eos,), np.array([eos, 101])):
         out = spec.generate(torch.tensor([row]), max_new_tokens=20, eos_token_id=given, pad_token_id=0)
         assert out[0, len(row):].tolist() == want, type(given)
     for bad in (torch.tensor([1.5]), "2", torch.tensor([[1, 2]])):
@@ -81,6 +81,8 @@ def test_hfs_default_length_applies_when_none_is_given(model, spec):
     (dict(max_new_tokens=0), "max_new_tokens=0"),
     (dict(max_new_tokens=-3), "max_new_tokens=-3"),
     (dict(max_length=4), "max_length=4 leaves no room"),
+    (dict(max_length=0), "max_length=0 leaves no room"),
+    (dict(max_length=10.5), "max_length=10.5: a whole number"),
     (dict(max_new_tokens=4, do_sample=True, temperature=float("nan")), "temperature=nan"),
     (dict(max_new_tokens=4, do_sample=True, temperature=0.0), "temperature=0.0"),
     (dict(max_new_tokens=4, do_sample=True, top_k=-5), "top_k=-5"),
@@ -128,6 +130,52 @@ def test_two_threads_on_one_model_each_get_their_own_tokens(model):
     assert all(got[k, i] == want[i] for k in range(3) for i in range(len(rows)))
 
 
+def test_a_users_generation_config_takes_what_it_leaves_unset_from_the_models(model):
+    """model.generate fills a passed GenerationConfig's unset fields (eos, pad, return_dict_in_generate, ...)
+    from model.generation_config; a field the user set wins."""
+    from transformers import GenerationConfig
+
+    row = prompts(21, [7])[0]
+    eos = hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)[4]  # reached: generation must stop there
+    ids = torch.tensor([row])
+    before = (model.generation_config.eos_token_id, model.generation_config.pad_token_id)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, 0
+    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_cache_len=128)
+    try:
+        for given in (GenerationConfig(max_new_tokens=16), GenerationConfig(max_new_tokens=16, eos_token_id=2)):
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=given)
+            assert torch.equal(spec.generate(ids, generation_config=given), want), given.eos_token_id
+        assert spec.generate(ids, generation_config=GenerationConfig(max_new_tokens=16)).shape[1] < len(row) + 16
+        as_dict = GenerationConfig(max_new_tokens=4, return_dict_in_generate=True, output_scores=True)
+        out = spec.generate(ids, generation_config=as_dict)
+        assert torch.is_tensor(out.sequences) and len(out.scores) == out.sequences.shape[1] - len(row)
+    finally:
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = before
+
+
+def test_hf_argument_forms_stopping_criteria_lists_int32_prompts_numpy_lengths(model, spec):
+    """Forms model.generate takes: a plain list of criteria, an int32 prompt (int64 out), a numpy length,
+    ``logits_processor=None`` or ``[]`` (its defaults); a non-empty one or a criteria that is not one is refused."""
+    from transformers import MaxLengthCriteria
+
+    row = prompts(23, [6])[0]
+    ids = torch.tensor([row])
+    stop = [MaxLengthCriteria(max_length=len(row) + 3)]
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, eos_token_id=None,
+                          do_sample=False, stopping_criteria=stop)
+    assert torch.equal(spec.generate(ids, max_new_tokens=12, eos_token_id=None, stopping_criteria=stop), want)
+    out = spec.generate(ids.int(), max_new_tokens=np.int64(5), eos_token_id=None, logits_processor=None)
+    assert out.dtype == torch.int64 and out[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=5,
+                                                                               eos_token_id=None)
+    assert torch.equal(spec.generate(ids, max_new_tokens=5, eos_token_id=None, logits_processor=[]), out)
+    with pytest.raises(TypeError, match="stopping_criteria=3"):
+        spec.generate(ids, max_new_tokens=4, stopping_criteria=3)
+    with pytest.raises(TypeError, match="logits_processor"):
+        spec.generate(ids, max_new_tokens=4, logits_processor=[lambda i, s: s])
+    with pytest.raises(TypeError, match="attention_mask: a \\[B, T\\] tensor"):
+        spec.generate(ids, attention_mask=[[1] * len(row)], max_new_tokens=4)
+
+
 def test_attach_honours_return_dict_in_generate_from_the_generation_config(model):
     specgraph.attach(model, NGram(), tree=specgraph.Chain(2), max_cache_len=128)
     try:
@@ -150,6 +198,21 @@ def test_compile_reads_tree_spellings_and_refuses_a_draft_class(model):
         specgraph.compile(model, NGram, tree="chain4")
     with pytest.raises(TypeError, match="NGram\\(max_ngram=2.5\\): whole numbers"):
         NGram(max_ngram=2.5)
+    with pytest.raises(specgraph.CompileError, match="max_batch=True: an int >= 1"):
+        specgraph.compile(model, NGram(), tree="chain4", max_batch=True)
+    with pytest.raises(specgraph.CompileError, match="synthetic_accept=True: an int"):
+        specgraph.compile(model, NGram(), tree="chain4", synthetic_accept=True)
+    spec = specgraph.compile(model, NGram(), tree="chain4")
+    with pytest.raises(TypeError, match="batch_sizes=1: a list or tuple"):
+        spec.warmup(1)
+    with pytest.raises(ValueError, match=r"batch_sizes=\[True\]"):
+        spec.warmup((True,))
+    with pytest.raises(ValueError, match="batch=True: an int"):
+        spec.export("x.onnx", batch=True)
+    with pytest.raises(TypeError, match="MTP.from_target takes the target's model directory"):
+        specgraph.drafts.MTP.from_target(model)
+    with pytest.raises(ValueError, match="draft_vocab: 200 distinct target token ids in 0 .. 100"):
+        specgraph.drafts.Eagle3.for_target(model, draft_vocab=torch.arange(200))
 
 
 def test_head_checkpoints_name_the_file_or_the_hub_id_they_could_not_read(tmp_path, monkeypatch):
@@ -189,6 +252,18 @@ def model_for_heads():
     (["train", "eagle3", "--out", "x", "--steps", "-1"], "--steps: -1: a whole number >= 1"),
     (["export", "x.onnx", "--batch", "0"], "--batch: 0: a whole number >= 1"),
     (["bench", "acceptance", "--questions", "many"], "--questions: 'many': a whole number >= 1"),
+    (["bench", "acceptance", "--draft", "foo"], "--draft: 'foo': one of ngram, eagle=DIR"),
+    (["bench", "acceptance", "--draft", "eagle3"], "eagle3 needs its weights: eagle3=DIR"),
+    (["bench", "acceptance", "--temperature", "nan"], "--temperature: nan: a finite number >= 0"),
+    (["bench", "acceptance", "--temperature", "-1"], "--temperature: -1: a finite number >= 0"),
+    (["inspect", "--taps", "a,b"], "--taps: 'a,b': layer ids >= 0"),
+    (["inspect", "--logits-rows", "5"], "--logits-rows: '5': START:STOP"),
+    (["inspect", "--logits-rows", "5:2"], "--logits-rows: '5:2': START:STOP"),
+    (["inspect", "--nodes", "100"], "--nodes: 100: a whole number in 1 .. 64"),
+    (["export", "x.onnx", "--nodes", "65"], "--nodes: 65: a whole number in 1 .. 64"),
+    (["train", "eagle3", "--out", "x", "--lr", "nan"], "--lr: nan: a finite number > 0"),
+    (["train", "eagle3", "--out", "x", "--max-minutes", "-3"], "--max-minutes: -3: a finite number > 0"),
+    (["train", "eagle3", "--out", "x", "--max-shard-mb", "0"], "--max-shard-mb: 0: a finite number > 0"),
 ])
 def test_the_cli_refuses_nonsense_numbers(argv, message, capsys):
     from specgraph.cli import main
@@ -196,6 +271,21 @@ def test_the_cli_refuses_nonsense_numbers(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_cli_prints_a_refusal_without_a_traceback(monkeypatch, capsys):
+    import specgraph.cli as cli
+    from specgraph.cli_args import MAX_NODES
+
+    assert MAX_NODES == specgraph.MAX_NODES  # the parser's copy, kept without importing torch
+
+    def refused(args):
+        raise specgraph.CompileError("cannot compile X", ["max_cache_len=4: an int larger than the tree (8 nodes)"])
+    monkeypatch.setattr(cli, "_info", refused)
+    assert cli.main(["info"]) == 2
+    assert "specgraph info: cannot compile X: 1 blocker(s)\n  - max_cache_len=4" in capsys.readouterr().err
+    assert cli.main(["inspect", "--nodes", "8", "--logits-rows", "0:9"]) == 2  # before loading any model
+    assert "--logits-rows 0:9 lies past the 8 nodes" in capsys.readouterr().err
 
 
 def test_acceptance_statistics_of_the_last_call_match_its_accept_lens(model, spec):

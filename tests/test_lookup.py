@@ -48,7 +48,7 @@ def test_specs_and_spellings():
     assert parse_tree("eagle1+lookup4") == WithLookup(specgraph.EAGLE1_MC_SIM_7B_63, 4)
     assert spec.with_tree(DynamicTree(4, 4, 8)) == WithLookup(DynamicTree(4, 4, 8), 8)
     for bad, says in [("chain60+lookup8", "69 nodes"), ("chain4+lookup0", "depth must be an int >= 1"),
-                      ("chain4+lookupx", "invalid literal"), ("nope+lookup2", "expected chainK")]:
+                      ("chain4+lookupx", "not a whole number"), ("nope+lookup2", "expected chainK")]:
         with pytest.raises(ValueError, match=says):
             parse_tree(bad)
     with pytest.raises(ValueError, match="max_ngram"):

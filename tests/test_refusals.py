@@ -134,10 +134,12 @@ def test_generation_settings_that_would_change_the_output_are_named():
 
     off = GenerationConfig(repetition_penalty=1.0, num_beams=1, output_scores=False, no_repeat_ngram_size=0,
                            suppress_tokens=[], max_new_tokens=9, top_k=5, do_sample=True)
-    assert unsupported_arguments({"max_new_tokens": 3, "eos_token_id": 2}, off) == []
+    assert unsupported_arguments({"max_new_tokens": 3, "eos_token_id": 2, "logits_processor": []}, off) == []  # HF's defaults
     on = GenerationConfig(no_repeat_ngram_size=3, forced_bos_token_id=0, suppress_tokens=[7])
-    assert unsupported_arguments({"num_beams": 2, "logits_processor": []}, on) == [
-        "logits_processor=[]", "forced_bos_token_id=0", "no_repeat_ngram_size=3", "num_beams=2", "suppress_tokens=[7]"]
+    assert unsupported_arguments({"num_beams": 2, "logits_processor": ["p"], "prefix_allowed_tokens_fn": None}, on) == [
+        "logits_processor=['p']", "forced_bos_token_id=0", "no_repeat_ngram_size=3", "num_beams=2", "suppress_tokens=[7]"]
+    # a tensor is named by its shape (attach warns once per reason, not once per call with a data dump)
+    assert unsupported_arguments({"inputs_embeds": torch.zeros(2, 3)}, off) == ["inputs_embeds=<tensor (2, 3) float32>"]
     # supported now: a repetition penalty, scores and logits in the output
     assert unsupported_arguments({"repetition_penalty": 1.2, "output_scores": True, "output_logits": True}, off) == []
 
@@ -155,9 +157,18 @@ def _tiny(cls_name: str, config_name: str, **fields):
     ("BertForMaskedLM", "BertConfig", dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
      "not a generative causal LM"),
     ("BloomForCausalLM", "BloomConfig", dict(n_layer=2, n_head=2), "model_type='bloom' biases attention"),
+    ("LlamaForCausalLM", "LlamaConfig", dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                              rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+     "rope_type='dynamic' recomputes the rotary frequencies"),
+    ("Phi3ForCausalLM", "Phi3Config", dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, pad_token_id=0,
+                                            max_position_embeddings=256, original_max_position_embeddings=64,
+                                            rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                          "long_factor": [2.0] * 8}),
+     "rope_type='longrope' recomputes"),
 ])
 def test_models_the_step_cannot_express_are_refused_at_compile(cls_name, config_name, fields, message):
-    """They used to pass compile and fail inside the first generate."""
+    """They used to pass compile and fail inside the first generate (rotary frequencies recomputed from the
+    sequence length: inside the captured graph, a guard on data)."""
     import specgraph
 
     with pytest.raises(CompileError, match=message):

@@ -1,4 +1,6 @@
 """TreeSpec kinds, the shipped static trees, and the Tree bundle."""
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -173,8 +175,8 @@ def test_parse_tree_reads_the_command_line_spellings():
 
     assert parse_tree("chain4") == Chain(4) and parse_tree("dynamic:8,8,64") == DynamicTree(8, 8, 64)
     assert parse_tree("medusa") is MEDUSA_MC_SIM_7B_63
-    for bad in ("chain", "dynamic:8,8", "tree", "chain99"):
-        with pytest.raises(ValueError, match=repr(bad)):
+    for bad in ("chain", "dynamic:8,8", "tree", "chain99", "chain+4", "chain\u0664", "dynamic:2, 8,8"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
             parse_tree(bad)
 
 

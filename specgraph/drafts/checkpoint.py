@@ -38,6 +38,8 @@ def read_checkpoint(path: str | Path, weight_files: tuple[str, ...], what: str) 
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_file}: not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: a JSON object of settings expected, not a {type(config).__name__}")
     return state, config
 
 
@@ -66,6 +68,11 @@ def write_checkpoint(path: str | Path, state: dict, config: dict, weights: str =
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype={dtype!r}: a floating torch dtype the weights are cast to, e.g. torch.bfloat16")
+    if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool)
+                                        or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r}: a whole number of bytes >= 1 (None: one file)")
     tensors = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
                for k, v in state.items()}
     shards: list[dict] = [{}]

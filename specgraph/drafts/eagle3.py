@@ -111,6 +111,11 @@ class Eagle3(FeatureDraft):
     def set_vocab(self, used: torch.Tensor) -> None:
         """The reference trainer's map: ``d2t[i] = used[i] - i``, ``t2d[t] = t in used``."""
         used = used.to(torch.int64).sort().values
+        vocab = self.config.vocab_size
+        if used.numel() != self.draft_vocab_size or used.unique().numel() != used.numel() or \
+                (used.numel() and not 0 <= int(used[0]) <= int(used[-1]) < vocab):
+            raise ValueError(f"draft_vocab: {self.draft_vocab_size} distinct target token ids in 0 .. {vocab - 1} "
+                             f"(got {used.numel()} ids, {used.unique().numel()} distinct)")
         self.d2t.copy_(used - torch.arange(len(used)))
         self.t2d.zero_()
         self.t2d[used] = True
@@ -168,10 +173,14 @@ class Eagle3(FeatureDraft):
 
     def bind(self, model) -> list[str]:
         t = model.config.get_text_config()
-        if self.aux_layer_ids is None:
+        chosen, convention = self.aux_layer_ids is None, self.aux_convention  # None: EAGLE-3's rule for this target
+        if chosen:
             layers = t.num_hidden_layers
             self.aux_layer_ids, self.aux_convention = (2, layers // 2, layers - 3), "layer_input"
-        return super().bind(model)
+        problems = super().bind(model)
+        if chosen and problems:  # refused: the head stays unbound, free to meet another target
+            self.aux_layer_ids, self.aux_convention = None, convention
+        return problems
 
     def _bind_problems(self, t) -> list[str]:
         problems = super()._bind_problems(t)
@@ -186,7 +195,8 @@ class Eagle3(FeatureDraft):
         bad = [i for i in ids if not 0 <= i < t.num_hidden_layers]
         if len(ids) != 3 or bad:
             problems.append(f"EAGLE-3 aux layer ids {list(ids)} ({self.aux_convention}) must be 3 ids of the "
-                            f"target's {t.num_hidden_layers} layers")
+                            f"target's {t.num_hidden_layers} layers: pass aux_layer_ids=(low, mid, high) to "
+                            f"Eagle3.for_target (the default (2, L // 2, L - 3) needs L >= 4 layers)")
         return problems
 
     # ------------------------------------------------------------------ formats

@@ -19,6 +19,7 @@ num_hidden_layers, truncated_vocab_size, medusa_fc_bias, original_lm_head).
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from torch import nn
 
 from ..passes import HiddenTaps
 from .checkpoint import read_checkpoint, write_checkpoint
+
+log = logging.getLogger(__name__)
 from .base import Draft, DraftSession
 from .eagle import _Borrowed
 from ..selection import top_k
@@ -135,6 +138,14 @@ class Medusa(nn.Module, Draft):
         vocab = first["lm_head"].shape[0] if own == {True} else int(config.get("vocab_size", 0))
         if vocab == 0:
             raise ValueError(f"{path}: heads share the target's LM head (legacy layout) and config.json has no vocab_size")
+        vllm = config.get("model_type") == "medusa"  # its num_* fields are the heads'; elsewhere, the base model's
+        for what, found, declared in (("heads", len(heads), config.get("medusa_num_heads", config.get("num_heads") if vllm
+                                                                         else None)),
+                                      ("layers a head", next(iter(layers)), config.get(
+                                          "medusa_num_layers", config.get("num_hidden_layers") if vllm else None))):
+            if declared is not None and declared != found:  # FasterDecoding's uploaded configs claim 5 heads
+                log.warning("%s: config.json says %s %s, the weights hold %s: the weights decide", path, declared,
+                            what, found)
         module = cls(hidden, vocab, len(heads), layers.pop(), own_lm_head=own.pop(), bias=biases != {False})
         with torch.no_grad():
             for h in heads:

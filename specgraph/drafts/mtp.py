@@ -214,6 +214,9 @@ class MTP(AutoregressiveDraft):
     @classmethod
     def from_target(cls, path: str | Path, module: int | None = None) -> "MTP":
         """The MTP module inside a HF model directory (config.json + safetensors, sharded or not)."""
+        if not isinstance(path, (str, Path)):
+            raise TypeError(f"MTP.from_target takes the target's model directory (its config.json and safetensors), "
+                            f"not a {type(path).__name__}: the module is read from the checkpoint's own files")
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json (MTP.from_target takes the target's model directory)")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import config
+from ..errors import SettingError
 from .invariants import check_invariants
 from .pass_result import (GraphContext, HiddenTaps, PassContractError, PassResult, PipelineOrderError,
                           check_order, ensure, graph_pass)
@@ -74,13 +75,18 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
     if debug:
         _debug_logging()
     dump = config.dump
+    if dump:
+        try:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise SettingError(f"SPECGRAPH_DUMP={str(dump)!r}: cannot make that directory ({err.strerror}); name "
+                               f"a writable one, or unset it") from err
     results, skip = [], skipped_passes()
     for i, each in enumerate(passes):
         name = each.__name__
         if name in skip:
             continue
         if dump:
-            Path(dump).mkdir(parents=True, exist_ok=True)
             (Path(dump) / f"{i:02d}_{name}_before.txt").write_text(str(gm.graph))
         result = each(gm, ctx)
         gm = result.graph_module

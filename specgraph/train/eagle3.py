@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafts.eagle3 import Eagle3
+from ..errors import SettingError
 from .loop import Ratio
 from .soft_cross_entropy import soft_cross_entropy
 
@@ -180,6 +181,10 @@ def new_eagle3_for(model, examples: list[dict] | None = None, draft_vocab_size: 
     vocabulary with an LM head of its own. ``init_from``: a trained head to start from (its taps are
     kept; see ``warm_start``)."""
     vocab = None
+    full = model.config.get_text_config().vocab_size
+    if draft_vocab_size is not None and not 0 <= draft_vocab_size < full:
+        raise SettingError(f"draft_vocab_size={draft_vocab_size}: a reduced vocabulary has 1 .. {full - 1} tokens of the "
+                           f"target's {full}; 0 drafts the whole vocabulary through the target's LM head")
     if init_from is not None:
         aux_layer_ids, aux_convention = init_from.aux_layer_ids, init_from.aux_convention
     if draft_vocab_size:

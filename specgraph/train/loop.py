@@ -28,6 +28,8 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm import tqdm
 
+from ..errors import SettingError
+
 
 class Ratio(NamedTuple):
     """A metric made of counts, e.g. tokens per step: evaluated over many batches as total / total."""
@@ -102,16 +104,25 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
     split a run into time slots."""
     out = Path(out)
     device = device or next(draft.parameters()).device
+    if not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr) and config.lr > 0):
+        raise SettingError(f"TrainConfig.lr={config.lr!r}: a finite number > 0")
+    if config.select is not None:
+        _check_select(draft, loss_fn, eval_examples, config.select, device)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     if config.patience is not None and config.select is None:
-        raise ValueError("TrainConfig.patience needs select (the held-out metric to watch)")
+        raise SettingError("TrainConfig.patience needs select (the held-out metric to watch)")
+    if out.exists() and not out.is_dir():
+        raise SettingError(f"out={str(out)!r} is a file: the checkpoint is a directory; pass another path")
+    if not examples:
+        raise SettingError("no training examples (after the held-out ones were taken): give more data")
     lengths = [len(e["input_ids"]) for e in examples]
     state = {"step": 0, "history": [], "epoch": 0, "batch": 0, "best": None, "since_best": 0}
     state_file = out / "trainer.pt"
     if state_file.is_file():  # resume: draft weights, optimizer, schedule, data position, history
         saved = torch.load(state_file, weights_only=False)
+        _check_resumable(saved, config, draft, out)
         draft.load_state_dict(saved["draft"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
@@ -164,6 +175,37 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         save(draft, optimizer, scheduler, state, config, out)
     bar.close()
     return history
+
+
+RUN_FIELDS = ("steps", "batch_size", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed")  # shape the run
+
+
+def _check_resumable(saved: dict, config: TrainConfig, draft, out: Path) -> None:
+    """A checkpoint resumes only the run it came from: the same head and the settings that shape the run
+    (a resumed run ends where an uninterrupted one would)."""
+    before = saved.get("config", {})
+    changed = [f"{f}={before[f]!r} -> {getattr(config, f)!r}" for f in RUN_FIELDS
+               if f in before and before[f] != getattr(config, f)]
+    if changed:
+        raise SettingError(f"{out} holds a run with other settings ({', '.join(changed)}): resume with the same "
+                           f"ones (split a run with stop_at / --stop-at), or start a new run in another directory")
+    mine, theirs = set(draft.state_dict()), set(saved["draft"])
+    if mine != theirs or any(draft.state_dict()[k].shape != saved["draft"][k].shape for k in mine):
+        raise SettingError(f"{out} holds a checkpoint of another head ({len(theirs ^ mine)} parameter names differ, "
+                           f"or their shapes): train it into another directory")
+
+
+def _check_select(draft, loss_fn, eval_examples, select: str, device) -> None:
+    """Refuse a ``select`` the evaluation will not give before any step is taken (the names from one
+    held-out example)."""
+    if not eval_examples:
+        raise SettingError(f"TrainConfig.select={select!r} needs held-out examples (eval_examples) to evaluate")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nothing()
+    with autocast:
+        given = sorted(f"eval_{k}" for k in evaluate(draft, loss_fn, eval_examples[:1], 1, device))
+    if select not in given:
+        raise SettingError(f"TrainConfig.select={select!r}: the held-out evaluation gives {given} (--select names "
+                           f"one of them)")
 
 
 def _track_best(draft, entry: dict, state: dict, config: TrainConfig, out: Path) -> bool:

@@ -171,6 +171,23 @@ def test_trees_the_draft_window_cannot_hold_are_refused():
         specgraph.compile(model, make_draft("eagle", model), tree=DynamicTree(steps=9, topk=9, nodes=60))
 
 
+def test_a_new_eagle3_head_refused_by_a_small_target_names_the_fix_and_stays_free():
+    """EAGLE-3's default taps (2, L // 2, L - 3) need 4 layers: the refusal says to pass aux_layer_ids, and the
+    head, left unbound, still compiles with a target it fits."""
+    import transformers
+
+    from test_capture import COMMON
+
+    small, fits = (transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2)).eval() for n in (2, 4))
+    draft = Eagle3.for_target(fits)
+    with pytest.raises(specgraph.CompileError, match=r"pass aux_layer_ids=\(low, mid, high\)"):
+        specgraph.compile(small, draft, tree=Chain(3), max_cache_len=64)
+    assert draft.aux_layer_ids is None
+    specgraph.compile(fits, draft, tree=Chain(3), max_cache_len=64)
+    assert tuple(draft.aux_layer_ids) == (2, 2, 1)
+
+
 def test_tree_none_takes_the_drafts_default_for_the_device_and_batch():
     """EAGLE-3 on one CUDA row: the measured best, DynamicTree(2, 8, 8) with a lookup chain of 8 (a tree the head
     can fill); more rows, a CPU, or another draft: Chain(4). compile(tree=None) takes it."""

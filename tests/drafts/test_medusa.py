@@ -76,6 +76,26 @@ def test_save_pretrained_round_trips(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["medusa_num_heads"] == K
 
 
+def test_a_config_that_disagrees_with_the_weights_is_logged_and_bad_save_settings_are_refused(tmp_path, caplog):
+    medusa = Medusa(H, V, K, num_layers=2)
+    medusa.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for field, value, message in (("medusa_num_heads", K + 2, f"says {K + 2} heads, the weights hold {K}"),
+                                  ("medusa_num_layers", 1, "says 1 layers a head, the weights hold 2")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+        with caplog.at_level("WARNING", logger="specgraph"):
+            loaded = Medusa.from_pretrained(tmp_path)  # the weights decide (published configs over-count heads)
+        assert (loaded.num_heads, loaded.num_layers) == (K, 2) and message in caplog.text
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match="config.json: a JSON object of settings expected, not a list"):
+        Medusa.from_pretrained(tmp_path)
+    for kwargs, error, message in ((dict(dtype=torch.int8), TypeError, "a floating torch dtype"),
+                                   (dict(dtype="bfloat16"), TypeError, "a floating torch dtype"),
+                                   (dict(max_shard_bytes=-5), ValueError, "max_shard_bytes=-5")):
+        with pytest.raises(error, match=message):  # int8 used to write zeros that loaded silently
+            medusa.save_pretrained(tmp_path / "bad", **kwargs)
+
+
 def test_missing_and_empty_checkpoints_are_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Medusa.from_pretrained(tmp_path / "nope")

@@ -93,6 +93,12 @@ def test_self_distillation_and_the_cache(smollm2, tmp_path):
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again))
     build(tokenizer, tmp_path / "cache", limit=2, max_length=32, source=source)  # another setting, another file
     assert len(list((tmp_path / "cache").glob("examples-*.pt"))) == 2
+    edited = json.dumps(RECORDS).replace("Hello there.", "Hey, friend.")  # the same size, other text
+    assert len(edited) == len(json.dumps(RECORDS))
+    source.write_text(edited)
+    changed = build(tokenizer, tmp_path / "cache", limit=2, max_length=64, source=source)
+    assert len(list((tmp_path / "cache").glob("examples-*.pt"))) == 3
+    assert any(not torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, changed))
 
 
 @pytest.mark.model

@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 import torch
+
+from specgraph.errors import SettingError
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -90,6 +92,10 @@ def test_a_run_stopped_by_its_deadline_resumes_to_the_same_answers(target, tmp_p
     sampled = torch.load(tmp_path / "straight" / "state-t1.pt")["answers"]
     assert greedy != sampled  # T = 1 does sample
     assert variant_name(0.0) == "greedy" and variant_name(0.8) == "t0.8"
+    for changed in (dict(max_new_tokens=7), dict(seed=1)):  # the answers already made would not be these
+        with pytest.raises(SettingError, match=f"{next(iter(changed))}: .* -> "):
+            distill(model, tokenizer, tmp_path / "straight", DistillConfig(**{**config.__dict__, **changed}), source,
+                    workers=1)
 
 
 def test_shards_round_trip_under_their_size_limit(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from specgraph.errors import SettingError
 from specgraph.train.loop import TrainConfig, epoch_batches, train
 
 
@@ -62,6 +63,47 @@ def test_the_best_checkpoint_is_kept_and_patience_stops_the_run(tmp_path):
     assert (tmp_path / "history.png").is_file() and json.loads((tmp_path / "history.json").read_text()) == history
     with pytest.raises(ValueError, match="patience needs select"):
         train(draft, scripted(draft, taus, [0]), examples, TrainConfig(patience=1), tmp_path / "x")
+
+
+def test_settings_the_run_cannot_use_are_refused_before_a_step(tmp_path):
+    """A select the evaluation does not give, a select with nothing held out, a learning rate that is not a
+    finite positive number: refused before the first step (no checkpoint written)."""
+    examples = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.ones(3, dtype=torch.bool)}] * 5
+    draft, steps = Scalar(), [0]
+    for config, held, message in [(TrainConfig(steps=2, select="eval_acc"), examples[:1], r"gives \['eval_loss', "
+                                   r"'eval_tau'\]"), (TrainConfig(steps=2, select="eval_tau"), None, "needs held-out"),
+                                  (TrainConfig(steps=2, lr=float("nan")), None, "lr=nan"),
+                                  (TrainConfig(steps=2, lr=0.0), None, "lr=0.0")]:
+        with pytest.raises(SettingError, match=message):
+            train(draft, scripted(draft, {}, steps), examples, config, tmp_path, eval_examples=held)
+    assert steps == [0] and not (tmp_path / "trainer.pt").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SettingError, match="is a file"):
+        train(draft, scripted(draft, {}, steps), examples, TrainConfig(steps=2), tmp_path / "file")
+    with pytest.raises(SettingError, match="no training examples"):
+        train(draft, scripted(draft, {}, steps), [], TrainConfig(steps=2), tmp_path / "none")
+
+
+def test_a_checkpoint_resumes_only_its_own_run(tmp_path):
+    """Other run-shaping settings, or another head, in the same directory are refused (they used to be
+    overridden by the saved optimizer and schedule, or fail in load_state_dict); logging settings may change."""
+    examples = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.ones(3, dtype=torch.bool)}] * 5
+    config = TrainConfig(steps=4, batch_size=2, lr=0.1, warmup_steps=1, save_every=2)
+    draft = Scalar()
+    train(draft, scripted(draft, {}, [0]), examples, config, tmp_path, stop_at=2)
+    for changed in (dict(lr=1e-6), dict(batch_size=4), dict(steps=8)):
+        with pytest.raises(SettingError, match=f"{next(iter(changed))}=.* -> "):
+            train(draft, scripted(draft, {}, [0]), examples, TrainConfig(**{**config.__dict__, **changed}), tmp_path)
+
+    class Other(Scalar):
+        def __init__(self):
+            super().__init__()
+            self.v = nn.Parameter(torch.zeros(()))
+    with pytest.raises(SettingError, match="another head"):
+        train(Other(), scripted(draft, {}, [0]), examples, config, tmp_path)
+    history = train(draft, scripted(draft, {}, [0]), examples, TrainConfig(**{**config.__dict__, "save_every": 4}),
+                    tmp_path)
+    assert history[-1]["step"] == 4
 
 
 def test_evaluate_takes_a_ratio_metric_as_the_ratio_of_its_totals():
