@@ -224,7 +224,7 @@ def inspect_model(model, batch: int = 1, nodes: int = 8, max_length: int = 256, 
     from .errors import CompileError
 
     lines = [f"{type(model).__name__}: capturing a tree-verify step for batch {batch}, {nodes} nodes, "
-             f"max_length {max_length}"]
+             f"max_cache_len {max_length}"]
     try:  # capture refuses what compile() would (a sliding window narrower than the tree included)
         with torch.no_grad():
             step = CapturedStep(model, batch, nodes, max_length, debug=False, taps=taps, logits_rows=logits_rows)
