@@ -95,10 +95,10 @@ def max_new_tokens(kwargs: dict, generation_config, prompt_width: int) -> int:
     if max_new is None:
         max_new = getattr(generation_config, "max_new_tokens", None)
     if max_new is not None:
-        max_new = _whole(max_new)
-        if max_new is None or max_new < 1:
-            raise ValueError(f"max_new_tokens={kwargs.get('max_new_tokens', max_new)!r}: a whole number >= 1")
-        return max_new
+        whole = _whole(max_new)
+        if whole is None or whole < 1:
+            raise ValueError(f"max_new_tokens={max_new!r}: a whole number >= 1")
+        return whole
     max_length = kwargs.get("max_length")
     if max_length is None:
         max_length = getattr(generation_config, "max_length", None)

@@ -28,13 +28,12 @@ from torch import nn
 
 from ..passes import HiddenTaps
 from .checkpoint import read_checkpoint, write_checkpoint
-
-log = logging.getLogger(__name__)
 from .base import Draft, DraftSession
 from .eagle import _Borrowed
 from ..selection import top_k
 from ..trees import Chain, StaticTree, Tree, spec_parents
 
+log = logging.getLogger(__name__)
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 LAYOUTS = ("fasterdecoding", "fasterdecoding_pt", "vllm")
 
