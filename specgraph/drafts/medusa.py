@@ -138,10 +138,10 @@ class Medusa(nn.Module, Draft):
         if vocab == 0:
             raise ValueError(f"{path}: heads share the target's LM head (legacy layout) and config.json has no vocab_size")
         vllm = config.get("model_type") == "medusa"  # its num_* fields are the heads'; elsewhere, the base model's
-        for what, found, declared in (("heads", len(heads), config.get("medusa_num_heads", config.get("num_heads") if vllm
-                                                                         else None)),
-                                      ("layers a head", next(iter(layers)), config.get(
-                                          "medusa_num_layers", config.get("num_hidden_layers") if vllm else None))):
+        declared_heads = config.get("medusa_num_heads", config.get("num_heads") if vllm else None)
+        declared_layers = config.get("medusa_num_layers", config.get("num_hidden_layers") if vllm else None)
+        for what, found, declared in (("heads", len(heads), declared_heads),
+                                      ("layers a head", next(iter(layers)), declared_layers)):
             if declared is not None and declared != found:  # FasterDecoding's uploaded configs claim 5 heads
                 log.warning("%s: config.json says %s %s, the weights hold %s: the weights decide", path, declared,
                             what, found)

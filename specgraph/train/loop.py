@@ -18,6 +18,7 @@ the position is (epoch, batch index), so no order has to be stored.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -129,7 +130,7 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         torch.set_rng_state(saved["torch_rng"])
         state.update({k: saved[k] for k in state if k in saved})
     history = state["history"]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nothing()
+    autocast = _autocast(device)
     bar = tqdm(total=config.steps, initial=state["step"], desc="train")
     last = min(config.steps, stop_at if stop_at is not None else config.steps)
     batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
@@ -189,10 +190,10 @@ def _check_resumable(saved: dict, config: TrainConfig, draft, out: Path) -> None
     if changed:
         raise SettingError(f"{out} holds a run with other settings ({', '.join(changed)}): resume with the same "
                            f"ones (split a run with stop_at / --stop-at), or start a new run in another directory")
-    mine, theirs = set(draft.state_dict()), set(saved["draft"])
-    if mine != theirs or any(draft.state_dict()[k].shape != saved["draft"][k].shape for k in mine):
-        raise SettingError(f"{out} holds a checkpoint of another head ({len(theirs ^ mine)} parameter names differ, "
-                           f"or their shapes): train it into another directory")
+    mine, theirs = draft.state_dict(), saved["draft"]
+    if set(mine) != set(theirs) or any(mine[k].shape != theirs[k].shape for k in mine):
+        raise SettingError(f"{out} holds a checkpoint of another head ({len(set(theirs) ^ set(mine))} parameter names "
+                           f"differ, or their shapes): train it into another directory")
 
 
 def _check_select(draft, loss_fn, eval_examples, select: str, device) -> None:
@@ -200,8 +201,7 @@ def _check_select(draft, loss_fn, eval_examples, select: str, device) -> None:
     held-out example)."""
     if not eval_examples:
         raise SettingError(f"TrainConfig.select={select!r} needs held-out examples (eval_examples) to evaluate")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nothing()
-    with autocast:
+    with _autocast(device):
         given = sorted(f"eval_{k}" for k in evaluate(draft, loss_fn, eval_examples[:1], 1, device))
     if select not in given:
         raise SettingError(f"TrainConfig.select={select!r}: the held-out evaluation gives {given} (--select names "
@@ -279,9 +279,6 @@ def plot_history(history: list[dict], path: str | Path) -> None:
     plt.close(fig)
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _autocast(device):
+    """bf16 autocast on CUDA (training and evaluation alike); nothing elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
