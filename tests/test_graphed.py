@@ -217,3 +217,38 @@ def test_recorded_prefill_is_token_exact_on_cuda(kind, settings):
     assert bucket.propose.recordings == 1  # the first propose of a call, recorded once
     if kind == "eagle3":  # the draft's own pass over the prompt (chunks of 32) is recorded once too
         assert bucket.session._prefill_chain.recordings == 1
+
+
+@pytest.mark.gpu
+def test_a_graph_that_draws_replays_while_another_thread_records():
+    """A recording marks the default CUDA generator as capturing for every thread; a replay that draws
+    random numbers (unseeded sampling served beside the fast start's worker) waits for it instead of
+    raising "Offset increment outside graph capture", and still draws afresh."""
+    import threading
+    import time
+
+    from specgraph.runtime.graphed import _run_recorded
+
+    class Owner:
+        graph = outputs = None
+        recordings = 0
+
+    base = torch.zeros(4096, device="cuda")
+    drawer, slow = Owner(), Owner()
+    draw = lambda: torch.rand(4096, device="cuda") + base  # noqa: E731
+    _run_recorded(drawer, draw, True)
+    first = _run_recorded(drawer, draw, False).clone()
+    recording = threading.Event()
+
+    def slow_body():
+        recording.set()
+        time.sleep(0.5)  # the other thread replays meanwhile
+        return base * 2
+
+    worker = threading.Thread(target=lambda: _run_recorded(slow, slow_body, False))
+    worker.start()
+    recording.wait()
+    second = _run_recorded(drawer, draw, False).clone()
+    worker.join()
+    assert slow.recordings == 1 and drawer.recordings == 1
+    assert not torch.equal(first, second)

@@ -34,7 +34,9 @@ Why the two may run at once, and where they may not:
     thread (``graphed.py``), so the worker's recording is not broken by the serving thread's replays,
     syncs and allocations. The worker warms a bucket up twice (the second call records what the first
     warmed up), so the serving thread never records a compiled bucket; it launches on its own stream
-    and finishes it before it marks a bucket ready.
+    and finishes it before it marks a bucket ready. A recording marks the device's default generator as
+    capturing for every thread, so recording and replay take turns (``graphed._GENERATOR``): a serving
+    thread's unseeded sampling replays draw from that generator.
   - While the worker runs, the interpreter switches threads every 0.5 ms instead of 5: the serving
     loop takes the GIL once per step and would otherwise wait up to 5 ms behind the compiler.
 

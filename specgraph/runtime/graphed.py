@@ -44,6 +44,10 @@ def _copy_in(static: torch.Tensor, value: torch.Tensor, what: str, owner: str = 
 
 
 _thread = threading.local()
+# A recording marks the device's default CUDA generator as capturing for every thread, and a replay of a
+# graph that draws random numbers (unseeded sampling) advances that generator: done by another thread
+# meanwhile it raises "Offset increment outside graph capture". Recording and replay take turns.
+_GENERATOR = threading.Lock()
 
 
 def _capture_stream() -> torch.cuda.Stream:
@@ -58,7 +62,8 @@ def _run_recorded(owner, body: Callable, first: bool):
     first call is a warm-up (it compiles, autotunes and is a real call) on a side stream, as capture
     needs; the second records, and since recording runs nothing, replays once; later calls replay."""
     if owner.graph is not None:
-        owner.graph.replay()
+        with _GENERATOR:
+            owner.graph.replay()
         return owner.outputs
     if first:
         side = torch.cuda.Stream()
@@ -67,13 +72,15 @@ def _run_recorded(owner, body: Callable, first: bool):
             out = body()
         torch.cuda.current_stream().wait_stream(side)
         return out
-    owner.graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph()
     # this thread's own capture stream, and errors for unsafe calls from this thread only: a background
     # compile (runtime/fast_start.py) may launch, sync and allocate meanwhile
-    with torch.cuda.graph(owner.graph, stream=_capture_stream(), capture_error_mode="thread_local"):
-        owner.outputs = body()
+    with _GENERATOR:
+        with torch.cuda.graph(graph, stream=_capture_stream(), capture_error_mode="thread_local"):
+            owner.outputs = body()
+        graph.replay()
+    owner.graph = graph
     owner.recordings += 1
-    owner.graph.replay()
     return owner.outputs
 
 
