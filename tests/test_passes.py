@@ -101,3 +101,21 @@ def test_counters_go_to_the_passes_logger(caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "specgraph.passes"]
     assert any(m.startswith("pass replace_attention: modified=True sdpa_replaced=") for m in messages), messages
     assert len([m for m in messages if m.startswith("pass ")]) == len(PIPELINE)
+
+
+def test_the_pipeline_makes_the_modules_code_once_and_a_pass_alone_its_own(monkeypatch):
+    """Code generation was half of a capture's pass time while every pass recompiled: the pipeline makes
+    the module's code once, from the final graph; a pass called on its own still leaves its module running
+    what it rewrote."""
+    real = torch.fx.GraphModule.recompile
+    made = []
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: made.append(self) or real(self))
+    gm, ctx = exported()
+    made.clear()
+    run_pipeline(gm, ctx)
+    assert made == [gm]
+    assert "specgraph.tree_attention" in gm.code and "scaled_dot_product_attention" not in gm.code
+    alone, alone_ctx = exported()
+    made.clear()
+    replace_attention(alone, alone_ctx)
+    assert made == [alone] and "specgraph.tree_attention" in alone.code

@@ -19,7 +19,7 @@ import torch
 from .. import config
 from ..errors import SettingError
 from .invariants import check_invariants
-from .pass_result import (GraphContext, HiddenTaps, PassContractError, PassResult, PipelineOrderError,
+from .pass_result import (GraphContext, HiddenTaps, PassContractError, PassResult, PipelineOrderError, one_recompile,
                           check_order, ensure, graph_pass)
 from .fold_cache_writes import fold_cache_writes
 from .fold_norms import fold_norms
@@ -82,21 +82,23 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
             raise SettingError(f"SPECGRAPH_DUMP={str(dump)!r}: cannot make that directory ({err.strerror}); name "
                                f"a writable one, or unset it") from err
     results, skip = [], skipped_passes()
-    for i, each in enumerate(passes):
-        name = each.__name__
-        if name in skip:
-            continue
-        if dump:
-            (Path(dump) / f"{i:02d}_{name}_before.txt").write_text(str(gm.graph))
-        result = each(gm, ctx)
-        gm = result.graph_module
-        results.append((name, result))
-        if dump:
-            (Path(dump) / f"{i:02d}_{name}_after.txt").write_text(str(gm.graph))
-        if check:
-            check_invariants(gm, ctx, after=name)
-        log.debug("pass %s: modified=%s %s", name, result.modified,
-                  ", ".join(f"{k}={v}" for k, v in result.counters.items()))
+    with one_recompile():  # no pass runs the module: its code is made once, after the last pass
+        for i, each in enumerate(passes):
+            name = each.__name__
+            if name in skip:
+                continue
+            if dump:
+                (Path(dump) / f"{i:02d}_{name}_before.txt").write_text(str(gm.graph))
+            result = each(gm, ctx)
+            gm = result.graph_module
+            results.append((name, result))
+            if dump:
+                (Path(dump) / f"{i:02d}_{name}_after.txt").write_text(str(gm.graph))
+            if check:
+                check_invariants(gm, ctx, after=name)
+            log.debug("pass %s: modified=%s %s", name, result.modified,
+                      ", ".join(f"{k}={v}" for k, v in result.counters.items()))
+    gm.recompile()
     return results
 
 

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, ensure, graph_pass, walk_back
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, recompile, walk_back
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -89,7 +89,7 @@ def fold_cache_writes(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
             graph.erase_node(node)
         folded += 1
     graph.eliminate_dead_code()  # the slot arithmetic only the writes read
-    gm.recompile()
+    recompile(gm)
 
     # Postconditions: every layer written exactly once, by a fold or a kv_write, each before its reads.
     layers = ctx.info.num_layers

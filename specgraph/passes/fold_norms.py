@@ -31,7 +31,7 @@ import operator
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass
+from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass, recompile
 from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
 
@@ -206,7 +206,7 @@ def fold_norms(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         graph.erase_node(node)
         gated += 1
     drop_dead_code(graph, [node for chain in chains for node in chain])  # the folded norm chains
-    gm.recompile()
+    recompile(gm)
 
     # Postconditions: no folded norm survives; every fused_linear is a norm (gamma) or an add (residual).
     ensure(all(node._erased for chain in chains for node in chain[:-1]), "fold_norms", "a folded norm is left alive")

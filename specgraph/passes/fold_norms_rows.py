@@ -32,7 +32,7 @@ import torch
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
 from ..kernels.fused_linear import MAX_ROWS, SQUARE_COLS
 from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears, residual_product
-from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass
+from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass, recompile
 from .pass_result import is_call as _call, val as _val
 
 aten = torch.ops.aten
@@ -109,7 +109,7 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         bypassed.append(node)
         silu_muls += 1
     drop_dead_code(graph, [n for chain in chains for n in chain if not n._erased] + bypassed)
-    gm.recompile()
+    recompile(gm)
 
     # Postconditions: no folded norm survives; each producer feeds readers that scale by its squares.
     ensure(all(n._erased for chain in chains for n in chain[:-1]), "fold_norms_rows", "a folded norm is left alive")

@@ -24,7 +24,7 @@ import logging
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass, walk_back
+from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass, recompile, walk_back
 from .pass_result import is_call as _call, val as _val
 from .replace_attention import CASTS
 
@@ -151,7 +151,7 @@ def fold_rotary(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         bypassed += [q_parts[3], k_parts[3]]
         folded += 1
     drop_dead_code(graph, bypassed)  # the rotations only the attention read, their casts and dtype asserts
-    gm.recompile()
+    recompile(gm)
 
     # Postconditions: the same attention nodes, each folded one holding two [B, R, D] tables.
     after = graph.find_nodes(op="call_function", target=TREE_ATTENTION_WRITE)

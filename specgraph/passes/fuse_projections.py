@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-from .pass_result import GraphContext, PassResult, ensure, graph_pass, val
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, recompile, val
 
 LINEAR = torch.ops.aten.linear.default
 SPLIT = torch.ops.aten.split_with_sizes.default
@@ -157,7 +157,7 @@ def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             fused += 1
             linears_fused += len(run)
     graph.lint()
-    gm.recompile()
+    recompile(gm)
 
     # Postcondition: no two parameter linears with back-to-back weights share an input.
     left: dict[tuple, list[torch.Tensor]] = defaultdict(list)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, ensure, graph_pass
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, recompile
 
 aten = torch.ops.aten
 SCATTER = aten.scatter_.src
@@ -72,7 +72,7 @@ def inplace_cache_writes(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassRes
         graph.erase_node(v_write)
         graph.erase_node(k_write)
     graph.eliminate_dead_code()
-    gm.recompile()
+    recompile(gm)
 
     # Postconditions.
     ensure(not [n for n in graph.find_nodes(op="call_function", target=SCATTER) if _cache_index(n, kv) is not None],

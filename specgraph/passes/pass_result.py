@@ -1,6 +1,8 @@
 """What every pass returns, what it is given, and how it declares its order and states its contract."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,27 @@ class PassContractError(RuntimeError):
 
 class PipelineOrderError(ValueError):
     """A pipeline lists a pass before one it must follow (its ``after``)."""
+
+
+_IN_PIPELINE = contextvars.ContextVar("specgraph_in_pipeline", default=False)
+
+
+def recompile(gm: torch.fx.GraphModule) -> None:
+    """A pass's last step: ``gm``'s Python code made again from its rewritten graph, so that it runs as
+    rewritten. Inside ``run_pipeline`` (``one_recompile``) left to the pipeline's end: no pass runs the
+    module, and the code generation was half of a capture's pass time, once per pass."""
+    if not _IN_PIPELINE.get():
+        gm.recompile()
+
+
+@contextlib.contextmanager
+def one_recompile():
+    """Passes run inside it leave ``recompile`` to the caller, who recompiles the final module once."""
+    token = _IN_PIPELINE.set(True)
+    try:
+        yield
+    finally:
+        _IN_PIPELINE.reset(token)
 
 
 def ensure(ok: bool, pass_name: str, what: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .pass_result import GraphContext, PassResult, ensure, graph_pass, lm_head_nodes
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, lm_head_nodes, recompile
 
 
 # the taps find layer boundaries by module path, before the LM head reads a slice
@@ -33,6 +33,6 @@ def prune_logits(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     rows.meta["val"] = hidden.meta["val"][:, start:stop]
     head.replace_input_with(hidden, rows)
     gm.graph.lint()
-    gm.recompile()
+    recompile(gm)
     ensure(head.args[0] is rows, "prune_logits", "the LM head does not read the row slice")
     return PassResult(gm, True, {"rows": stop - start, "rows_pruned": n - (stop - start)})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from .pass_result import GraphContext, PassResult, ensure, graph_pass, walk_back
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, recompile, walk_back
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -129,7 +129,7 @@ def replace_attention(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
         graph.erase_node(node)
     masks_before = len(graph.find_nodes(op="call_function", target=TREE_MASK))
     graph.eliminate_dead_code()
-    gm.recompile()
+    recompile(gm)
 
     # Postconditions.
     ensure(not graph.find_nodes(op="call_function", target=SDPA), "replace_attention",

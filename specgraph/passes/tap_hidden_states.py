@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from .pass_result import GraphContext, PassResult, ensure, graph_pass, lm_head_nodes
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, lm_head_nodes, recompile
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
@@ -84,7 +84,7 @@ def tap_hidden_states(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult
     output = next(iter(gm.graph.find_nodes(op="output")))
     results = tuple(output.args[0])
     output.args = (results + tuple(chosen),)
-    gm.recompile()
+    recompile(gm)
     outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
     ensure(outputs == len(results) + len(chosen), "tap_hidden_states",
            f"{outputs} outputs; {len(results)} before + {len(chosen)} taps expected")

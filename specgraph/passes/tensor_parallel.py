@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .pass_result import GraphContext, PassResult, ensure, graph_pass
+from .pass_result import GraphContext, PassResult, ensure, graph_pass, recompile
 
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -55,7 +55,7 @@ def all_reduce_partial_sums(gm: torch.fx.GraphModule, ctx: GraphContext) -> Pass
             node.meta = {k: v for k, v in linear.meta.items() if k in ("nn_module_stack", "val", "tensor_meta")}
         linear.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not reduced)
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     # Postcondition: each product is read by its all-reduce alone, and each all-reduce by its wait alone
     for linear in products:
         users = list(linear.users)
