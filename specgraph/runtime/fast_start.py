@@ -37,8 +37,10 @@ Why the two may run at once, and where they may not:
     and finishes it before it marks a bucket ready. A recording marks the device's default generator as
     capturing for every thread, so recording and replay take turns (``graphed._GENERATOR``): a serving
     thread's unseeded sampling replays draw from that generator.
-  - While the worker runs, the interpreter switches threads every 0.5 ms instead of 5: the serving
-    loop takes the GIL once per step and would otherwise wait up to 5 ms behind the compiler.
+  - While the worker runs, the interpreter switches threads every 0.05 ms instead of 5: the serving
+    loop needs the GIL a few times a step and waits up to an interval behind the compiler each time
+    (on the H200 a cold process's first 10 calls ran at 205 tok/s with 0.5 ms, 965 with 0.05 ms,
+    the compile no slower; docs/benchmarks.md).
 
 At interpreter exit the queued warm-ups are dropped and the running one is waited for (a daemon
 thread stopped inside inductor's compile may abort the process); inductor then fails it quickly
@@ -67,7 +69,7 @@ from .generate import cuda_graphs_on
 
 log = logging.getLogger(__name__)
 
-SWITCH_INTERVAL_S = 5e-4  # while the worker compiles (the interpreter's default: 5 ms)
+SWITCH_INTERVAL_S = 5e-5  # while the worker compiles (the interpreter's default: 5 ms)
 _LIVE: "weakref.WeakSet[FastStart]" = weakref.WeakSet()
 
 
