@@ -13,6 +13,7 @@ from specgraph import Chain, CompileError
 from specgraph.capture import TRACE_LOCK
 from specgraph.drafts import NGram
 from specgraph.refusals import fast_start_default
+from specgraph.runtime.fast_start import SWITCH_INTERVAL_S
 from test_capture import tiny_model
 from test_generate import hf_greedy, prompts
 
@@ -69,7 +70,7 @@ def test_the_first_call_runs_uncompiled_and_a_later_one_compiled(aot_eager_compi
         assert out[0, len(row):].tolist() == want
         assert used[-1] is fast and not spec.fast_start.ready
         assert not spec.wait_compiled(timeout=0.2)
-        assert sys.getswitchinterval() == pytest.approx(min(interval, 5e-4))  # while the worker runs
+        assert sys.getswitchinterval() == pytest.approx(min(interval, SWITCH_INTERVAL_S))  # while the worker runs
     out = spec.generate(ids, max_new_tokens=16, eos_token_id=None)  # the worker compiles meanwhile
     assert out[0, len(row):].tolist() == want
     assert spec.wait_compiled(timeout=600) and not spec.fast_start.failed
