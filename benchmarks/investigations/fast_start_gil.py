@@ -1,9 +1,10 @@
 """How fast a fresh process's first calls run while the fast start compiles beside them, per switch interval.
 
-    python3 benchmarks/investigations/fast_start_gil.py INTERVAL_S [INTERVAL_S ...]
+    python3 benchmarks/investigations/fast_start_gil.py INTERVAL_S[:plain] [INTERVAL_S[:plain] ...]
 
 Each interval in a new process with empty inductor, Triton and specgraph caches (cold): compile the default
-configuration, one token, then 10 MT-bench calls of 256 tokens timed together while the worker compiles.
+configuration (``:plain``: plain decoding), one token, then 10 MT-bench calls of 256 tokens timed together
+while the worker compiles (``fast_start.SWITCH_INTERVAL_S`` set to the interval). Prints one JSON line a process.
 """
 import json
 import os
