@@ -6,7 +6,6 @@ Each interval in a new process with empty inductor, Triton and specgraph caches 
 configuration (``:plain``: plain decoding), one token, then 10 MT-bench calls of 256 tokens timed together
 while the worker compiles (``fast_start.SWITCH_INTERVAL_S`` set to the interval). Prints one JSON line a process.
 """
-import json
 import os
 import subprocess
 import sys
