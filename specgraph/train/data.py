@@ -260,8 +260,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--limit", type=whole_number(1), default=None, help="conversations (default: all)")
-    parser.add_argument("--max-turns", type=whole_number(1), default=None, help="keep the first K user/assistant exchanges")
-    parser.add_argument("--max-prompt-chars", type=whole_number(1), default=None, help="skip conversations opening longer")
+    parser.add_argument("--max-turns", type=whole_number(1), default=None,
+                        help="keep the first K user/assistant exchanges")
+    parser.add_argument("--max-prompt-chars", type=whole_number(1), default=None,
+                        help="skip conversations opening longer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts-only", action="store_true", help="assistant turns written as '…' (to regenerate)")
     args = parser.parse_args(argv)

@@ -206,8 +206,8 @@ def load_shards(folder: str | Path, variants: list[str] | None = None) -> list[d
     paths = sorted(p for p in folder.glob("*/shard-*.safetensors") if variants is None or p.parent.name in variants)
     if not paths:
         have = sorted({p.parent.name for p in folder.glob("*/shard-*.safetensors")})
-        raise FileNotFoundError(f"{folder}: no */shard-*.safetensors" + (f" of variants {variants} (it has {have})" if have
-                                else " (written by python -m specgraph.train.distill)"))
+        why = f" of variants {variants} (it has {have})" if have else " (written by python -m specgraph.train.distill)"
+        raise FileNotFoundError(f"{folder}: no */shard-*.safetensors{why}")
     out = []
     for path in paths:
         data = load_file(str(path))
@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="inductor", choices=["eager", "inductor"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--max-minutes", type=number(0.0, above=True), default=None, help="stop between batches after this long")
+    parser.add_argument("--max-minutes", type=number(0.0, above=True), default=None,
+                        help="stop between batches after this long")
     parser.add_argument("--workers", type=_positive, default=8, help="tokenizer processes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

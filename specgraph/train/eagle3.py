@@ -183,8 +183,8 @@ def new_eagle3_for(model, examples: list[dict] | None = None, draft_vocab_size: 
     vocab = None
     full = model.config.get_text_config().vocab_size
     if draft_vocab_size is not None and not 0 <= draft_vocab_size < full:
-        raise SettingError(f"draft_vocab_size={draft_vocab_size}: a reduced vocabulary has 1 .. {full - 1} tokens of the "
-                           f"target's {full}; 0 drafts the whole vocabulary through the target's LM head")
+        raise SettingError(f"draft_vocab_size={draft_vocab_size}: a reduced vocabulary has 1 .. {full - 1} tokens of "
+                           f"the target's {full}; 0 drafts the whole vocabulary through the target's LM head")
     if init_from is not None:
         aux_layer_ids, aux_convention = init_from.aux_layer_ids, init_from.aux_convention
     if draft_vocab_size:
