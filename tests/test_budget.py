@@ -122,14 +122,54 @@ def test_a_never_run_mode_predicted_near_the_leader_runs_once(tmp_path):
 
 
 def test_while_plain_leads_the_speculating_modes_are_refreshed_and_win_back(tmp_path):
-    policy = CostPolicy({"tree": None, "plain": 0}, CostTable(tmp_path / "c.json", "k"),
-                        explore_every=4, max_explore_every=16)
     cost = {"tree": 2.0, "plain": 1.0}
-    chosen = drive(policy, 1, cost, {"tree": 1.5, "plain": 1}, (0.5,), 40)  # 1.5 / 2 < 1: plain
-    refreshes = [i for i, m in enumerate(chosen) if m == "tree" and i >= 4]
-    assert refreshes == [8, 16, 32]  # explore_every after plain first leads, then doubling up to the cap
+
+    def run(share):
+        policy = CostPolicy({"tree": None, "plain": 0}, CostTable(tmp_path / f"{share}.json", "k"),
+                            explore_every=4, max_explore_every=16, explore_share=share)
+        chosen = drive(policy, 1, cost, {"tree": 1.5, "plain": 1}, (0.5,), 40)  # 1.5 / 2 < 1: plain
+        return policy, [i for i, m in enumerate(chosen) if m == "tree" and i >= 4]
+
+    # a refresh of the tree costs a quarter of a call (its rate 0.75 of plain's)
+    assert run(1.0)[1] == [8, 16, 32]  # explore_every after plain first leads, then doubling up to the cap
+    policy, refreshes = run(0.02)
+    assert refreshes == [17, 30]  # at most 2% of the time: every ceil(0.25 / 0.02) = 13 calls, then the cap, 16
     chosen = drive(policy, 1, cost, {"tree": 5.0, "plain": 1}, (0.9,), 40)  # the text became predictable
     assert chosen[-10:] == ["tree"] * 10
+
+
+def test_refreshes_of_a_far_loser_cost_at_most_the_explore_share(tmp_path):
+    """The 8B shape at B = 16 under forced acceptance (step costs and τ measured on the H200, 2026-12-04):
+    the chain leads; the 8-node tree, at 0.63 of its rate, is refreshed seldom enough that the refreshes
+    cost at most explore_share of the time. A near-tie is refreshed at the doubling interval."""
+    cost = {"tree": 12.27e-3, "tree8": 9.86e-3, "chain": 8.89e-3, "plain": 4.92e-3}
+    tau = {"tree": 3.05, "tree8": 2.8, "chain": 4.0, "plain": 1.0}
+    modes = {"tree": None, "tree8": None, "chain": 4, "plain": 0}
+    deepest = {"tree": 5, "tree8": 5, "chain": 5, "plain": 1}
+
+    def run(tau, calls):
+        table = CostTable(tmp_path / "c.json", "k")
+        for mode, seconds in cost.items():
+            table.put(16, mode, seconds, persist=False)
+        policy = CostPolicy(dict(modes), table, {"tree": 16, "tree8": 8}, deepest)
+        chosen = []
+        for _ in range(calls):
+            mode = policy.choose(16)
+            other = {8: tau["tree8"]} if mode == "tree" else {16: tau["tree"]} if mode == "tree8" else None
+            policy.record(16, mode, cost[mode] * 50, 50, tau[mode], (0.9, 0.7, 0.5, 0.3), other)
+            chosen.append(mode)
+        return chosen
+
+    chosen = run(tau, 300)
+    # the 16-node tree cannot beat the chain even accepting every node (5 / 12.27 < 4 / 8.89): never run;
+    # the 8-node one (upper bound 5 / 9.86) runs once to learn its τ, then only as a refresh
+    assert chosen[:12] == ["chain", "tree8"] + ["chain"] * 10 and "tree" not in chosen
+    rate = {m: tau[m] / cost[m] for m in cost}
+    lost = sum(1 - rate[m] / rate["chain"] for m in chosen[2:])  # calls' worth of time, after learning
+    assert 0 < lost <= 0.02 * len(chosen[2:])
+    near = dict(tau, tree8=3.9)  # 0.87 of the chain's rate: refreshed every explore_every, then doubling
+    refreshes = [i for i, m in enumerate(run(near, 60)) if m == "tree8" and i > 1]
+    assert refreshes[0] == 10 and refreshes[1] - refreshes[0] == 16
 
 
 def test_cost_policy_is_lossless_and_persists_across_spec_models(tmp_path, settings):

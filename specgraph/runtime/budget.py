@@ -27,8 +27,10 @@ draft's confidence) and whose predicted rate comes within ``trial_within`` of th
 to be observed: a prediction can err both ways (a DynamicTree may drop the deeper nodes of the chain
 it predicts), and one call of a near-leader costs little against settling on the wrong mode. While another
 mode leads, the speculating modes are re-run now and then to refresh their τ (after
-``explore_every`` calls, doubling while the leader holds, up to ``max_explore_every``): plain
-decoding by itself says nothing about how predictable the text has become. Every mode is lossless:
+``explore_every`` calls, doubling while the leader holds, up to ``max_explore_every``; further apart
+where the mode next in turn is slow: a refresh costs 1 - its rate / the leader's of a call, and they
+are spaced to cost at most ``explore_share`` of the time): plain decoding by itself says nothing
+about how predictable the text has become. Every mode is lossless:
 the choice changes speed only.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 from collections import deque
@@ -177,6 +180,7 @@ class CostPolicy:
     explore_every: int = 8
     trial_within: float = 0.9  # a never-run mode predicted at this share of the leader's rate runs once
     max_explore_every: int = 256
+    explore_share: float = 0.02  # refreshes spaced so that they cost at most this share of the time (_gap)
     decay: float = 0.5  # weight of the old τ or cost when a new measurement comes in
     tau: dict = field(default_factory=dict)  # mode -> expected tokens per step
     rates: tuple = ()  # the deepest speculating mode's latest per-depth acceptance
@@ -228,19 +232,30 @@ class CostPolicy:
                  and known[m] >= self.trial_within * known[best]]
         if trial:  # close enough to lead and never seen: find out
             return max(trial, key=known.get)
+        refresh = [m for m in self.modes if self.modes[m] != 0 and m != best and m not in hopeless]
         if self.leader.get(batch) != best:
             self.leader[batch], self.interval[batch] = best, self.explore_every
-            self.next_refresh[batch] = n + self.explore_every
+            self.next_refresh[batch] = n + self._gap(batch, known, best, refresh)
         if n < self.next_refresh[batch]:
             return best
         # refresh the τ of a speculating mode that is not leading, in turn
         self.interval[batch] = min(2 * self.interval[batch], self.max_explore_every)
-        self.next_refresh[batch] = n + self.interval[batch]
-        refresh = [m for m in self.modes if self.modes[m] != 0 and m != best and m not in hopeless]
         if not refresh:
+            self.next_refresh[batch] = n + self.interval[batch]
             return best
         self.refreshes[batch] = self.refreshes.get(batch, 0) + 1
+        self.next_refresh[batch] = n + self._gap(batch, known, best, refresh)
         return refresh[self.refreshes[batch] % len(refresh)]
+
+    def _gap(self, batch: int, known: dict, best: str, refresh: list) -> int:
+        """Calls until the next refresh: the interval, or more where the mode next in turn is slow enough that
+        refreshing it that often would spend more than ``explore_share`` of the time (a refresh costs 1 - its
+        rate / the leader's of a call): near-ties are refreshed often, far losers seldom."""
+        if not refresh:
+            return self.interval[batch]
+        mode = refresh[(self.refreshes.get(batch, 0) + 1) % len(refresh)]
+        loss = 1.0 - min(known.get(mode, 0.0) / known[best], 1.0)
+        return min(max(self.interval[batch], math.ceil(loss / self.explore_share)), self.max_explore_every)
 
     def record(self, batch: int, mode: str, seconds: float | None, steps: int, tau: float,
                position_rate: tuple[float, ...], budget_tau: dict | None = None,
