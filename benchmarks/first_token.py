@@ -14,6 +14,7 @@ first run uses empty inductor, Triton and specgraph cache folders (cold); the la
 ``--calls N`` (with ``--plain`` for plain decoding, the baseline): after the first token, N calls of
 ``--max-new-tokens`` on the next MT-bench prompts, timed together (what a fresh process's first calls give),
 then the same N once everything is compiled (its steady state).
+``--profile FILE``: a cProfile of the cold run's ``compile`` and first token (cumulative and own time) in FILE.
 ``--fast-start on|off``: ``compile(..., fast_start=True/False)``; by default compile's own (on with backend
 "auto" on CUDA: the first calls uncompiled while inductor compiles in the background). With a fast start the
 process also reports when the background compile finished and its first compiled token.
@@ -34,6 +35,7 @@ import json, logging, sys, time
 start = float(sys.argv[1]); tiny = sys.argv[2] == "1"; warm = sys.argv[3] == "1"; backend = sys.argv[4]
 capture_dir, device, fast = sys.argv[5], sys.argv[6], {"on": True, "off": False}.get(sys.argv[7])
 calls, new_tokens, plain = int(sys.argv[8]), int(sys.argv[9]), sys.argv[10] == "1"
+profile_to = sys.argv[11]  # "": no profile; else where the cold run's profile of compile + first token goes
 import torch
 import specgraph
 from torch._dynamo.utils import counters
@@ -88,12 +90,23 @@ def timed_calls():
 
 marks["load"] = time.time() - start
 with specgraph.config.patch(cache=capture_dir):  # the captures' own folder: cold in the first run
+    if profile_to:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     spec = specgraph.compile(model, draft, backend=backend, fast_start=fast)
     if warm:
         spec.warmup()
     marks["compile"] = time.time() - start
     out = spec.generate(torch.tensor(ids, device=device), max_new_tokens=1)
     marks["first_token"] = time.time() - start
+    if profile_to:
+        import io, pstats
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(80)
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        open(profile_to, "w").write(text.getvalue())
     first_calls = timed_calls()
     if spec.fast_start is not None:  # the background compile: when it was done, and the first token of a compiled call
         spec.wait_compiled()
@@ -110,14 +123,14 @@ print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(sp
 
 
 def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str, fast_start: str = "default",
-             calls: int = 0, new_tokens: int = 256, plain: bool = False) -> dict:
+             calls: int = 0, new_tokens: int = 256, plain: bool = False, profile: Path | None = None) -> dict:
     # inductor's and Triton's kernel caches both under the run's folder: the first process starts from nothing
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=str(Path(cache) / "triton"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                           os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend,
                            str(Path(cache) / "specgraph"), device, fast_start, str(calls), str(new_tokens),
-                           str(int(plain))],
+                           str(int(plain)), str(profile or "")],
                           env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"child failed:\n{done.stderr[-3000:]}")
@@ -141,13 +154,15 @@ def main() -> None:
                              "then the same N again once compiled")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per call of --calls")
     parser.add_argument("--plain", action="store_true", help="compile(model, None): plain decoding, the baseline")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write a cProfile of the cold run's compile and first token to this text file")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="inductor-cache-") as cache:
         for i in range(args.runs):
             r = run_once(cache, args.tiny, args.warmup, args.backend, args.device, args.fast_start, args.calls,
-                         args.max_new_tokens, args.plain)
+                         args.max_new_tokens, args.plain, args.profile if i == 0 else None)
             r["run"] = "cold" if i == 0 else "warm"
             # inductor's autotuning results kept for the next process (a warm run that benchmarks again missed them)
             r["autotune_results_kept"] = sum(1 for _ in Path(cache).rglob("*.best_config"))
