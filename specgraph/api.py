@@ -323,7 +323,7 @@ class SpecModel:
             if not bool(inferred.all()) and bool((inferred[:, 1:] >= inferred[:, :-1]).all()):
                 attention_mask = inferred
         prompts = strip_left_padding(input_ids, attention_mask)
-        max_new = max_new_tokens(kwargs, gen, t)
+        max_new = max_new_tokens(kwargs, gen, t, getattr(self.model.config, "max_position_embeddings", None))
         eos = set(eos_list)
         pad = given_pad[0] if given_pad else eos_list[0] if eos_list else 0  # model.generate pads with eos[0]
         n = self.config.tree_for(b).num_nodes

@@ -82,6 +82,7 @@ def _fallback_reasons(spec: SpecModel, input_ids, generation_config, kwargs: dic
     b, t = input_ids.shape
     if b > spec.config.max_batch:
         reasons.append(f"batch {b} > max_batch={spec.config.max_batch}")
-    if t + max_new_tokens(kwargs, gen, t) + spec.config.tree_for(b).num_nodes > spec.config.max_cache_len:
+    positions = getattr(spec.model.config, "max_position_embeddings", None)
+    if t + max_new_tokens(kwargs, gen, t, positions) + spec.config.tree_for(b).num_nodes > spec.config.max_cache_len:
         reasons.append(f"prompt + max_new_tokens beyond max_cache_len={spec.config.max_cache_len}")
     return reasons

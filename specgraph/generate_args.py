@@ -85,25 +85,27 @@ def _show(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-HF_DEFAULT_MAX_LENGTH = 20  # what model.generate uses when neither the call nor the generation config sets a length
+HF_DEFAULT_NEW_TOKENS = 20  # what model.generate makes when neither the call nor the generation config sets a length
 
 
-def max_new_tokens(kwargs: dict, generation_config, prompt_width: int) -> int:
-    """How many tokens a generate call asks for, as model.generate reads its arguments; a length that
-    leaves none to generate is refused (as model.generate refuses it)."""
-    max_new = kwargs.get("max_new_tokens")
-    if max_new is None:
-        max_new = getattr(generation_config, "max_new_tokens", None)
+def max_new_tokens(kwargs: dict, generation_config, prompt_width: int, max_positions: int | None = None) -> int:
+    """How many tokens a generate call asks for, as model.generate reads its arguments (an argument given,
+    even as None, overrides the generation config; with no length anywhere, 20 new tokens, the prompt and
+    them within ``max_positions``, the model's ``max_position_embeddings``); a length that leaves none to
+    generate is refused (as model.generate refuses it)."""
+    max_new = setting(kwargs, generation_config, "max_new_tokens")
     if max_new is not None:
         whole = _whole(max_new)
         if whole is None or whole < 1:
             raise ValueError(f"max_new_tokens={max_new!r}: a whole number >= 1")
         return whole
-    max_length = kwargs.get("max_length")
-    if max_length is None:
-        max_length = getattr(generation_config, "max_length", None)
-    if max_length is None:
-        max_length = HF_DEFAULT_MAX_LENGTH
+    max_length = setting(kwargs, generation_config, "max_length")
+    if max_length is None:  # transformers' default: 20 new tokens, within the model's positions
+        new = HF_DEFAULT_NEW_TOKENS if max_positions is None else min(HF_DEFAULT_NEW_TOKENS, max_positions - prompt_width)
+        if new < 1:
+            raise ValueError(f"the prompt of {prompt_width} tokens fills the model's max_position_embeddings="
+                             f"{max_positions}: pass max_new_tokens (no length was given anywhere)")
+        return new
     if _whole(max_length) is None and not (isinstance(max_length, float) and max_length.is_integer()):
         raise ValueError(f"max_length={max_length!r}: a whole number of tokens, prompt included")
     max_length = int(max_length)
@@ -166,8 +168,9 @@ def stopping_criteria(kwargs: dict, gen):
 
 
 def setting(kwargs: dict, gen, name: str):
-    """A generate argument, else the generation config's value (None: neither sets it)."""
-    return kwargs[name] if kwargs.get(name) is not None else getattr(gen, name, None)
+    """A generate argument, else the generation config's value (None: neither sets it). An argument given as
+    None overrides the config, as in model.generate (its kwargs update the config, None included)."""
+    return kwargs[name] if name in kwargs else getattr(gen, name, None)
 
 
 def repetition_penalty(kwargs: dict, gen) -> float | None:
@@ -183,14 +186,18 @@ def repetition_penalty(kwargs: dict, gen) -> float | None:
 
 def sampling_settings(kwargs: dict, gen) -> Sampling | None:
     """The call's sampling settings (``do_sample`` off: None), checked as model.generate checks them."""
-    do_sample = kwargs.get("do_sample")
-    if not (do_sample or (do_sample is None and getattr(gen, "do_sample", False))):
+    if not setting(kwargs, gen, "do_sample"):
         if kwargs.get("seed") is not None:
             raise ValueError(f"seed={kwargs['seed']!r} applies to sampling: pass do_sample=True with it (greedy "
                              f"decoding is deterministic and takes no seed)")
         return None
-    pick = lambda name, default: kwargs[name] if kwargs.get(name) is not None else (  # noqa: E731
-        getattr(gen, name, None) if getattr(gen, name, None) is not None else default)
+    off = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # an argument given as None: no such warper
+
+    def pick(name, default):  # the argument (None: off), else the config's value, else transformers' default
+        if name in kwargs:
+            return off[name] if kwargs[name] is None else kwargs[name]
+        return getattr(gen, name, None) if getattr(gen, name, None) is not None else default
+
     temperature, top_k, top_p = pick("temperature", 1.0), pick("top_k", 50), pick("top_p", 1.0)
     min_p = pick("min_p", 0.0)
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:

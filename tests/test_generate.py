@@ -11,8 +11,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import specgraph
 from specgraph.runtime import step as step_module
-from specgraph import Chain, CompileError
-from specgraph.drafts import NGram
+from specgraph import Chain, CompileError, DynamicTree
+from specgraph.drafts import Eagle, NGram
 from test_capture import tiny_model
 
 
@@ -207,13 +207,18 @@ def _small_vocab_model():
     return model
 
 
+@pytest.mark.parametrize("draft", ["ngram", "eagle"])
 @pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=0), dict(temperature=0.7, top_k=5, top_p=0.9),
                                     dict(temperature=1.0, top_k=0, min_p=0.2)], ids=["plain", "filtered", "min_p"])
-def test_sampling_matches_plain_sampling_in_distribution(params):
-    """Per position, speculative and plain sampling give the same token distribution (chi-square)."""
+def test_sampling_matches_plain_sampling_in_distribution(params, draft):
+    """Per position, speculative and plain sampling give the same token distribution (chi-square): an n-gram
+    chain (block verification) and an EAGLE tree whose candidates are coupled to the target's draws (a random
+    seed per call, kernels/gumbel.py)."""
     model = _small_vocab_model()
     rows, positions, prompt = 2000, 4, [3, 4, 5, 3, 4, 5, 3, 4]  # repetitive: the n-gram draft gets accepted
-    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_batch=rows, max_cache_len=64)
+    torch.manual_seed(0)
+    draft, tree = (NGram(), Chain(3)) if draft == "ngram" else (Eagle.for_target(model), DynamicTree(3, 2, 4))
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=rows, max_cache_len=64)
     ids = torch.tensor([prompt] * rows)
     # the bucket first samples with other parameters: it is reused below, with ``params`` set in place
     spec.generate(ids, do_sample=True, max_new_tokens=2, eos_token_id=None, temperature=3.0, top_k=2, top_p=0.5)

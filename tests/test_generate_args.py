@@ -1,5 +1,6 @@
 """generate's arguments read as model.generate reads them — eos as a tensor, a numpy integer or a list,
-padding inferred from the pad id, finished rows padded with eos[0], HF's default length — and refused
+padding inferred from the pad id, finished rows padded with eos[0], HF's default length, an argument
+given as None overriding the generation config — and refused
 where model.generate refuses them (a NaN temperature, a length that leaves nothing to generate,
 ids that are not token ids); the "auto" backend; calls from two threads on one model. Oracle: the
 tiny model's own ``model.generate``."""
@@ -68,13 +69,49 @@ def test_left_padding_without_a_mask_is_inferred_from_the_pad_id(model, spec):
 
 
 def test_hfs_default_length_applies_when_none_is_given(model, spec):
-    row = prompts(7, [6])[0]
-    model.generation_config.max_length, before = None, model.generation_config.max_length
+    """No length anywhere: model.generate's default (20 new tokens, the whole within max_position_embeddings),
+    for a prompt shorter and longer than 20 tokens."""
+    before = model.generation_config.max_length, model.config.max_position_embeddings
+    model.generation_config.max_length = None
     try:
-        out = spec.generate(torch.tensor([row]), eos_token_id=None)
+        for row in (prompts(7, [6])[0], prompts(8, [30])[0]):
+            ids = torch.tensor([row])
+            ours = spec.generate(ids, eos_token_id=None)
+            theirs = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=None, do_sample=False)
+            assert ours.shape[1] == len(row) + 20 and torch.equal(ours, theirs)
+        model.config.max_position_embeddings = 40  # the whole within the model's positions: 10 new tokens
+        ids = torch.tensor([prompts(8, [30])[0]])
+        ours = spec.generate(ids, eos_token_id=None)
+        theirs = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=None, do_sample=False)
+        assert ours.shape[1] == 40 and torch.equal(ours, theirs)
     finally:
-        model.generation_config.max_length = before
-    assert out.shape[1] == 20  # transformers' default max_length, prompt included
+        model.generation_config.max_length, model.config.max_position_embeddings = before
+
+
+def test_an_argument_given_as_none_overrides_the_generation_config(model, spec):
+    """As model.generate (its kwargs update the config, None included): max_new_tokens=None is the default
+    length, repetition_penalty=None no penalty, do_sample=None greedy, top_k=None no top-k filter."""
+    ids = torch.tensor([prompts(9, [8])[0]])
+    mask = torch.ones_like(ids)
+    gen = model.generation_config
+    before = dict(gen.to_dict())
+    try:
+        gen.max_new_tokens, gen.repetition_penalty, gen.do_sample, gen.top_k = 5, 1.5, True, 3
+        kw = dict(eos_token_id=None, pad_token_id=0)
+        none = dict(max_new_tokens=None, repetition_penalty=None, do_sample=None)
+        ours, theirs = spec.generate(ids, **none, **kw), model.generate(ids, attention_mask=mask, **none, **kw)
+        assert ours.shape[1] == ids.shape[1] + 20 and torch.equal(ours, theirs)  # greedy, no penalty, 20 tokens
+        assert not torch.equal(spec.generate(ids, max_new_tokens=20, do_sample=False, **kw)[:, :ours.shape[1]],
+                               ours)  # negative control: the config's penalty applies where not overridden
+        out = spec.generate(ids, do_sample=True, top_k=None, max_new_tokens=2, return_dict_in_generate=True,
+                            output_scores=True, **kw)
+        assert all(int(torch.isfinite(s).sum()) == model.config.vocab_size for s in out.scores)  # no top-k filter
+        out = spec.generate(ids, do_sample=True, max_new_tokens=2, return_dict_in_generate=True, output_scores=True, **kw)
+        assert all(int(torch.isfinite(s).sum()) == 3 for s in out.scores)  # the config's top_k=3
+    finally:
+        gen.update(**before)
+        gen.max_new_tokens, gen.repetition_penalty, gen.do_sample, gen.top_k = (before.get(k) for k in (
+            "max_new_tokens", "repetition_penalty", "do_sample", "top_k"))
 
 
 @pytest.mark.parametrize("kwargs, message", [

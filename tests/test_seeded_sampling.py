@@ -2,7 +2,8 @@
 plain sampling (draft=None, one token a step) emits with that seed, token for token, for any draft and
 tree, batch 1 and 3; the sampler is exact in distribution (chi-square over streams and seeds); negative
 controls (noise reused across positions, keyed by node) must fail. Also: which rule the sampled step
-takes (seeded, block verification on chains, token-wise otherwise), and bad seeds refused by name."""
+takes (seeded; unseeded with a coupled draft too; else block verification on chains, token-wise otherwise);
+coupled drafts (their candidates ranked with the target's noise) and bad seeds refused by name."""
 import pytest
 import torch
 
@@ -10,8 +11,8 @@ import specgraph
 from specgraph import Chain, DynamicTree, StaticTree, WithLookup
 from specgraph.drafts import Eagle, Eagle3, Medusa, NGram
 from specgraph.kernels import gumbel
-from specgraph.kernels.gumbel import (seeded_draws, seeded_exponentials, seeded_uniform_bits, stream_keys,
-                                      uniform_bits_ref)
+from specgraph.kernels.gumbel import (coupled_scores, seeded_draws, seeded_exponentials, seeded_uniform_bits,
+                                      stream_keys, uniform_bits_ref)
 from specgraph.kernels.verify import sampling_probs
 from test_generate import _small_vocab_model, left_pad
 
@@ -86,6 +87,50 @@ def test_exponentials_are_finite_and_positive():
     e = seeded_exponentials(stream_keys(0, 2), torch.arange(64).view(2, 32), 5000)
     assert bool(torch.isfinite(e).all()) and bool((e > 0).all())
     assert abs(e.mean().item() - 1) < 0.01
+
+
+# ----------------------------------------------------------------------------- coupled drafts
+def _coupled_acceptance(target_logits, draft_logits, keys, positions, temperature, tokens=None, draft_positions=None):
+    """The share of (row, position) where the draft's best coupled candidate (its noise at ``draft_positions``,
+    default ``positions``) is the target's seeded draw."""
+    draws = seeded_draws(torch.softmax(target_logits / temperature, -1), keys, positions)  # [B, P] target ids
+    at = positions if draft_positions is None else draft_positions
+    best = torch.stack([coupled_scores(draft_logits[:, i], keys, at[:, i], temperature, tokens).argmax(-1)
+                        for i in range(positions.shape[1])], 1)
+    best = best if tokens is None else tokens[best]
+    return (best == draws).float().mean().item()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_a_draft_that_is_the_target_drafts_every_draw(temperature):
+    """q = p: the coupled draft's best candidate is the target's seeded draw at every position, where the
+    uncoupled best (argmax q) is accepted with probability p(argmax); noise of another position (negative
+    control) loses that."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 5, 50, generator=g) * 2
+    keys, positions = stream_keys(9, 64), 100 + torch.arange(5).expand(64, 5)
+    assert _coupled_acceptance(logits, logits, keys, positions, temperature) == 1.0
+    draws = seeded_draws(torch.softmax(logits / temperature, -1), keys, positions)
+    assert (logits.argmax(-1) == draws).float().mean().item() < 0.9  # uncoupled
+    assert _coupled_acceptance(logits, logits, keys, positions, temperature, draft_positions=positions + 1) < 0.9
+    # a draft vocabulary (a subset of the target's ids, d2t): the same, where the target's mass lies inside it
+    tokens = torch.arange(0, 50, 2)
+    inside = torch.full_like(logits, -float("inf"))
+    inside[..., tokens] = logits[..., tokens]
+    assert _coupled_acceptance(inside, logits[..., tokens], keys, positions, temperature, tokens) == 1.0
+
+
+def test_a_close_draft_is_accepted_at_least_as_the_coupling_bound_says():
+    """q near p (total variation TV): P(accept) >= (1 - TV) / (1 + TV) (Daliri et al.), above the uncoupled p(argmax q)."""
+    g = torch.Generator().manual_seed(2)
+    target = torch.randn(4000, 1, 30, generator=g)
+    draft = target + 0.5 * torch.randn(4000, 1, 30, generator=g)
+    keys, positions = stream_keys(4, 4000), torch.full((4000, 1), 7)
+    p, q = torch.softmax(target, -1), torch.softmax(draft, -1)
+    tv = 0.5 * (p - q).abs().sum(-1).mean().item()
+    coupled = _coupled_acceptance(target, draft, keys, positions, 1.0)
+    uncoupled = p.gather(-1, q.argmax(-1, keepdim=True)).mean().item()  # point-mass draft: accepted w.p. p(argmax q)
+    assert coupled >= (1 - tv) / (1 + tv) - 0.02 and coupled > uncoupled + 0.1, (coupled, uncoupled, tv)
 
 
 # ----------------------------------------------------------------------------- end to end: speculative == plain
@@ -227,7 +272,8 @@ def test_fast_start_samples_plain_samplings_tokens_uncompiled_and_compiled(aot_e
 
 # ----------------------------------------------------------------------------- the rule the step takes; bad seeds
 def test_the_sampled_step_picks_its_rule(monkeypatch):
-    """Seeded: the Gumbel-max rule; unseeded: block verification on a chain, token-wise elsewhere."""
+    """Seeded, or a draft that couples (EAGLE): the Gumbel-max rule; else block verification on a chain,
+    token-wise elsewhere."""
     import specgraph.runtime.step as step
 
     calls = []
@@ -238,8 +284,11 @@ def test_the_sampled_step_picks_its_rule(monkeypatch):
     ids = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
     chain = specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64)
     tree = specgraph.compile(model, Eagle.for_target(model), tree=DynamicTree(steps=2, topk=2, nodes=4), max_cache_len=64)
+    medusa = specgraph.compile(model, Medusa(model.config.hidden_size, VOCAB, num_heads=2), tree=STATIC.__class__(
+        [[0], [1], [0, 0]]), max_cache_len=64)
     for spec, kw, want in [(chain, {}, "verify_block"), (chain, {"seed": 1}, "verify_seeded"),
-                           (tree, {}, "verify_sample"), (tree, {"seed": 1}, "verify_seeded")]:
+                           (tree, {}, "verify_seeded"), (tree, {"seed": 1}, "verify_seeded"),
+                           (medusa, {}, "verify_sample")]:
         calls.clear()
         spec.generate(ids, do_sample=True, max_new_tokens=4, eos_token_id=None, **kw)
         assert calls and set(calls) == {want}, (kw, calls)

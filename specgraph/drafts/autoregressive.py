@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..kernels.bitmask import MAX_NODES
+from ..kernels.gumbel import coupled_scores
 from ..selection import expand_frontier, seed_frontier, select_tree, top_k
 from ..trees import Chain, DynamicTree, StaticTree, Tree, chain_mask, spec_parents
 from .base import Draft, DraftSession
@@ -70,6 +71,7 @@ class ARSession(DraftSession):
         self.last = torch.zeros(batch, draft.config.hidden_size, dtype=next(draft.parameters()).dtype,
                                 device=device)  # [B, H] draft output at the last committed pair
         self.device = device
+        self.coupling = None  # sampled calls: (keys [B, 2], temperature) of the target's seeded draws (couple)
         if not isinstance(tree, DynamicTree):
             parents = tree.parents()
             self.parents = parents
@@ -109,6 +111,10 @@ class ARSession(DraftSession):
         callable may be a recorded CUDA graph (``runtime.graphed.GraphedCall``): its output is read
         (copied into ``last``) before the next chunk runs, and it mutates only ``kv``, in place."""
         self._prefill_chain = compile_fn(self._chain)
+
+    def couple(self, keys: torch.Tensor, temperature: torch.Tensor) -> bool:
+        self.coupling = (keys, temperature)
+        return True
 
     # ------------------------------------------------------------------ generate protocol
     @torch.no_grad()
@@ -151,10 +157,18 @@ class ARSession(DraftSession):
         self.length = self.length + accept_len
 
     # ------------------------------------------------------------------ tree growth
-    def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [..., H] -> (log-probs, target tokens) of the k best, [..., k]."""
-        logprobs = torch.log_softmax(self.draft.draft_logits(hidden).float(), -1)
-        values, indices = top_k(logprobs, k)
+    def _scores(self, logits: torch.Tensor, depth: int) -> torch.Tensor:
+        """logits [B, ..., V'] of candidates at ``depth`` -> their log-probabilities, or with a coupling the
+        scores coupled with the target's draw at that depth's position (``coupled_scores``)."""
+        if self.coupling is None:
+            return torch.log_softmax(logits.float(), -1)
+        keys, temperature = self.coupling
+        ids = self.draft.to_target(torch.arange(logits.shape[-1], device=logits.device))
+        return coupled_scores(logits, keys, self.length + depth, temperature, ids)
+
+    def _top(self, hidden: torch.Tensor, k: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, ..., H] at ``depth`` - 1 -> (scores, target tokens) of the k best children, [B, ..., k]."""
+        values, indices = top_k(self._scores(self.draft.draft_logits(hidden), depth), k)
         return values, self.draft.to_target(indices)
 
     def _propose_static(self, roots: torch.Tensor) -> Tree:
@@ -170,6 +184,8 @@ class ARSession(DraftSession):
                                             torch.full_like(rows, d - 1).expand(b, -1))
             # a fixed tree needs only the ranking: top k of the logits, no log-softmax over the vocabulary
             logits = self.draft.draft_logits(hidden[:, rows]).float()
+            if self.coupling is not None:
+                logits = self._scores(logits, d + 1)
             top = self.draft.to_target(top_k(logits, self.topk)[1])  # [B, P, k]
             tokens[:, children] = top[:, slot, rank]
         return Tree.from_spec(self.tree, tokens, self.parent_index)
@@ -177,7 +193,7 @@ class ARSession(DraftSession):
     def _propose_dynamic(self, roots: torch.Tensor) -> Tree:
         spec, b = self.tree, self.batch
         k = spec.topk
-        logprobs, top = self._top(self.last, k)  # [B, K]
+        logprobs, top = self._top(self.last, k, 1)  # [B, K]
         frontier = seed_frontier(logprobs, top)
         scores, tokens, parents = [frontier.scores], [frontier.tokens], [frontier.parents]
         lane_hidden = self.last.unsqueeze(1).expand(b, k, -1)  # the lanes' parents' outputs
@@ -193,7 +209,7 @@ class ARSession(DraftSession):
             lane_tokens = frontier.tokens.gather(1, frontier.lane_rows)
             out = self._run(lane_tokens, lane_hidden, False, self.length, ((step - 1) * k + lanes).expand(b, k),
                             lane_mask, torch.full((b, k), step - 1, device=self.device))
-            logprobs, top = self._top(out, k)  # [B, K, K]
+            logprobs, top = self._top(out, k, step + 1)  # [B, K, K]
             frontier = expand_frontier(frontier, logprobs, top, step)
             scores.append(frontier.scores)
             tokens.append(frontier.tokens)

@@ -39,6 +39,12 @@ class DraftSession(ABC):
     def compile_host_work(self, compile_fn) -> None:
         """Wrap host-side per-call work (e.g. a pass over the prompt) with ``compile_fn``; default: none."""
 
+    def couple(self, keys: torch.Tensor, temperature: torch.Tensor) -> bool:
+        """Sampled calls: rank candidates with the target's seeded noise (``kernels.gumbel.coupled_scores``),
+        reading ``keys`` [B, 2] and ``temperature`` (0-d) in place at every propose. Returns whether this
+        session does (default: no; a draft with no distribution over tokens, e.g. n-gram lookup, cannot)."""
+        return False
+
     def state_owners(self) -> list[object]:
         """The objects whose tensor attributes are this session's state (a recorded CUDA-graph step keeps
         them in static buffers and carries reassignments back into them); default: the session itself.

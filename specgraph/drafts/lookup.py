@@ -33,6 +33,9 @@ class LookupSession(DraftSession):
     def state_owners(self) -> list[object]:
         return self.inner.state_owners() + self.lookup.state_owners()
 
+    def couple(self, keys, temperature) -> bool:
+        return self.inner.couple(keys, temperature)  # the lookup chain has no distribution to couple
+
     def prefill(self, prompts, features) -> None:
         self.inner.prefill(prompts, features)
         self.lookup.prefill(prompts, None)

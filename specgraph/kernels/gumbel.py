@@ -23,6 +23,14 @@ same seed. Whatever the tree or draft, only how many of those tokens one step co
 seeds the noise at distinct positions is independent, so the output is the target's distribution
 (the 24-bit u biases a token's probability by at most ~1e-7 relative).
 
+Coupled drafts (``coupled_scores``): since the noise is a function of the position, a draft can read it
+before the target does. A draft that ranks its candidates for position t by log q(v) / T + g_t(v) (q: its
+own distribution, at the sampling temperature) instead of log q(v) proposes, as its best candidate, its
+own Gumbel-max sample with the target's noise, which is the target's draw wherever q and p agree on it: a
+child is accepted with probability P(argmax log p + g = argmax log q + g) >= (1 - TV) / (1 + TV) (TV the
+total variation between p and q; Daliri et al., 2024) instead of p(argmax q). Nothing on the target's side
+changes, so the output is still plain sampling's, token for token.
+
 Cost per step: B * (D + 1) * V hashes (about 20 int64 ops each: two 32-bit mixes, each of two
 split multiplies) for the D + 1 positions of a depth-D tree, then one gather, divide and argmax over
 [B, N, V] -- what ``sample_categorical`` spends on its float64 exponentials today. Fused by inductor
@@ -76,18 +84,38 @@ def stream_keys(seed: int, batch: int, device=None) -> torch.Tensor:
     return torch.stack([k, mix32(k ^ _SALT_ROW)], 1)
 
 
-def seeded_uniform_bits(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, P, V] int64 in [0, 2**24): the hash of (keys[b], positions[b, p], v)."""
+def seeded_uniform_bits(keys: torch.Tensor, positions: torch.Tensor, vocab: int,
+                        tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, P, V] int64 in [0, 2**24): the hash of (keys[b], positions[b, p], v) for v in 0 .. V-1, or for
+    v = tokens[i] (``tokens`` [V] int64: a draft vocabulary's ids in the target's)."""
     k0, k1 = keys[:, 0].view(-1, 1, 1), keys[:, 1].view(-1, 1, 1)
     pos = mix32(k0 ^ mix32((positions.to(torch.int64).unsqueeze(-1) + _SALT_POSITION) & M32))  # [B, P, 1]
-    tok = mix32(torch.arange(vocab, dtype=torch.int64, device=keys.device) ^ _SALT_TOKEN)  # [V]
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device) if tokens is None else tokens.to(torch.int64)
+    tok = mix32(ids ^ _SALT_TOKEN)  # [V]
     return mix32(mix32(pos ^ tok) ^ k1) >> 8
 
 
-def seeded_exponentials(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+def seeded_exponentials(keys: torch.Tensor, positions: torch.Tensor, vocab: int,
+                        tokens: torch.Tensor | None = None) -> torch.Tensor:
     """[B, P, V] float32 Exp(1) variates E = -log u, keyed as the module docstring says."""
-    u = (seeded_uniform_bits(keys, positions, vocab).to(torch.float32) + 0.5) * (2.0 ** -24)
+    u = (seeded_uniform_bits(keys, positions, vocab, tokens).to(torch.float32) + 0.5) * (2.0 ** -24)
     return -torch.log(u)
+
+
+def coupled_scores(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, temperature,
+                   tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """A draft's candidate scores coupled with the target's seeded draws (module docstring, "Coupled drafts").
+
+    logits [B, ..., V'] of the draft's vocabulary (``tokens`` [V']: their ids in the target's; None: the
+    same ids); positions [B]: the absolute position the candidates are drafted for; temperature: the
+    sampling temperature (a float or a 0-d tensor). Returns log_softmax(logits / T - log E) over V', E the
+    noise the target's draw at that position uses: the draft's own Gumbel-max sample (its top-k: a sample
+    without replacement) with the target's noise, so its best candidate is the target's draw wherever the
+    two distributions agree."""
+    b, v = logits.shape[0], logits.shape[-1]
+    noise = seeded_exponentials(keys, positions.view(b, 1), v, tokens)  # [B, 1, V']
+    noise = noise.view(b, *([1] * (logits.dim() - 2)), v)
+    return torch.log_softmax(logits.float() / temperature - torch.log(noise), -1)
 
 
 def seeded_draws(probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The decode step: one iteration's device work as one function (one graph under torch.compile).
 
     verify the current tree with the target -> accept a path (greedy; sampled: seeded Gumbel-max with a
-    seed, else block verification on a chain, token-wise rejection on other trees; or Medusa's lossy typical)
+    seed or a coupled draft, else block verification on a chain, token-wise rejection on other trees; or
+    Medusa's lossy typical)
     -> compact the target cache -> the draft commits the accepted pairs
     -> the draft proposes the next tree (from its device state: every draft kind)
 
@@ -71,8 +72,6 @@ class DecodeStep:
         # sampling parameters live in tensors updated in place (``set_sampling``): a compiled step, and
         # its CUDA graph, read the current values, so a new temperature recompiles nothing
         self.sampling = self.typical = self.seed_keys = None
-        if sampling is not None and sampling.seed is not None:  # seeded: each row's stream key
-            self.seed_keys = torch.zeros((batch, 2), dtype=torch.int64, device=capture.kv_device)
         if sampling is not None and sampling.typical is not None:  # compile(verify="typical"): lossy
             self.typical = {name: torch.zeros((), dtype=torch.float32, device=capture.kv_device)
                             for name in ("posterior_threshold", "posterior_alpha")}
@@ -80,6 +79,12 @@ class DecodeStep:
             self.sampling = {name: torch.zeros((), dtype=dtype, device=capture.kv_device) for name, dtype in
                              (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
                               ("min_p", torch.float32))}
+            # seeded draws (kernels/gumbel.py) with a seed, and with a draft that couples its candidates to
+            # them (unseeded: a random seed per call); each row's stream key
+            keys = torch.zeros((batch, 2), dtype=torch.int64, device=capture.kv_device)
+            coupled = sampling.typical is None and session.couple(keys, self.sampling["temperature"])
+            if sampling.seed is not None or coupled:
+                self.seed_keys = keys
             self.set_sampling(sampling)
         self.synthetic_accept = synthetic_accept
         self.penalty = self.seen = None
@@ -99,8 +104,9 @@ class DecodeStep:
             value.fill_(getattr(sampling, name))
         for value, setting in zip((self.typical or {}).values(), sampling.typical or ()):
             value.fill_(setting)
-        if self.seed_keys is not None:
-            self.seed_keys.copy_(stream_keys(sampling.seed, self.seed_keys.shape[0]))
+        if self.seed_keys is not None:  # unseeded: a seed from torch's generator (torch.manual_seed repeats it)
+            seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**63 - 1, ()))
+            self.seed_keys.copy_(stream_keys(seed, self.seed_keys.shape[0]))
 
     def set_penalty(self, penalty: float) -> None:
         """Use repetition penalty ``penalty`` from the next step on (in place)."""
@@ -130,7 +136,8 @@ class DecodeStep:
             probs = sampling_probs(logits, **self.sampling) if warped is None else warped.softmax(-1)
             if self.typical is not None:
                 acc = verify_typical(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth, **self.typical)
-            elif self.seed_keys is not None:  # the tokens plain sampling with this seed emits (kernels/gumbel.py)
+            elif self.seed_keys is not None:  # the tokens plain sampling with this seed emits (kernels/gumbel.py);
+                # the draft's candidates may be coupled to the same draws (DraftSession.couple)
                 acc = verify_seeded(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth, self.seed_keys,
                                     base)
             elif isinstance(self.spec, Chain):  # kernels/verify_block.py; point-mass drafts

@@ -93,7 +93,7 @@ def propose_once(model, draft, tree):
     session.prefill(rows, features)
     seen = []
     session_top = session._top
-    session._top = lambda hidden, k: seen.append(session_top(hidden, k)) or seen[-1]
+    session._top = lambda hidden, k, depth: seen.append(session_top(hidden, k, depth)) or seen[-1]
     proposed = session.propose(torch.tensor([r[-1] for r in rows]))
     proposed.validate()
     return rows, features, seen, proposed
