@@ -252,7 +252,7 @@ class CapturedStep:
         self.info = TargetInfo.from_model(model)
         module = TreeStep(model.eval(), self.info, batch, max_length, kv)  # what export traces; names the state
         cache_key = (capture_cache.key(model, module, batch, nodes, max_length, taps, logits_rows)
-                     if capture_cache.enabled(debug, tp) else None)
+                     if capture_cache.enabled(debug, tp, model) else None)
         loaded = capture_cache.load(cache_key, module) if cache_key else None
         self.cache_key = cache_key  # None: the capture cache is off for this bucket
         self.from_cache = loaded is not None  # no torch.export, no passes: an earlier process's graph

@@ -11,7 +11,9 @@ tensor comes from:
     weights) by (state index, storage offset, size, stride), rebuilt over the live storage;
   - anything else (a constant torch.export lifted) by value.
 
-The key covers what the graph depends on: specgraph's and the model class's source, torch and
+The key covers what the graph depends on: specgraph's and the model class's source, every submodule's
+class (its file's digest) and the callables a module instance keeps (``code_fingerprint``; a model with
+forward hooks or a closure kept on a module is never cached: the key could not tell it apart), torch and
 transformers versions, the model's config, the bucket, every state tensor's shape, dtype, stride and
 storage layout (the passes read the layout ``pack_projections`` made, never the values), the device
 with its index (an exported graph names it) and the settings. Whatever changes, the key does, and
@@ -37,6 +39,7 @@ import logging
 import os
 import pickle
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -49,10 +52,50 @@ FORMAT = 3  # bump when what is stored changes
 KEEP = 256  # files kept (the least recently used go): a few hundred kB each, and any code change makes new keys
 
 
-def enabled(debug: bool | None, tp) -> bool:
-    """On unless switched off, debugging (each pass's log and dumps are wanted) or tensor-parallel
-    (the graph holds a rank's collectives)."""
-    return config.capture_cache and not debug and not config.debug and config.dump is None and tp is None
+def enabled(debug: bool | None, tp, model=None) -> bool:
+    """On unless switched off, debugging (each pass's log and dumps are wanted), tensor-parallel (the
+    graph holds a rank's collectives) or ``model`` runs code the key cannot name (``code_fingerprint``)."""
+    if not config.capture_cache or debug or config.debug or config.dump is not None or tp is not None:
+        return False
+    blockers = code_fingerprint(model)[1] if model is not None else []
+    if blockers:
+        log.info("capture cache skipped (the trace would depend on code the key cannot name): %s", "; ".join(blockers))
+    return not blockers
+
+
+def code_fingerprint(model: torch.nn.Module) -> tuple[list, list[str]]:
+    """What a trace of ``model`` runs besides its tensors, named so that another process can compare it:
+    every submodule's class and its file's digest, and every callable a module instance holds (HF keeps
+    some, e.g. a partial activation); and why it cannot be named: forward hooks (a steering hook's
+    closure), a closure, lambda or bound method kept on a module (a patched ``forward``)."""
+    parts, blockers = [], []
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        blockers.append("global module forward hooks")
+    for name, module in model.named_modules(remove_duplicate=False):
+        cls = type(module)
+        parts.append((name, f"{cls.__module__}.{cls.__qualname__}", file_digest(cls.__module__)))
+        if module._forward_hooks or module._forward_pre_hooks:
+            blockers.append(f"forward hooks on {name or 'the model'}")
+        for attr, value in vars(module).items():
+            if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+                ident = _callable_name(value)
+                if ident is None:
+                    blockers.append(f"{name or 'the model'}.{attr} = {value!r} (a closure, lambda or bound method)")
+                else:
+                    parts.append((name, attr, ident))
+    return parts, blockers
+
+
+def _callable_name(fn) -> list | None:
+    """A callable kept on a module, named across processes (None: it cannot be)."""
+    if isinstance(fn, functools.partial):
+        inner = _callable_name(fn.func)
+        return None if inner is None else ["partial", inner, repr(fn.args), repr(sorted(fn.keywords.items()))]
+    if isinstance(fn, types.BuiltinFunctionType):
+        return ["builtin", getattr(fn, "__module__", None), fn.__qualname__]
+    if isinstance(fn, types.FunctionType) and fn.__closure__ is None and "<" not in fn.__qualname__:
+        return [fn.__module__, fn.__qualname__, file_digest(fn.__module__ or "")]
+    return None  # a closure, lambda, local function, bound method or callable object: its state is not in its name
 
 
 @functools.cache
@@ -65,6 +108,7 @@ def _package_digest() -> str:
     return digest.hexdigest()
 
 
+@functools.lru_cache(maxsize=None)
 def file_digest(module_name: str) -> str:
     path = getattr(sys.modules.get(module_name), "__file__", None)
     return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path and os.path.exists(path) else ""
@@ -80,6 +124,7 @@ def key(model, module: torch.nn.Module, batch: int, nodes: int, max_length: int,
     settings = {k: sorted(v) if isinstance(v, frozenset) else str(v) for k, v in vars(config.settings()).items()
                 if k not in ("gguf", "cache", "dump")}
     parts = dict(format=FORMAT, specgraph=_package_digest(), model_source=file_digest(type(model).__module__),
+                 code=code_fingerprint(model)[0],
                  torch=torch.__version__, transformers=transformers.__version__, model=type(model).__name__,
                  config=_config_text(model.config), bucket=[batch, nodes, max_length],
                  taps=repr(taps), logits_rows=repr(logits_rows), layout=layout, device=str(device),

@@ -190,3 +190,52 @@ def test_a_load_traces_nothing_so_other_threads_module_calls_are_safe(cache_on, 
         loaded = Capture(model, 64).step(2, 4)
     assert not traced
     assert loaded.graph.code == kept.graph.code
+
+
+class _Scaled(torch.nn.Module):
+    """An activation another class than the model's own (the same parameters: the layout key cannot tell)."""
+
+    def forward(self, x):
+        return -3.0 * torch.nn.functional.silu(x)
+
+
+def _hooked(model):
+    shift = torch.full((model.config.hidden_size,), 2.0)
+    model.model.layers[0].register_forward_hook(lambda module, inputs, out: out + shift)  # a steering hook
+    return model
+
+
+def _patched(model):
+    for layer in model.model.layers:
+        layer.mlp.act_fn = _Scaled()
+    return model
+
+
+@pytest.mark.parametrize("change", [_hooked, _patched], ids=["forward-hook", "swapped-module"])
+def test_a_hooked_or_patched_model_never_gets_the_plain_models_graph(change, cache_on):
+    """Two copies of one model in one cache (a later process's view): a forward hook or a swapped module
+    changes what the trace runs but no tensor; the changed copy must not load the plain copy's graph, nor
+    the reverse. Oracle: each copy's own model.generate."""
+    row = prompts(11, [9])[0]
+    from test_generate import hf_greedy
+    assert hf_greedy(change(tiny_model("llama")), row, max_new_tokens=8, eos_token_id=None) != \
+        hf_greedy(tiny_model("llama"), row, max_new_tokens=8, eos_token_id=None)  # the change changes the tokens
+    for first, second in ((lambda m: m, change), (change, lambda m: m)):
+        for make in (first, second):
+            model = make(tiny_model("llama"))
+            spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_cache_len=64)
+            assert_greedy_matches_hf(model, spec, [row], max_new_tokens=8)
+        for path in cache_on.glob("*.pt"):
+            path.unlink()
+    model = _hooked(tiny_model("llama"))
+    assert not capture_cache.enabled(None, None, model) and capture_cache.enabled(None, None, tiny_model("llama"))
+
+
+def test_the_key_names_each_modules_class_and_the_callables_modules_keep():
+    plain, patched = tiny_model("llama"), _patched(tiny_model("llama"))
+    assert capture_cache.code_fingerprint(plain)[0] == capture_cache.code_fingerprint(tiny_model("llama"))[0]
+    assert capture_cache.code_fingerprint(plain)[0] != capture_cache.code_fingerprint(patched)[0]
+    gemma = tiny_model("gemma3")  # HF keeps a partial activation on its modules: named, so still cached
+    assert capture_cache.code_fingerprint(gemma)[1] == []
+    plain.model.layers[1].mlp.forward = lambda x: x  # a patched forward on the instance: cannot be named
+    assert any("layers.1.mlp.forward" in b for b in capture_cache.code_fingerprint(plain)[1])

@@ -166,10 +166,31 @@ def test_a_model_moved_after_compile_is_refused():
     ids = torch.tensor([[5, 6, 7, 8]])
     spec.generate(ids, max_new_tokens=3)
     model.to(torch.float64)
-    with pytest.raises(RuntimeError, match="moved or replaced since specgraph.compile"):
+    with pytest.raises(RuntimeError, match="moved or replaced"):
         spec.generate(ids, max_new_tokens=3)
     again = specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64)
     out = again.generate(ids, max_new_tokens=3, eos_token_id=None)
+    assert out[0, 4:].tolist() == hf_greedy(model, [5, 6, 7, 8], max_new_tokens=3, eos_token_id=None)
+
+
+def test_a_hook_or_a_module_swapped_after_compile_is_refused():
+    """The captured graph ran the modules and hooks of compile time: a forward hook added (or removed) or
+    a module swapped since raises instead of silently running the old code; the same modules again run."""
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(2), max_cache_len=64)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    spec.generate(ids, max_new_tokens=3)
+    handle = model.model.layers[0].register_forward_hook(lambda module, inputs, out: out * 2)
+    with pytest.raises(RuntimeError, match="forward hooks changed"):
+        spec.generate(ids, max_new_tokens=3)
+    handle.remove()
+    spec.generate(ids, max_new_tokens=3)  # as at compile again
+    act = model.model.layers[1].mlp.act_fn
+    model.model.layers[1].mlp.act_fn = torch.nn.Tanh()
+    with pytest.raises(RuntimeError, match="modules or"):
+        spec.generate(ids, max_new_tokens=3)
+    model.model.layers[1].mlp.act_fn = act
+    out = spec.generate(ids, max_new_tokens=3, eos_token_id=None)
     assert out[0, 4:].tolist() == hf_greedy(model, [5, 6, 7, 8], max_new_tokens=3, eos_token_id=None)
 
 
