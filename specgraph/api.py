@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,13 +26,15 @@ from .generate_args import (generation_config, max_new_tokens, repetition_penalt
 from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
 from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key, mean_confidence
 from .runtime.fast_start import FastStart
-from .refusals import (BACKENDS, TYPICAL_DEFAULT, auto_backend, draft_tree, fast_start_default, fast_start_problems,
-                       tree_blockers, verify_problems)
+from .refusals import (BACKENDS, TYPICAL_DEFAULT, auto_backend, cache_memory_problems, draft_tree, fast_start_default,
+                       fast_start_problems, model_problems, tree_blockers, verify_problems)
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
 log = logging.getLogger("specgraph")
 _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
+# a draft module -> the SpecModel it was last compiled for: binding borrows that target's modules
+_BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 BUDGET_LADDER = (8, 16, 32)  # policy="cost": the node budgets of a DynamicTree it may run below the tree's own
 CHAIN_LADDER = (2, 4, 8, 16, 32)  # policy="cost": the depths of a chain it may run below the chain's own
 
@@ -106,7 +110,9 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     Everything that cannot be supported is refused here, all blockers at once.
     """
     max_cache_len = cache_len_argument(max_cache_len, max_length, "specgraph.compile")
-    blockers = []
+    blockers = model_problems(model)
+    if blockers:  # nothing else can be checked against it
+        raise CompileError(f"cannot compile {type(model).__name__}", blockers)
     if isinstance(tree, str):  # a command-line spelling: "chain4", "dynamic:8,8,64", "eagle1", "medusa"
         from .trees import parse_tree
 
@@ -145,6 +151,13 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         log.info("tree=None -> %s (%s's default on %s, max_batch=%s)%s", tree, type(draft).__name__, device.type,
                  max_batch, f"; one-row calls: {one_row_tree}" if one_row_tree is not None else "")
     blockers += tree_blockers(model, draft, tree, max_cache_len)
+    blockers += cache_memory_problems(model, max_cache_len, max_batch)
+    owner = _BOUND.get(draft) if isinstance(draft, torch.nn.Module) else None
+    other = owner() if owner is not None else None
+    if other is not None and other.model is not model:  # bind would point it at this model, breaking the other
+        blockers.append(f"draft={type(draft).__name__}: already compiled with another model (a live SpecModel), whose "
+                        f"LM head, embedding, dtype and device it shares; load a second copy of the draft for this "
+                        f"model (e.g. {type(draft).__name__}.from_pretrained(path) again)")
     blockers += draft.bind(model)
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or isinstance(synthetic_accept, bool) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
@@ -181,8 +194,21 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
         warnings.warn(f"verify='typical' (posterior_threshold, posterior_alpha = {typical}) is LOSSY: sampled output "
                       f"is not distributed as the target's (greedy stays exact); verify='exact' is lossless",
                       stacklevel=2)
-    return SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy,
+    spec = SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy,
                                               verify, typical, one_row_tree, fast_start))
+    if isinstance(draft, torch.nn.Module) and draft is not _PLAIN:
+        _BOUND[draft] = weakref.ref(spec)
+    return spec
+
+
+def _outside_inference_mode(method):
+    """Run ``method`` with inference mode off: the caches and buffers a call makes outlive it, and a later
+    call outside the caller's ``torch.inference_mode()`` writes them in place (inference tensors refuse it)."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+    return wrapper
 
 
 def _storage(*modules) -> tuple:
@@ -222,10 +248,16 @@ class SpecModel:
     """The speculating model. ``generate`` takes ``model.generate``'s arguments: greedy is token-exact,
     sampling exact in distribution (unless compiled with the lossy ``verify="typical"``)."""
 
+    def __deepcopy__(self, memo):
+        raise TypeError("a SpecModel cannot be copied or pickled: its captured graphs and caches are tied to the "
+                        "model's storage. Copy the model (copy.deepcopy(model)) and specgraph.compile the copy")
+
+    __reduce__ = __reduce_ex__ = lambda self, *args: SpecModel.__deepcopy__(self, None)
+
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
         # inductor: the prefill buckets compile on their own; the decode step compiles whole (runtime/step.py)
-        self.capture = Capture.shared(model.eval(), config.max_cache_len, config.backend)  # reused across compiles
+        self.capture = Capture.shared(model, config.max_cache_len, config.backend)  # reused across compiles
         self.fast_start = None if not config.fast_start else FastStart(  # its own Capture: let go when compiled
             lambda: Capture(model, config.max_cache_len, backend="cudagraphs"), self.capture)
         fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
@@ -280,6 +312,7 @@ class SpecModel:
         draft, tree = self.modes[name]
         return (draft, self.config.tree_for(batch)) if name == "tree" else (draft, tree)
 
+    @_outside_inference_mode
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
         ``[B, T]`` (left padding; B <= max_batch); ``max_new_tokens`` / ``max_length``,
@@ -430,17 +463,20 @@ class SpecModel:
         ``timeout`` seconds passed (False). Without it: True at once."""
         return True if self.fast_start is None else self.fast_start.wait(timeout)
 
+    @_outside_inference_mode
     def warmup(self, batch_sizes=(1,), sampling: bool = False) -> dict:
         """Compile now what ``generate`` would compile on first use: every mode ``generate`` may run
         (the tree; with a policy, the chain and plain decoding too), greedy (and sampled with
         ``sampling=True``), at each of ``batch_sizes``. Under ``policy="cost"`` it also times each
         mode's step where the cost table lacks it. Prompts of other lengths may still compile their
         prefill. Returns {(batch, mode): seconds of its first call}."""
+        if not isinstance(sampling, bool):
+            raise TypeError(f"sampling={sampling!r}: True (also compile the sampled step) or False")
         if not isinstance(batch_sizes, (list, tuple, range)):
             raise TypeError(f"batch_sizes={batch_sizes!r}: a list or tuple of batch sizes, e.g. (1,) or [1, 4]")
         bad = [b for b in batch_sizes if not isinstance(b, int) or isinstance(b, bool) or
                not 1 <= b <= self.config.max_batch]
-        if bad:
+        if bad or not batch_sizes:
             raise ValueError(f"batch_sizes={list(batch_sizes)}: ints in 1 .. max_batch={self.config.max_batch}")
         if sampling and self.config.synthetic_accept is not None:
             raise ValueError("sampling=True with synthetic_accept (benchmarks only, greedy only): pass sampling=False")
@@ -474,6 +510,7 @@ class SpecModel:
         log.info("warmed up %s", ", ".join(f"batch {b} {m}: {s:.1f} s" for (b, m), s in first.items()))
         return first
 
+    @_outside_inference_mode
     def export(self, path, format: str = "onnx", batch: int = 1):
         """Write the (``batch``, tree nodes) bucket's verify step with explicit KV caches (export.py): ``format``
         "onnx" (opset 20, standard ops only) or "tensorrt" (needs torch-tensorrt). Returns the written path."""

@@ -202,6 +202,18 @@ def no_stack_traces():
         fx_config.do_not_emit_stack_traces = before
 
 
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Trace in eval mode (no dropout), leaving the user's model in the mode it was in (as model.generate)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.Tensor | None = None,
                      module: TreeStep | None = None):
     """Export one (B, N) bucket (of ``module``, or a TreeStep made here). returns (ExportedProgram, TargetInfo)."""
@@ -214,9 +226,9 @@ def export_tree_step(model, batch: int, nodes: int, max_length: int, kv: torch.T
     if narrow:
         raise CompileError("sliding window narrower than the tree", [
             f"layer {i}: window {w} <= tree of {nodes} nodes (depth up to {nodes - 1}); use a smaller tree" for i, w in narrow])
-    step = module if module is not None else TreeStep(model.eval(), info, batch, max_length, kv)
+    step = module if module is not None else TreeStep(model, info, batch, max_length, kv)
     device = next(model.parameters()).device
-    with torch.no_grad(), no_stack_traces():
+    with torch.no_grad(), no_stack_traces(), eval_mode(model):
         program = torch.export.export(step, example_inputs(batch, nodes, device), strict=False)
     return program, info
 
@@ -250,7 +262,7 @@ class CapturedStep:
 
         tp = model.__dict__.get("_specgraph_tp")
         self.info = TargetInfo.from_model(model)
-        module = TreeStep(model.eval(), self.info, batch, max_length, kv)  # what export traces; names the state
+        module = TreeStep(model, self.info, batch, max_length, kv)  # what export traces (in eval mode); names the state
         cache_key = (capture_cache.key(model, module, batch, nodes, max_length, taps, logits_rows)
                      if capture_cache.enabled(debug, tp, model) else None)
         loaded = capture_cache.load(cache_key, module) if cache_key else None

@@ -31,6 +31,9 @@ UNSUPPORTED_CONFIG = ("bad_words_ids", "begin_suppress_tokens", "constraints", "
                       "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "remove_invalid_values")
 
 
+# model.generate arguments whose default changes nothing here: accepted when given as that default
+HF_DEFAULTS = {"synced_gpus": False}
+
 # the value of a numeric setting that means "off" (0 for the rest)
 _OFF = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "encoder_repetition_penalty": 1.0,
         "typical_p": 1.0, "guidance_scale": 1.0}
@@ -68,7 +71,7 @@ def unsupported_arguments(kwargs: dict, generation_config) -> list[str]:
     """Every argument or generation_config setting of a generate call that the speculative path
     would not honour, as ``name=value`` (empty: it can run)."""
     problems = [f"{k}={_show(kwargs[k])}" for k in sorted(set(kwargs) - GENERATE_ARGS - set(UNSUPPORTED_CONFIG))
-                if _given(kwargs[k])]
+                if _given(kwargs[k]) and not (k in HF_DEFAULTS and kwargs[k] is HF_DEFAULTS[k])]
     for name in UNSUPPORTED_CONFIG:
         value = kwargs[name] if name in kwargs else getattr(generation_config, name, None)
         if not _is_off(name, value):

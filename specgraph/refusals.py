@@ -3,6 +3,9 @@ so compile can list them all at once."""
 from __future__ import annotations
 
 import math
+import os
+
+import torch
 
 from .capture import TargetInfo
 from .drafts.ngram import NGram
@@ -44,6 +47,46 @@ def fast_start_problems(fast_start, backend, on_cuda: bool, policy, tp) -> list[
     if tp is not None:
         problems.append("fast_start=True with tp: the ranks would switch to their compiled step at different calls")
     return problems
+
+
+def model_problems(model) -> list[str]:
+    """Why ``model`` cannot be captured at all (empty: it can): not a transformers model, weights not loaded
+    (meta tensors) or made under ``torch.inference_mode()`` (torch.export cannot trace them)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        hint = " (a hub id? load it first: AutoModelForCausalLM.from_pretrained(id))" if isinstance(model, str) else ""
+        return [f"model={type(model).__name__}: a transformers causal LM module, e.g. "
+                f"AutoModelForCausalLM.from_pretrained(...){hint}"]
+    tensors = [*model.parameters(), *model.buffers()]
+    problems = []
+    if any(t.is_meta for t in tensors):
+        problems.append("the model's weights are not loaded (meta tensors): load them (from_pretrained without "
+                        "a meta-device init, or model.to_empty(...) then load_state_dict) before compile")
+    if any(t.is_inference() for t in tensors):
+        problems.append("the model's weights were made under torch.inference_mode() (inference tensors cannot be "
+                        "traced): create or load the model outside it (torch.inference_mode around generate is fine)")
+    return problems
+
+
+def cache_memory_problems(model, max_cache_len, max_batch) -> list[str]:
+    """A KV cache (``max_batch`` rows of ``max_cache_len`` slots) larger than the device's memory: refused
+    before any work, naming the argument."""
+    if not isinstance(max_cache_len, int) or not isinstance(max_batch, int) or max_batch < 1:
+        return []  # refused by name elsewhere
+    try:
+        info = TargetInfo.from_model(model)
+    except CompileError:
+        return []  # the model's own refusal says why
+    elem = torch.empty((), dtype=info.dtype).element_size()
+    need = 2 * info.num_layers * info.num_kv_heads * info.head_dim * elem * max_cache_len * max_batch
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    if have is None or need <= have:
+        return []
+    return [f"max_cache_len={max_cache_len} with max_batch={max_batch}: the KV cache alone needs "
+            f"{need / 2**30:,.1f} GiB, more than the {device.type} device's {have / 2**30:,.1f} GiB; lower them"]
 
 
 def tree_blockers(model, draft, tree, max_cache_len) -> list[str]:

@@ -56,3 +56,25 @@ def test_fused_step_matches_hf_compiled():
     step = driver.capture.step(2, 8)
     step.run = torch.compile(step.graph, backend="inductor", fullgraph=True, dynamic=False)
     check_tree_against_hf(driver, nodes=8, tol=TOL)
+
+
+def test_a_parallel_block_fuses_its_two_groups_and_stays_exact():
+    """Cohere's parallel block: q/k/v and gate/up all read one LayerNorm output from two storages; each group
+    fuses within its own storage (sorting the five by offset alone interleaved them and broke the
+    postcondition), greedy token-exact with model.generate."""
+    import transformers
+
+    import specgraph
+    from specgraph.drafts import NGram
+
+    config = transformers.CohereConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=256, logit_scale=0.5, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.CohereForCausalLM(config).eval()
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(11))
+    spec = specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_cache_len=128)
+    out = spec.generate(ids, max_new_tokens=8, eos_token_id=None)
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(out, want)
+    counters = dict(next(iter(spec.capture._steps.values())).pass_results)["fuse_projections"].counters
+    assert counters == {"groups_fused": 4, "linears_fused": 10, "linears_unfused": 0}

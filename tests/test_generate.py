@@ -194,6 +194,30 @@ def test_a_hook_or_a_module_swapped_after_compile_is_refused():
     assert out[0, 4:].tolist() == hf_greedy(model, [5, 6, 7, 8], max_new_tokens=3, eos_token_id=None)
 
 
+@pytest.mark.parametrize("first", ["inference_mode", "no_grad"])
+def test_calls_inside_and_outside_inference_mode_in_either_order(first):
+    """A first call under torch.inference_mode() makes the caches; a later call outside it (or the reverse)
+    still writes them: both token-exact with model.generate."""
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64)
+    row = prompts(12, [7])[0]
+    want = hf_greedy(model, row, max_new_tokens=6, eos_token_id=None)
+    modes = [torch.inference_mode, torch.no_grad]
+    for mode in (modes if first == "inference_mode" else modes[::-1]) + [torch.enable_grad]:
+        with mode():
+            out = spec.generate(torch.tensor([row]), max_new_tokens=6, eos_token_id=None)
+        assert out[0, len(row):].tolist() == want, mode
+
+
+def test_compile_and_generate_leave_the_models_training_mode_as_it_was():
+    """As model.generate: a model in training mode stays so (the step is traced in eval mode regardless)."""
+    model = tiny_model("llama").train()
+    spec = specgraph.compile(model, NGram(), tree=Chain(3), max_cache_len=64)
+    out = spec.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, eos_token_id=None)
+    assert model.training and all(m.training for m in model.modules())
+    assert out[0, 4:].tolist() == hf_greedy(model.eval(), [5, 6, 7, 8], max_new_tokens=4, eos_token_id=None)
+
+
 def test_ngram_proposes_the_continuation_of_the_latest_match():
     draft = NGram(max_ngram=2)
     assert draft.propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2], 3) == [9, 9, 1]  # the latest "1 2" is followed by 9 9 1

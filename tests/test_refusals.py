@@ -189,3 +189,33 @@ def test_falcon_kv_heads_are_read_from_its_own_fields(fields):
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6]])
     want = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, max_new_tokens=12, eos_token_id=None), want)
+
+
+@pytest.mark.parametrize("model, message", [("HuggingFaceTB/SmolLM2-135M", "a hub id"), (None, "model=NoneType"),
+                                            (torch.nn.Linear(3, 3), "model=Linear")])
+def test_what_is_not_a_transformers_model_is_refused_by_name(model, message):
+    import specgraph
+    from specgraph.drafts import NGram
+
+    with pytest.raises(CompileError, match=message):
+        specgraph.compile(model, NGram())
+
+
+def test_weights_compile_cannot_trace_or_a_cache_beyond_memory_are_refused_at_compile():
+    """Meta tensors (not loaded), inference tensors (made under torch.inference_mode) and a KV cache larger
+    than the device: refused at compile, before any capture, each naming the fix."""
+    import specgraph
+    from specgraph.drafts import NGram
+    from test_capture import tiny_model
+
+    config = tiny_model("llama").config
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config)
+    with torch.inference_mode():
+        inference = transformers.LlamaForCausalLM(config).eval()
+    for model, message in ((meta, "meta tensors"), (inference, "torch.inference_mode")):
+        with pytest.raises(CompileError, match=message):
+            specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_cache_len=64)
+    with pytest.raises(CompileError, match=r"max_cache_len=1000000000000 with max_batch=1: the KV cache alone needs"):
+        specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_cache_len=10**12)
+    specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_cache_len=4096)  # a sane one

@@ -99,6 +99,10 @@ class Eagle3(FeatureDraft):
     def for_target(cls, model, draft_vocab: torch.Tensor | None = None, **kwargs) -> "Eagle3":
         """A new (untrained) head for ``model``; ``draft_vocab`` (sorted target ids) makes a reduced
         vocabulary; ``lm_head_from_target=True`` drafts through the target's LM head instead."""
+        if draft_vocab is not None:  # any sequence of ints; all of the target's ids: no reduced vocabulary
+            draft_vocab = _token_ids(draft_vocab, model.config.vocab_size)
+            if draft_vocab.numel() == model.config.vocab_size:
+                draft_vocab = None
         config = draft_config_for(model, draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
         draft = cls(config, **kwargs)
         if draft_vocab is not None:
@@ -108,10 +112,10 @@ class Eagle3(FeatureDraft):
             draft._head.module = model.get_output_embeddings()
         return draft
 
-    def set_vocab(self, used: torch.Tensor) -> None:
+    def set_vocab(self, used) -> None:
         """The reference trainer's map: ``d2t[i] = used[i] - i``, ``t2d[t] = t in used``."""
-        used = used.to(torch.int64).sort().values
         vocab = self.config.vocab_size
+        used = _token_ids(used, vocab).sort().values
         if used.numel() != self.draft_vocab_size or used.unique().numel() != used.numel() or \
                 (used.numel() and not 0 <= int(used[0]) <= int(used[-1]) < vocab):
             raise ValueError(f"draft_vocab: {self.draft_vocab_size} distinct target token ids in 0 .. {vocab - 1} "
@@ -293,3 +297,15 @@ def _rename(key: str) -> str:
     if key.startswith("hidden_norm."):
         return "midlayer." + key
     return key
+
+
+def _token_ids(ids, vocab: int) -> torch.Tensor:
+    """``draft_vocab`` as int64 target ids: a tensor or sequence of ints, each in 0 .. vocab - 1 (named if not)."""
+    ids = torch.as_tensor(ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1:
+        raise TypeError(f"draft_vocab: a 1-d sequence of integer target token ids (got {ids.dtype}, {ids.dim()}-d)")
+    ids = ids.to(torch.int64)
+    outside = ids[(ids < 0) | (ids >= vocab)]
+    if outside.numel():
+        raise ValueError(f"draft_vocab: ids {outside[:8].tolist()} lie outside the target's vocabulary 0 .. {vocab - 1}")
+    return ids

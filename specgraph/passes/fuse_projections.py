@@ -43,6 +43,11 @@ def _back_to_back(tensors: list[torch.Tensor]) -> bool:
     return all(b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(tensors, tensors[1:]))
 
 
+def _place(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t`` starts: (its storage, its offset in it)."""
+    return t.untyped_storage().data_ptr(), t.storage_offset()
+
+
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The one tensor that ``tensors`` (back to back) are row slices of: a view, no copy."""
     rows = sum(t.shape[0] for t in tensors)
@@ -116,7 +121,8 @@ def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
     for (x, has_bias), nodes in groups.items():
         if len(nodes) < 2:
             continue
-        nodes.sort(key=lambda n: params[n.args[1].name].storage_offset())
+        nodes.sort(key=lambda n: _place(params[n.args[1].name]))  # by storage, then offset: a parallel block's
+        # q/k/v and gate/up read one input from two storages
         runs, run = [], [nodes[0]]
         for node in nodes[1:]:
             pieces = [run[-1], node]
@@ -165,7 +171,7 @@ def fuse_projections(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         if getattr(node.args[1], "name", None) in params:
             left[(node.args[0], len(node.args) > 2)].append(params[node.args[1].name])
     for weights in left.values():
-        weights.sort(key=torch.Tensor.storage_offset)
+        weights.sort(key=_place)
         ensure(not any(_back_to_back([a, b]) for a, b in zip(weights, weights[1:])), "fuse_projections",
                "fusable linears left")
     return PassResult(gm, fused > 0, {"groups_fused": fused, "linears_fused": linears_fused,

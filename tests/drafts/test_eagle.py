@@ -140,6 +140,16 @@ def test_greedy_with_random_heads_is_token_exact(arch, kind, tree):
     assert_batch_and_single_match_hf(model, spec, prompts(4, [5, 17, 11, 8]), max_new_tokens=24)
 
 
+def test_draft_vocab_takes_any_sequence_of_ids_and_names_the_bad_ones():
+    model = tiny_model("llama")
+    assert make_draft("eagle3", model, draft_vocab=torch.arange(model.config.vocab_size)).d2t is None  # all: none
+    assert make_draft("eagle3", model, draft_vocab=[3, 4, 9]).to_target(torch.arange(3)).tolist() == [3, 4, 9]
+    with pytest.raises(TypeError, match="integer target token ids"):
+        make_draft("eagle3", model, draft_vocab=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"ids \[300\] lie outside"):
+        make_draft("eagle3", model, draft_vocab=torch.tensor([300, 4]))
+
+
 def test_reduced_draft_vocabulary_maps_to_target_ids():
     model = tiny_model("llama")
     used = torch.tensor([2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71])
