@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 import warnings
@@ -127,8 +128,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                         f"'chain4')")
         tree = None
     if isinstance(draft, type):  # nothing else can be checked against a class
-        blockers.append(f"draft={draft.__name__} is a class: pass an instance, e.g. {draft.__name__}() or "
-                        f"{draft.__name__}.from_pretrained(path)")
+        loader = f" or {draft.__name__}.from_pretrained(path)" if hasattr(draft, "from_pretrained") else ""
+        blockers.append(f"draft={draft.__name__} is a class: pass an instance, e.g. {draft.__name__}(){loader}")
         raise CompileError(f"cannot compile {type(model).__name__} with {draft.__name__}", blockers)
     if draft is None:
         if tree is not None and tree != Chain(0):
@@ -347,7 +348,8 @@ class SpecModel:
         as_dict = setting(kwargs, gen, "return_dict_in_generate")
         # scores / logits only come back in a dict (as in model.generate): only then are they gathered
         keep = tuple(bool(as_dict and setting(kwargs, gen, name)) for name in ("output_scores", "output_logits"))
-        if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or \
+                input_ids.dtype == torch.bool or input_ids.is_meta:
             raise TypeError(f"input_ids: a [B, T] tensor of integer token ids (e.g. tokenizer(..., return_tensors='pt')"
                             f".input_ids); got {type(input_ids).__name__}"
                             f"{'' if not torch.is_tensor(input_ids) else ' of ' + str(input_ids.dtype)}")
@@ -370,9 +372,17 @@ class SpecModel:
             raise ValueError(f"pad_token_id={given_pad}: one token id")
         if attention_mask is None and given_pad and given_pad[0] not in eos_list:
             inferred = input_ids.ne(given_pad[0]).long()  # model.generate infers the mask from the pad id too
-            # only as left padding: a pad id inside a prompt (a chat template's end-of-turn, say) is a token
-            if not bool(inferred.all()) and bool((inferred[:, 1:] >= inferred[:, :-1]).all()):
-                attention_mask = inferred
+            leading = inferred.cummax(1).values  # each row's leading pad ids: left padding
+            if not bool(leading.all()):
+                attention_mask = leading
+            inside = [r for r in range(b) if bool((leading[r] > inferred[r]).any())]
+            if inside:  # model.generate would mask them; here they are tokens (the engine pads on the left only)
+                warnings.warn(f"input_ids rows {inside} hold pad_token_id={given_pad[0]} inside the prompt: "
+                              f"model.generate would mask those positions (its attention_mask inferred from the pad "
+                              f"id), here they are read as tokens; pass attention_mask to say which are padding",
+                              stacklevel=3)
+        if attention_mask is not None and attention_mask.shape == input_ids.shape:
+            attention_mask = attention_mask.ne(0).long()  # any nonzero attends, as in model.generate
         prompts = strip_left_padding(input_ids, attention_mask)
         max_new = max_new_tokens(kwargs, gen, t, getattr(self.model.config, "max_position_embeddings", None))
         eos = set(eos_list)
@@ -385,6 +395,8 @@ class SpecModel:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a row of input_ids is all padding (attention_mask has no 1)")
         streamer = kwargs.get("streamer")
+        if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+            raise TypeError(f"streamer={streamer!r}: a transformers streamer (put(tokens) and end()), e.g. TextStreamer")
         if streamer is not None:
             if b != 1:
                 raise ValueError("streamer: only batch size 1 can be streamed (as in model.generate)")
@@ -516,6 +528,8 @@ class SpecModel:
         "onnx" (opset 20, standard ops only) or "tensorrt" (needs torch-tensorrt). Returns the written path."""
         from .export import export_onnx, export_tensorrt
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path={path!r}: the file to write (a str or pathlib.Path)")
         exporters = {"onnx": export_onnx, "tensorrt": export_tensorrt}
         if parallel.sharded(self.model) is not None:
             raise ValueError("export of a tensor-parallel target (compile(tp=...)): the exported graph would hold one "

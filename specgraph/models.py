@@ -188,7 +188,8 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = T
 
     path = Path(path) if path is not None else default_gguf()
     if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+        what = "is a directory: pass the .gguf file in it" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"GGUF file {str(path)!r} {what}")
     converted = _converted_dir(path) if cache else None
     if converted is not None and (converted / "model.safetensors").is_file():
         tokenizer = AutoTokenizer.from_pretrained(converted)

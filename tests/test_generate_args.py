@@ -248,8 +248,10 @@ def test_compile_reads_tree_spellings_and_refuses_a_draft_class(model):
         spec.export("x.onnx", batch=True)
     with pytest.raises(TypeError, match="MTP.from_target takes the target's model directory"):
         specgraph.drafts.MTP.from_target(model)
-    with pytest.raises(ValueError, match="draft_vocab: 200 distinct target token ids in 0 .. 100"):
+    with pytest.raises(ValueError, match=r"draft_vocab: ids \[101, 102.*lie outside the target's vocabulary 0 .. 100"):
         specgraph.drafts.Eagle3.for_target(model, draft_vocab=torch.arange(200))
+    with pytest.raises(ValueError, match="draft_vocab: 3 distinct target token ids in 0 .. 100 .got 3 ids, 2 distinct"):
+        specgraph.drafts.Eagle3.for_target(model, draft_vocab=[4, 4, 5])
 
 
 def test_head_checkpoints_name_the_file_or_the_hub_id_they_could_not_read(tmp_path, monkeypatch):
@@ -482,3 +484,37 @@ def test_one_draft_module_serves_one_live_target():
     gc.collect()
     specgraph.compile(second, draft, tree=specgraph.Chain(2), max_cache_len=64)
 
+
+
+def test_leading_pad_ids_are_padding_and_inner_ones_are_warned_about(model, spec):
+    """No attention_mask, a pad id set: each row's leading run of pad ids is left padding (as model.generate
+    infers); a pad id inside the prompt stays a token, with a warning (model.generate would mask it). A mask
+    of any nonzero values attends as 1 does."""
+    pad, row = 1, prompts(13, [8])[0]
+    inner = row[:4] + [pad] + row[4:]
+    ids = torch.tensor([[pad, pad] + inner])
+    with pytest.warns(UserWarning, match="hold pad_token_id=1 inside the prompt"):
+        out = spec.generate(ids, max_new_tokens=6, pad_token_id=pad, eos_token_id=None)
+    assert out[0, ids.shape[1]:].tolist() == hf_greedy(model, inner, max_new_tokens=6, eos_token_id=None)
+    ids = torch.tensor([row])
+    twos = spec.generate(ids, attention_mask=2 * torch.ones_like(ids), max_new_tokens=6, eos_token_id=None)
+    assert twos[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=6, eos_token_id=None)
+    for bad in (ids.to(torch.complex64), ids.to("meta")):
+        with pytest.raises(TypeError, match="input_ids"):
+            spec.generate(bad, max_new_tokens=2)
+
+
+def test_paths_and_streamers_of_the_wrong_kind_are_named(spec, tmp_path):
+    from specgraph.drafts import Eagle3, Medusa
+    from specgraph.models import load_gguf
+
+    for loader in (Eagle3.from_pretrained, Medusa.from_pretrained):
+        for bad in (None, 123):
+            with pytest.raises(TypeError, match=f"path={bad!r}"):
+                loader(bad)
+    with pytest.raises(TypeError, match="path=123"):
+        spec.export(123)
+    with pytest.raises(TypeError, match="streamer='x'"):
+        spec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, streamer="x")
+    with pytest.raises(FileNotFoundError, match="is a directory"):
+        load_gguf(tmp_path)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ def read_checkpoint(path: str | Path, weight_files: tuple[str, ...], what: str) 
     Reads the first of ``weight_files`` present plus any ``model-*.safetensors``
     shards; config.json next to the weights (empty dict when absent).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={path!r}: a {what} checkpoint directory, weight file or hub id (a str or Path)")
     path = Path(path)
     if not path.exists():
         path = _from_hub(str(path), what)
