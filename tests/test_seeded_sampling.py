@@ -272,8 +272,8 @@ def test_fast_start_samples_plain_samplings_tokens_uncompiled_and_compiled(aot_e
 
 # ----------------------------------------------------------------------------- the rule the step takes; bad seeds
 def test_the_sampled_step_picks_its_rule(monkeypatch):
-    """Seeded, or a draft that couples (EAGLE): the Gumbel-max rule; else block verification on a chain,
-    token-wise elsewhere."""
+    """Seeded, or a draft that couples (EAGLE, Medusa): the Gumbel-max rule; else (n-gram) block verification
+    on a chain (token-wise on other trees: a draft of another kind)."""
     import specgraph.runtime.step as step
 
     calls = []
@@ -288,7 +288,7 @@ def test_the_sampled_step_picks_its_rule(monkeypatch):
         [[0], [1], [0, 0]]), max_cache_len=64)
     for spec, kw, want in [(chain, {}, "verify_block"), (chain, {"seed": 1}, "verify_seeded"),
                            (tree, {}, "verify_seeded"), (tree, {"seed": 1}, "verify_seeded"),
-                           (medusa, {}, "verify_sample")]:
+                           (medusa, {}, "verify_seeded")]:
         calls.clear()
         spec.generate(ids, do_sample=True, max_new_tokens=4, eos_token_id=None, **kw)
         assert calls and set(calls) == {want}, (kw, calls)

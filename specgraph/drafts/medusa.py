@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..kernels.gumbel import coupled_scores
 from ..passes import HiddenTaps
 from .checkpoint import read_checkpoint, write_checkpoint
 from .base import Draft, DraftSession
@@ -95,13 +96,20 @@ class Medusa(nn.Module, Draft):
         return []
 
     @torch.no_grad()
-    def propose_tree(self, hidden: torch.Tensor, tree, index: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+    def propose_tree(self, hidden: torch.Tensor, tree, index: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     coupling: tuple | None = None) -> torch.Tensor:
         """hidden [B, H] -> draft tokens [B, N-1] for the tree's nodes 1..N-1; ``index``: ``tree_index(tree)``
-        built once (a session's: a list made a tensor in a compiled frame would be baked in as a constant)."""
+        built once (a session's: a list made a tensor in a compiled frame would be baked in as a constant);
+        ``coupling``: (keys, temperature, root positions [B]) of the target's seeded draws: head k's candidates
+        (depth k + 1) ranked with the noise at root + k + 1 (``kernels.gumbel.coupled_scores``)."""
         head, rank = index if index is not None else tree_index(tree, hidden.device)
         topk = max(p[-1] for p in _paths(tree)) + 1
-        top = top_k(self(hidden), topk)[1]  # [B, K, topk]
+        logits = self(hidden)  # [B, K, V]
+        if coupling is not None:
+            keys, temperature, roots = coupling
+            logits = torch.stack([coupled_scores(logits[:, k], keys, roots + k + 1, temperature)
+                                  for k in range(logits.shape[1])], 1)
+        top = top_k(logits, topk)[1]  # [B, K, topk]
         return top[:, head, rank]
 
     def session(self, tree, batch: int, max_length: int, device) -> "MedusaSession":
@@ -248,17 +256,26 @@ class MedusaSession(DraftSession):
         self.hidden = torch.zeros(batch, draft.hidden_size, dtype=next(draft.parameters()).dtype, device=device)
         # built once here, read by the compiled propose (made inside it, they would be graph constants)
         self.index, self.parent_index = tree_index(tree, device), spec_parents(tree, device)
+        self.length = torch.zeros(batch, dtype=torch.int64, device=device)  # the target's cache_len (the root's position)
+        self.coupling = None  # sampled calls: (keys, temperature) of the target's seeded draws (couple)
+
+    def couple(self, keys: torch.Tensor, temperature: torch.Tensor) -> bool:
+        self.coupling = (keys, temperature)
+        return True
 
     def prefill(self, prompts, features) -> None:
         for row, prompt in enumerate(prompts):
             if len(prompt) > 1:  # a 1-token prompt has nothing prefilled: its first tree is a guess
                 self.hidden[row] = features[row, len(prompt) - 2]
+        self.length.copy_(torch.tensor([len(p) - 1 for p in prompts], device=self.length.device))
 
     def propose(self, roots: torch.Tensor) -> Tree:
-        drafts = self.draft.propose_tree(self.hidden, self.tree, self.index)
+        coupling = None if self.coupling is None else (*self.coupling, self.length)
+        drafts = self.draft.propose_tree(self.hidden, self.tree, self.index, coupling)
         return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts.to(torch.int64)], 1), self.parent_index)
 
     def commit(self, tree, acc, features, accept_len) -> None:
         last = acc.path.gather(1, (accept_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         rows = torch.arange(len(last), device=last.device)
         self.hidden = torch.where((accept_len > 0).unsqueeze(1), features[rows, last], self.hidden)
+        self.length = self.length + accept_len
