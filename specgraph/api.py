@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,13 +27,12 @@ from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus,
 from .runtime.fast_start import FastStart
 from .refusals import (BACKENDS, TYPICAL_DEFAULT, auto_backend, cache_memory_problems, draft_tree, fast_start_default,
                        fast_start_problems, model_problems, tree_blockers, verify_problems)
+from .model_state import bind_to, bound_elsewhere, fingerprint, outside_inference_mode
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
 log = logging.getLogger("specgraph")
 _PLAIN = Plain()  # plain decoding: trees of the root alone (Chain(0))
-# a draft module -> the SpecModel it was last compiled for: binding borrows that target's modules
-_BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 BUDGET_LADDER = (8, 16, 32)  # policy="cost": the node budgets of a DynamicTree it may run below the tree's own
 CHAIN_LADDER = (2, 4, 8, 16, 32)  # policy="cost": the depths of a chain it may run below the chain's own
 
@@ -153,12 +150,7 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                  max_batch, f"; one-row calls: {one_row_tree}" if one_row_tree is not None else "")
     blockers += tree_blockers(model, draft, tree, max_cache_len)
     blockers += cache_memory_problems(model, max_cache_len, max_batch)
-    owner = _BOUND.get(draft) if isinstance(draft, torch.nn.Module) else None
-    other = owner() if owner is not None else None
-    if other is not None and other.model is not model:  # bind would point it at this model, breaking the other
-        blockers.append(f"draft={type(draft).__name__}: already compiled with another model (a live SpecModel), whose "
-                        f"LM head, embedding, dtype and device it shares; load a second copy of the draft for this "
-                        f"model (e.g. {type(draft).__name__}.from_pretrained(path) again)")
+    blockers += bound_elsewhere(draft, model)
     blockers += draft.bind(model)
     if synthetic_accept is not None and (not isinstance(synthetic_accept, int) or isinstance(synthetic_accept, bool) or
                                          not 1 <= synthetic_accept <= tree.max_depth + 1):
@@ -197,41 +189,9 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
                       stacklevel=2)
     spec = SpecModel(model, draft, SpecConfig(tree, backend, max_batch, max_cache_len, synthetic_accept, policy,
                                               verify, typical, one_row_tree, fast_start))
-    if isinstance(draft, torch.nn.Module) and draft is not _PLAIN:
-        _BOUND[draft] = weakref.ref(spec)
+    if draft is not _PLAIN:
+        bind_to(draft, spec)
     return spec
-
-
-def _outside_inference_mode(method):
-    """Run ``method`` with inference mode off: the caches and buffers a call makes outlive it, and a later
-    call outside the caller's ``torch.inference_mode()`` writes them in place (inference tensors refuse it)."""
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        with torch.inference_mode(False):
-            return method(*args, **kwargs)
-    return wrapper
-
-
-def _storage(*modules) -> tuple:
-    """Where every parameter of ``modules`` lives (address, dtype), and what a trace of them ran: every
-    submodule (identity), its forward hooks and a ``forward`` set on the instance: changes when a parameter
-    is moved or replaced, a module swapped, a hook added or removed. (A walk of ``_modules``: twice as fast
-    as ``parameters()`` alone, and it runs every call.)"""
-    hooks = torch.nn.modules.module
-    out = [tuple(hooks._global_forward_hooks), tuple(hooks._global_forward_pre_hooks)]
-
-    def walk(module):
-        out.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks),
-                    id(module.__dict__.get("forward"))))
-        out.extend((p.data_ptr(), p.dtype) for p in module._parameters.values() if p is not None)
-        for child in module._modules.values():
-            if child is not None:
-                walk(child)
-
-    for m in modules:
-        if isinstance(m, torch.nn.Module):
-            walk(m)
-    return tuple(out)
 
 
 @dataclass
@@ -262,7 +222,7 @@ class SpecModel:
         self.fast_start = None if not config.fast_start else FastStart(  # its own Capture: let go when compiled
             lambda: Capture(model, config.max_cache_len, backend="cudagraphs"), self.capture)
         fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
-        self._storage = _storage(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
+        self._storage = fingerprint(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
         # what generate may run per call: the tree; with a policy also a chain as deep as the
         # tree (a smaller tree: at a large batch it can win where the tree loses) and plain decoding
         self.modes = {"tree": (draft, config.tree)}
@@ -304,7 +264,7 @@ class SpecModel:
         if not TRACE_LOCK.acquire(blocking=False):
             return False
         try:
-            return _storage(self.model, self.draft) != self._storage
+            return fingerprint(self.model, self.draft) != self._storage
         finally:
             TRACE_LOCK.release()
 
@@ -313,7 +273,7 @@ class SpecModel:
         draft, tree = self.modes[name]
         return (draft, self.config.tree_for(batch)) if name == "tree" else (draft, tree)
 
-    @_outside_inference_mode
+    @outside_inference_mode
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """``model.generate`` for decoder-only models, speculating. input_ids / attention_mask
         ``[B, T]`` (left padding; B <= max_batch); ``max_new_tokens`` / ``max_length``,
@@ -475,7 +435,7 @@ class SpecModel:
         ``timeout`` seconds passed (False). Without it: True at once."""
         return True if self.fast_start is None else self.fast_start.wait(timeout)
 
-    @_outside_inference_mode
+    @outside_inference_mode
     def warmup(self, batch_sizes=(1,), sampling: bool = False) -> dict:
         """Compile now what ``generate`` would compile on first use: every mode ``generate`` may run
         (the tree; with a policy, the chain and plain decoding too), greedy (and sampled with
@@ -522,7 +482,7 @@ class SpecModel:
         log.info("warmed up %s", ", ".join(f"batch {b} {m}: {s:.1f} s" for (b, m), s in first.items()))
         return first
 
-    @_outside_inference_mode
+    @outside_inference_mode
     def export(self, path, format: str = "onnx", batch: int = 1):
         """Write the (``batch``, tree nodes) bucket's verify step with explicit KV caches (export.py): ``format``
         "onnx" (opset 20, standard ops only) or "tensorrt" (needs torch-tensorrt). Returns the written path."""

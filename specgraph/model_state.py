@@ -1,0 +1,63 @@
+"""What a SpecModel checks about the model and draft it serves, every call: that they are still the ones
+its graphs were captured from (``fingerprint``), that calls work inside or outside the caller's
+``torch.inference_mode`` (``outside_inference_mode``), and that a draft serves one live target at a time
+(``bound_elsewhere``, ``bind_to``)."""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+# a draft module -> the SpecModel it was last compiled for: binding borrows that target's modules
+_BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def bound_elsewhere(draft, model) -> list[str]:
+    """Why ``draft`` cannot be compiled for ``model``: it serves another model's live SpecModel (its bind
+    would point the draft's borrowed LM head and embedding, dtype and device at this model, breaking that one)."""
+    owner = _BOUND.get(draft) if isinstance(draft, torch.nn.Module) else None
+    other = owner() if owner is not None else None
+    if other is None or other.model is model:
+        return []
+    return [f"draft={type(draft).__name__}: already compiled with another model (a live SpecModel), whose LM head, "
+            f"embedding, dtype and device it shares; load a second copy of the draft for this model (e.g. "
+            f"{type(draft).__name__}.from_pretrained(path) again)"]
+
+
+def bind_to(draft, spec) -> None:
+    """Record that ``draft`` now serves ``spec`` (until ``spec`` is gone)."""
+    if isinstance(draft, torch.nn.Module):
+        _BOUND[draft] = weakref.ref(spec)
+
+
+def outside_inference_mode(method):
+    """Run ``method`` with inference mode off: the caches and buffers a call makes outlive it, and a later
+    call outside the caller's ``torch.inference_mode()`` writes them in place (inference tensors refuse it)."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+    return wrapper
+
+
+def fingerprint(*modules) -> tuple:
+    """Where every parameter of ``modules`` lives (address, dtype), and what a trace of them ran: every
+    submodule (identity), its forward hooks and a ``forward`` set on the instance: changes when a parameter
+    is moved or replaced, a module swapped, a hook added or removed. (A walk of ``_modules``: twice as fast
+    as ``parameters()`` alone, and it runs every call.)"""
+    hooks = torch.nn.modules.module
+    out = [tuple(hooks._global_forward_hooks), tuple(hooks._global_forward_pre_hooks)]
+
+    def walk(module):
+        out.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks),
+                    id(module.__dict__.get("forward"))))
+        out.extend((p.data_ptr(), p.dtype) for p in module._parameters.values() if p is not None)
+        for child in module._modules.values():
+            if child is not None:
+                walk(child)
+
+    for m in modules:
+        if isinstance(m, torch.nn.Module):
+            walk(m)
+    return tuple(out)
