@@ -244,12 +244,15 @@ def test_equality_test_catches_wrong_noise_keys(wrong, tree_kind, monkeypatch):
     assert any(not torch.equal(seeded(spec, rows, seed)[0], w) for (rows, seed), w in zip(cases, want))
 
 
-def test_inductor_compiled_step_is_token_exact(aot_eager_compile):
+@pytest.mark.parametrize("kind", ["ngram-chain", "eagle3-dynamic"])
+def test_inductor_compiled_step_is_token_exact(aot_eager_compile, kind):
     """backend="inductor" (compiled through dynamo with fullgraph=True: no graph break, no host sync; the
-    aot_eager fixture skips inductor's slow CPU codegen): the same tokens as eager plain sampling."""
+    aot_eager fixture skips inductor's slow CPU codegen): the same tokens as eager plain sampling, a coupled
+    draft's noise included."""
     model = small_model()
     plain = specgraph.compile(model, None, max_batch=3, max_cache_len=128)
-    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_batch=3, max_cache_len=128, backend="inductor")
+    draft, tree = drafts(model)[kind]
+    spec = specgraph.compile(model, draft, tree=tree, max_batch=3, max_cache_len=128, backend="inductor")
     for trial in range(2):
         rows = rows_for(80 + trial, 3)
         assert torch.equal(seeded(spec, rows, trial)[0], seeded(plain, rows, trial)[0])
