@@ -2,9 +2,10 @@
 
     python3 benchmarks/investigations/triton_cold_compile.py [--threads 16] [--out FILE.json]
 
-One new process with empty inductor, Triton and specgraph caches (cold), the default configuration on CUDA
-(a fast start: the first calls run the uncompiled step, so every kernel before the first token is one of
-specgraph's own Triton kernels or an aten one). It times each Triton JIT compile before the first token
+One new process with empty inductor, Triton and specgraph caches (cold), the default draft and tree on CUDA with
+``backend="cudagraphs"``: the uncompiled step a fast start serves its first calls with, without the background
+compile beside it (so every kernel before the first token is one of specgraph's own Triton kernels or an aten
+one, and nothing else compiles while the sources are compiled again). It times each Triton JIT compile before the first token
 (``JITFunction._do_compile``), then compiles the same sources again into two fresh Triton caches: one after
 another, and on a pool of ``--threads`` threads (Triton's ``AsyncCompileMode``). LLVM's code generation and
 ptxas run without the GIL, the MLIR passes and LLVM's optimizer with it, so the pool's gain is measured, not
@@ -52,7 +53,8 @@ row = tok(tok.apply_chat_template([{"role": "user", "content": prompt_set("mt-be
                                   tokenize=False, add_generation_prompt=True)).input_ids
 loaded = time.time() - start
 with specgraph.config.patch(cache=sys.argv[2]):  # the captures' own folder: cold
-    spec = specgraph.compile(model, load_default_draft())
+    # the step a fast start serves before inductor is done: recorded uncompiled, no background compile beside it
+    spec = specgraph.compile(model, load_default_draft(), backend="cudagraphs")
     spec.generate(torch.tensor([row], device="cuda"), max_new_tokens=1)
 torch.cuda.synchronize()
 first_token = time.time() - start
@@ -81,7 +83,7 @@ print(json.dumps({"import_s": imported, "load_s": loaded - imported, "first_toke
                   "compile_s": sum(s for _, s, _ in compiles), "serial_again_s": serial,
                   "threaded_again_s": threaded, "threads": threads}), flush=True)
 import os
-os._exit(0)  # the fast start's worker has not started: nothing to wait for
+os._exit(0)
 """
 
 
