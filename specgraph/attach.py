@@ -82,6 +82,9 @@ def _fallback_reasons(spec: SpecModel, input_ids, generation_config, kwargs: dic
     b, t = input_ids.shape
     if b > spec.config.max_batch:
         reasons.append(f"batch {b} > max_batch={spec.config.max_batch}")
+    mask = kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and mask.shape == input_ids.shape and bool((mask[:, 1:].eq(0) & mask[:, :-1].ne(0)).any()):
+        reasons.append("padding on the right (or inside) of a row")  # the engine pads on the left only
     positions = getattr(spec.model.config, "max_position_embeddings", None)
     if t + max_new_tokens(kwargs, gen, t, positions) + spec.config.tree_for(b).num_nodes > spec.config.max_cache_len:
         reasons.append(f"prompt + max_new_tokens beyond max_cache_len={spec.config.max_cache_len}")

@@ -46,6 +46,7 @@ import torch
 import transformers
 
 from . import config
+from .model_state import forward_hooks
 
 log = logging.getLogger(__name__)
 FORMAT = 3  # bump when what is stored changes
@@ -74,7 +75,7 @@ def code_fingerprint(model: torch.nn.Module) -> tuple[list, list[str]]:
     for name, module in model.named_modules(remove_duplicate=False):
         cls = type(module)
         parts.append((name, f"{cls.__module__}.{cls.__qualname__}", file_digest(cls.__module__)))
-        if module._forward_hooks or module._forward_pre_hooks:
+        if forward_hooks(module):
             blockers.append(f"forward hooks on {name or 'the model'}")
         for attr, value in vars(module).items():
             if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):

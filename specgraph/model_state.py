@@ -13,6 +13,19 @@ import torch
 _BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
+def _inert(hook) -> bool:
+    """transformers' own output-capturing hook (installed for good the first time a call asks for hidden states
+    or attentions): it records outputs only while a collector is active, so traces and graphs ignore it."""
+    return getattr(hook, "__name__", "") == "output_capturing_hook" and \
+        getattr(hook, "__module__", "") == "transformers.utils.output_capturing"
+
+
+def forward_hooks(module: torch.nn.Module) -> tuple:
+    """The handles of ``module``'s forward and forward-pre hooks that can change what it computes."""
+    return tuple(k for hooks in (module._forward_hooks, module._forward_pre_hooks) for k, h in hooks.items()
+                 if not _inert(h))
+
+
 def bound_elsewhere(draft, model) -> list[str]:
     """Why ``draft`` cannot be compiled for ``model``: it serves another model's live SpecModel (its bind
     would point the draft's borrowed LM head and embedding, dtype and device at this model, breaking that one)."""
@@ -50,8 +63,7 @@ def fingerprint(*modules) -> tuple:
     out = [tuple(hooks._global_forward_hooks), tuple(hooks._global_forward_pre_hooks)]
 
     def walk(module):
-        out.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks),
-                    id(module.__dict__.get("forward"))))
+        out.append((id(module), forward_hooks(module), id(module.__dict__.get("forward"))))
         out.extend((p.data_ptr(), p.dtype) for p in module._parameters.values() if p is not None)
         for child in module._modules.values():
             if child is not None:

@@ -44,3 +44,33 @@ def test_generate_speculates_unchanged_and_falls_back_by_name(smollm2):
     assert model.generate.__func__ is type(model).generate
     with pytest.raises(RuntimeError, match="not attached"):
         specgraph.detach(model)
+
+
+def test_a_call_asking_for_hidden_states_leaves_attach_working():
+    """transformers installs output-capturing forward hooks on the first call that asks for hidden states or
+    attentions (a fallback here): inert outside such a call, they do not count as a changed model, and later
+    calls speculate again, token-exact. A right-padded batch falls back to HF (with a warning) too."""
+    import warnings
+
+    import specgraph
+    from specgraph import Chain
+    from specgraph.drafts import NGram
+    from test_capture import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    specgraph.attach(model, NGram(), tree=Chain(3), max_cache_len=64)
+    assert torch.equal(model.generate(ids, max_new_tokens=6), want)
+    with pytest.warns(UserWarning, match="falling back"):
+        model.generate(ids, max_new_tokens=2, return_dict_in_generate=True, output_hidden_states=True)
+    model(ids, output_attentions=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # speculated: no fallback warning
+        assert torch.equal(model.generate(ids, max_new_tokens=6), want)
+    right = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 0, 0]])
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    with pytest.warns(UserWarning, match="padding on the right"):
+        out = model.generate(right, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+    specgraph.detach(model)
+    assert torch.equal(out, model.generate(right, attention_mask=mask, max_new_tokens=3, pad_token_id=0, do_sample=False))

@@ -53,7 +53,10 @@ def main() -> None:
             print(f"{spelling:24s} {'coupled' if coupled else 'not coupled':12s} tau {report['tau']:.3f}", flush=True)
     ARSession.couple = couple
     if args.out:
-        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
                                         "command": "python3 benchmarks/investigations/coupled_drafts.py " + " ".join(sys.argv[1:]),
                                         "rows": rows}, indent=1))
 

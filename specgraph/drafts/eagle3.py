@@ -70,6 +70,8 @@ class Eagle3(FeatureDraft):
                  aux_convention: str = "layer_input", norm_before_residual: bool = False,
                  norm_before_fc: bool = False, fc_norm: bool = False, norm_output: bool = False,
                  lm_head_from_target: bool = False):
+        if aux_convention not in (None, "layer_input", "layer_output"):
+            raise ValueError(f"aux_convention={aux_convention!r}: 'layer_input', 'layer_output' or None")
         super().__init__(config)
         h = config.hidden_size
         target_h = getattr(config, "target_hidden_size", None) or h
@@ -206,6 +208,9 @@ class Eagle3(FeatureDraft):
     # ------------------------------------------------------------------ formats
     @classmethod
     def from_pretrained(cls, path: str | Path, aux_convention: str | None = None) -> "Eagle3":
+        if aux_convention not in (None, "layer_input", "layer_output"):
+            raise ValueError(f"aux_convention={aux_convention!r}: 'layer_input' (EAGLE-3's reference trainer and "
+                             f"SpecForge), 'layer_output' (SGLang's taps) or None (the config's, else layer_input)")
         state, config = read_checkpoint(path, WEIGHT_FILES, "EAGLE-3")
         if not config:
             raise FileNotFoundError(f"{path}: EAGLE-3 checkpoints carry a config.json")
