@@ -83,6 +83,22 @@ def _tree(args: argparse.Namespace) -> int:
     return 0
 
 
+def writable_dir(path, flag: str):
+    """``path`` as a directory that exists and can be written (made if missing), checked before any work."""
+    from pathlib import Path
+
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".specgraph-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise SystemExit(f"specgraph: {flag} {str(out)!r} cannot be written ({err.strerror or err}): pass a "
+                         f"directory you can write") from None
+    return out
+
+
 def _load_target(name: str | None, tokenizer: bool = True):
     """(model, tokenizer) from a .gguf file, a HF directory or hub id; None: the embedded SmolLM2.
     ``tokenizer=False``: the model alone (the tokenizer is None)."""
@@ -100,6 +116,8 @@ def _load_target(name: str | None, tokenizer: bool = True):
             raise SystemExit(f"specgraph: the target {name!r} is not a .gguf file or a model directory here, and "
                              f"transformers could not fetch it as a hub id ({str(err).splitlines()[0][:200]}); "
                              f"download it where there is a network, or pass a local path") from None
+        except ValueError as err:  # a directory without a model config, or a tokenizer transformers cannot build
+            raise SystemExit(f"specgraph: cannot load the target {name!r}: {str(err).splitlines()[0][:300]}") from None
     model.config._attn_implementation = "sdpa"
     return model, tokenizer
 
@@ -115,6 +133,7 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.init_from is not None and args.draft != "eagle3":
         raise SystemExit(f"specgraph train {args.draft}: --init-from is for EAGLE-3 heads")
+    writable_dir(args.out, "--out")  # before the model, the data and the first steps: checkpoints go there
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = model.to(device).eval()
@@ -170,13 +189,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     import torch
 
     from . import compile, drafts
     from .train.evaluate import acceptance, plot, prompt_set
 
+    out = writable_dir(args.out, "--out")  # before the benchmark: its report must have somewhere to go
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = model.to(device, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
@@ -189,8 +208,6 @@ def _bench(args: argparse.Namespace) -> int:
                    max_batch=args.batch_size)
     report = acceptance(spec, tokenizer, prompt_set(args.prompts, args.questions), args.max_new_tokens, args.temperature,
                         batch_size=args.batch_size)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "acceptance.png")
     print(f"{report['draft']} {report['tree']}: tau (tokens per target step) {report['tau']:.2f}, "
@@ -250,7 +267,11 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"specgraph inspect: --logits-rows {args.logits_rows[0]}:{args.logits_rows[1]} lies past the "
               f"{args.nodes} nodes of --nodes", file=sys.stderr)
         return 2
-    model, _ = _load_target(args.model)
+    if args.max_cache_len <= args.nodes:  # compile's own rule: the cache holds the tree and more
+        print(f"specgraph inspect: --max-cache-len {args.max_cache_len} must be larger than --nodes {args.nodes}",
+              file=sys.stderr)
+        return 2
+    model, _ = _load_target(args.model, tokenizer=False)  # inspect reads no text
     taps = HiddenTaps(args.taps, args.convention, args.final) if args.taps or args.final else None
     lines, supported = inspect_model(model, args.batch, args.nodes, args.max_cache_len, taps, args.logits_rows)
     print("\n".join(lines))

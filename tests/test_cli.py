@@ -129,3 +129,22 @@ def test_train_with_mask_repeats_picks_the_draft_vocabulary_from_every_answer_to
     assert [int(e["loss_mask"].sum()) for e in seen["held"]] == [20]  # four copies of the loop: masked, 5
     assert [len(e["input_ids"]) for e in seen["held"]] == [8 + 20]
     assert [int(e["loss_mask"].sum()) for e in seen["train"]] == [answer - 5 * 5] * 2  # five repeats of the loop
+
+
+def test_user_mistakes_are_one_line_errors_before_any_work(tmp_path, capsys):
+    """inspect on a model directory without tokenizer files works (it reads no text); an empty directory,
+    --max-cache-len not above --nodes, and an --out that cannot be written (train, bench) are one-line errors
+    naming what is wrong, before the model loads or anything runs."""
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(model_dir)  # no tokenizer files
+    assert main(["inspect", str(model_dir), "--nodes", "4", "--max-cache-len", "64"]) == 0
+    assert "supported" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="cannot load the target"):
+        main(["inspect", str(tmp_path / "empty")])
+    assert main(["inspect", str(model_dir), "--nodes", "8", "--max-cache-len", "8"]) == 2
+    assert "--max-cache-len 8 must be larger than --nodes 8" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    for command in (["train", "eagle3", "--target", "/no/such/model"], ["bench", "acceptance", "--target", "/no/such"]):
+        with pytest.raises(SystemExit, match="--out .* cannot be written"):
+            main(command + ["--out", str(tmp_path / "a-file" / "sub")])
