@@ -83,6 +83,19 @@ def _tree(args: argparse.Namespace) -> int:
     return 0
 
 
+def _identity(model) -> str:
+    """A short digest of a target (its config and a strided sample of every weight): a run resumed into the
+    same --out must train against the same target."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        digest.update(name.encode() + flat[:: max(1, flat.numel() // 64)].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def writable_dir(path, flag: str):
     """``path`` as a directory that exists and can be written (made if missing), checked before any work."""
     from pathlib import Path
@@ -169,7 +182,11 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
                          max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20),
-                         select=args.select, patience=args.patience, seed=args.seed)
+                         select=args.select, patience=args.patience, seed=args.seed,
+                         run=dict(target=_identity(model), draft=args.draft, ttt_steps=args.ttt_steps,
+                                  mask_repeats=args.mask_repeats, max_length=args.max_length, data=args.data,
+                                  shards=args.shards, limit=args.limit, draft_vocab=args.draft_vocab,
+                                  heads=args.heads, held_out_first_answer=args.held_out_first_answer))
     torch.manual_seed(args.seed)  # the new head's weights: the same command trains the same head
     if args.draft == "medusa":
         draft = new_medusa_for(model, num_heads=args.heads, own_lm_head=not args.shared_lm_head)

@@ -22,7 +22,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -56,6 +56,9 @@ class TrainConfig:
     patience: int | None = None  # evaluations without a new best before stopping (needs select)
     save_dtype: str | None = None  # e.g. "bfloat16": the checkpoint's weights (trainer.pt keeps full precision)
     max_shard_bytes: int | None = None  # split the checkpoint's safetensors (HF index) above this size
+    # what else shapes the run, compared on resume like the fields above: the target's identity, the loss's
+    # settings, the data (the CLI fills it)
+    run: dict = field(default_factory=dict)
 
 
 PAD_MULTIPLE = 64  # few distinct T: kernels that plan per shape (cuDNN attention) plan once per width
@@ -118,6 +121,9 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         raise SettingError(f"out={str(out)!r} is a file: the checkpoint is a directory; pass another path")
     if not examples:
         raise SettingError("no training examples (after the held-out ones were taken): give more data")
+    if "loss_mask" in examples[0] and not any(bool(e["loss_mask"].any()) for e in examples):
+        raise SettingError("no training example keeps a token with loss (an answer token) within its length: the "
+                           "prompts fill it (a longer max_length / --max-length, or shorter conversations)")
     lengths = [len(e["input_ids"]) for e in examples]
     state = {"step": 0, "history": [], "epoch": 0, "batch": 0, "best": None, "since_best": 0}
     state_file = out / "trainer.pt"
@@ -187,6 +193,9 @@ def _check_resumable(saved: dict, config: TrainConfig, draft, out: Path) -> None
     before = saved.get("config", {})
     changed = [f"{f}={before[f]!r} -> {getattr(config, f)!r}" for f in RUN_FIELDS
                if f in before and before[f] != getattr(config, f)]
+    saved_run = before.get("run", config.run)  # (a checkpoint from before ``run`` existed: not compared)
+    changed += [f"{k}={saved_run.get(k)!r} -> {config.run.get(k)!r}" for k in sorted(set(saved_run) | set(config.run))
+                if saved_run.get(k) != config.run.get(k)]
     if changed:
         raise SettingError(f"{out} holds a run with other settings ({', '.join(changed)}): resume with the same "
                            f"ones (split a run with stop_at / --stop-at), or start a new run in another directory")

@@ -82,6 +82,9 @@ def test_settings_the_run_cannot_use_are_refused_before_a_step(tmp_path):
         train(draft, scripted(draft, {}, steps), examples, TrainConfig(steps=2), tmp_path / "file")
     with pytest.raises(SettingError, match="no training examples"):
         train(draft, scripted(draft, {}, steps), [], TrainConfig(steps=2), tmp_path / "none")
+    no_loss = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.zeros(3, dtype=torch.bool)}] * 5
+    with pytest.raises(SettingError, match="no training example keeps a token with loss"):  # prompts fill max_length
+        train(draft, scripted(draft, {}, steps), no_loss, TrainConfig(steps=2), tmp_path / "no-loss")
 
 
 def test_a_checkpoint_resumes_only_its_own_run(tmp_path):
@@ -94,6 +97,10 @@ def test_a_checkpoint_resumes_only_its_own_run(tmp_path):
     for changed in (dict(lr=1e-6), dict(batch_size=4), dict(steps=8)):
         with pytest.raises(SettingError, match=f"{next(iter(changed))}=.* -> "):
             train(draft, scripted(draft, {}, [0]), examples, TrainConfig(**{**config.__dict__, **changed}), tmp_path)
+    # what TrainConfig.run names (the CLI: the target's identity, the loss's settings, the data): the same
+    with pytest.raises(SettingError, match="ttt_steps=None -> 5"):
+        train(draft, scripted(draft, {}, [0]), examples, TrainConfig(**{**config.__dict__, "run": {"ttt_steps": 5}}),
+              tmp_path)
 
     class Other(Scalar):
         def __init__(self):
