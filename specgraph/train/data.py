@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..errors import SettingError
+
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
          "system": "system"}
 
@@ -46,8 +48,15 @@ def load_sharegpt(path: str | Path | None = None, limit: int | None = None) -> l
     user/assistant from a user turn, or have an empty turn, are skipped.
     """
     path = Path(path or sharegpt_path())
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
-    decoder, pos, out = json.JSONDecoder(), text.index("[") + 1, []
+    try:
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError, EOFError) as err:  # (gzip's BadGzipFile is an OSError)
+        raise SettingError(f"{path}: not a UTF-8 (or .gz) ShareGPT JSON file ({err})") from None
+    start = text.lstrip()[:1]
+    if start != "[":
+        raise SettingError(f"{path}: a ShareGPT file is a JSON array of records ({{\"conversations\": [{{\"from\": "
+                         f"\"human\", \"value\": ...}}, ...]}}); this one starts with {start!r}")
+    decoder, pos, out, index = json.JSONDecoder(), text.index("[") + 1, [], 0
     while limit is None or len(out) < limit:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
@@ -58,7 +67,12 @@ def load_sharegpt(path: str | Path | None = None, limit: int | None = None) -> l
         except json.JSONDecodeError:
             warnings.warn(f"{path or sharegpt_path()}: the file ends inside a record; read {len(out)} complete ones")
             break
-        messages = _messages(record.get("conversations") or [])
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise SettingError(f"{path}: record {index} is not a ShareGPT record (an object whose \"conversations\" "
+                             f"is a list of {{\"from\", \"value\"}} objects): {str(record)[:120]}")
+        index += 1
+        messages = _messages(turns)
         if messages:
             out.append(messages)
     return out
@@ -66,6 +80,8 @@ def load_sharegpt(path: str | Path | None = None, limit: int | None = None) -> l
 
 def _messages(turns: list[dict]) -> list[dict] | None:
     messages = [{"role": ROLES.get(t.get("from"), "?"), "content": t.get("value") or ""} for t in turns]
+    if any(not isinstance(m["content"], str) for m in messages):
+        return None  # a turn whose value is not text: the conversation is skipped, as an empty turn is
     if messages and messages[0]["role"] == "system":
         messages = messages[1:]
     if len(messages) < 2 or any(not m["content"].strip() for m in messages):

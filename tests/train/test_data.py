@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from specgraph.errors import SettingError
 from specgraph.train.data import build, load_sharegpt, regenerate, tokenize
 
 RECORDS = [
@@ -130,3 +131,22 @@ def test_regeneration_resumes_from_its_chunks(smollm2, tmp_path, monkeypatch):
     with pytest.raises(data.OutOfTime):  # past the deadline: stops before regenerating anything
         build(tokenizer, tmp_path / "late", model, limit=2, deadline=time.time() - 1, **kw)
     assert calls == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"a": 1}', "a JSON array of records"), ("[[1, 2], [3]]", "record 0 is not a ShareGPT record"),
+    ('[{"conversations": "hello"}]', "record 0 is not a ShareGPT record"), (b"\x80\x81[", "not a UTF-8"),
+])
+def test_a_file_that_is_not_sharegpt_is_named(tmp_path, content, message):
+    path = tmp_path / "data.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(SettingError, match=message):
+        load_sharegpt(path)
+
+
+def test_a_turn_whose_value_is_not_text_skips_its_conversation(tmp_path):
+    path = tmp_path / "data.json"
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    bad = {"conversations": [{"from": "human", "value": 5}, {"from": "gpt", "value": "x"}]}
+    path.write_text(json.dumps([bad, good]))
+    assert load_sharegpt(path) == [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]]
