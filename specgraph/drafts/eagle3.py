@@ -221,6 +221,7 @@ class Eagle3(FeatureDraft):
             refused.append(f"num_hidden_layers={config['num_hidden_layers']} (multi-layer EAGLE-3 heads)")
         if refused:
             raise ValueError(f"{path}: EAGLE-3 variant not supported yet: {', '.join(refused)}")
+        _check_fields(config, path)
         ids, convention = aux_ids_of(config, aux_convention, path)
         state = {_rename(k): v for k, v in state.items()}
         llama = LlamaConfig(**{k: v for k, v in config.items() if k not in _NOT_LLAMA})
@@ -254,6 +255,26 @@ class Eagle3(FeatureDraft):
 def layer_inputs(ids, convention: str) -> tuple[int, ...]:
     """Tapped layers as "the input of layer j" ids (vLLM's form; the output of layer i is j = i + 1)."""
     return tuple(int(i) + (convention == "layer_output") for i in ids)
+
+
+_INT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+               "draft_vocab_size", "target_hidden_size", "head_dim")
+
+
+def _check_fields(config: dict, path) -> None:
+    """The config's sizes and aux layer ids as integers, each bad one named with its file (a head's shapes come
+    from them: a missing ``hidden_size`` would silently be LlamaConfig's 4096)."""
+    bad = [f"{k}={config[k]!r}" for k in _INT_FIELDS if config.get(k) is not None and
+           (isinstance(config[k], bool) or not isinstance(config[k], int))]
+    for key, ids in (("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")),
+                     ("eagle_config.eagle_aux_hidden_state_layer_ids",
+                      (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))):
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+            bad.append(f"{key}={ids!r}")
+    if bad or "hidden_size" not in config:
+        missing = [] if "hidden_size" in config else ["hidden_size missing"]
+        raise ValueError(f"{path}/config.json: {', '.join(bad + missing)}: sizes are integers, aux layer ids a list of "
+                         f"integers")
 
 
 def aux_ids_of(config: dict, aux_convention: str | None, path) -> tuple[tuple[int, ...] | None, str]:

@@ -273,3 +273,23 @@ def test_eagle3_ships_in_bf16_shards(tmp_path):
         if key in state:  # bf16 on disk: the loaded values are the bf16-rounded originals
             want = value.to(torch.bfloat16).float() if value.is_floating_point() else value
             assert torch.equal(again.state_dict()[key], want), key
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", "64"), ("draft_vocab_size", "256"),
+                                          ("eagle_aux_hidden_state_layer_ids", "1,2,3"), ("hidden_size", None)])
+def test_a_config_field_of_the_wrong_type_or_missing_is_named(tmp_path, field, value):
+    """A head's shapes come from its config: a size that is not an integer, aux ids that are not a list of
+    integers, or no hidden_size at all (LlamaConfig would take 4096) are named with the file."""
+    import json
+
+    from specgraph.drafts import Eagle3
+
+    (tmp_path / "config.json").write_text(json.dumps({**{"hidden_size": 64, "num_attention_heads": 4,
+                                                         "num_key_value_heads": 2, "vocab_size": 256},
+                                                      **({field: value} if value is not None else {})}
+                                                     if value is not None else {"num_attention_heads": 4}))
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(64, 192)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"config.json: .*{'hidden_size missing' if value is None else field}"):
+        Eagle3.from_pretrained(tmp_path)
