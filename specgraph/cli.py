@@ -212,6 +212,9 @@ def _bench(args: argparse.Namespace) -> int:
     from . import compile, drafts
     from .train.evaluate import acceptance, plot, prompt_set
 
+    if args.tree is not None and args.tree.num_nodes == 1:
+        raise SystemExit(f"specgraph bench acceptance: --tree {args.tree} verifies the root alone (plain decoding): "
+                         f"no draft would be measured; pass a deeper tree, e.g. chain4")
     out = writable_dir(args.out, "--out")  # before the benchmark: its report must have somewhere to go
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
@@ -347,12 +350,29 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Each option's default in its help, with or without a help text (ArgumentDefaultsHelpFormatter shows it
+    only where there is one), unless the text already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, (), []) or not action.option_strings \
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction)):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class _Parser(argparse.ArgumentParser):
     """Every --help shows the defaults (subcommands' parsers are of the parent's class)."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _DefaultsShown)
         super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if "help" not in kwargs and args and args[0].startswith("-") and kwargs.get("default") is not None:
+            kwargs["help"] = "(default: %(default)s)"  # argparse prints nothing for an option without help
+        return super().add_argument(*args, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -148,3 +148,12 @@ def test_user_mistakes_are_one_line_errors_before_any_work(tmp_path, capsys):
     for command in (["train", "eagle3", "--target", "/no/such/model"], ["bench", "acceptance", "--target", "/no/such"]):
         with pytest.raises(SystemExit, match="--out .* cannot be written"):
             main(command + ["--out", str(tmp_path / "a-file" / "sub")])
+    with pytest.raises(SystemExit, match="verifies the root alone"):
+        main(["bench", "acceptance", "--tree", "chain0", "--out", str(tmp_path / "bench")])
+
+
+def test_help_shows_every_options_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--steps STEPS (default: 2000)" in text and "--lr LR (default: 0.001)" in text
