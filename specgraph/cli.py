@@ -96,6 +96,31 @@ def _identity(model) -> str:
     return digest.hexdigest()[:16]
 
 
+def _hub_reachable(name: str) -> None:
+    """A hub id (not a local path) needs the hub: when its host does not even resolve, say so at once
+    (transformers would retry for half a minute first). Offline mode and a local cache are left to transformers."""
+    import os
+    import socket
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if Path(name).exists() or constants.HF_HUB_OFFLINE:
+        return
+    try:
+        if try_to_load_from_cache(name, "config.json") is not None:
+            return
+    except ValueError:  # not a valid repository id: transformers' own error names it
+        return
+    host = urlparse(os.environ.get("HF_ENDPOINT", constants.ENDPOINT)).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as err:
+        raise SystemExit(f"specgraph: the target {name!r} is not a local path, and the hub ({host}) cannot be reached "
+                         f"({err.strerror or err}): download it where there is a network, or pass a local path") from None
+
+
 def writable_dir(path, flag: str):
     """``path`` as a directory that exists and can be written (made if missing), checked before any work."""
     from pathlib import Path
@@ -121,6 +146,8 @@ def _load_target(name: str | None, tokenizer: bool = True):
         model, tokenizer = load_gguf(name)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        _hub_reachable(name)
 
         try:
             model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")

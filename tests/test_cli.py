@@ -157,3 +157,14 @@ def test_help_shows_every_options_default(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--steps STEPS (default: 2000)" in text and "--lr LR (default: 0.001)" in text
+
+
+def test_an_unreachable_hub_id_is_one_line_at_once(monkeypatch):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    with pytest.raises(SystemExit, match="'some-org/no-such-model' is not a local path, and the hub .* cannot be reached"):
+        main(["inspect", "some-org/no-such-model"])
