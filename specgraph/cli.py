@@ -99,7 +99,6 @@ def _identity(model) -> str:
 def _hub_reachable(name: str) -> None:
     """A hub id (not a local path) needs the hub: when its host does not even resolve, say so at once
     (transformers would retry for half a minute first). Offline mode and a local cache are left to transformers."""
-    import os
     import socket
     from pathlib import Path
     from urllib.parse import urlparse
@@ -113,7 +112,7 @@ def _hub_reachable(name: str) -> None:
             return
     except ValueError:  # not a valid repository id: transformers' own error names it
         return
-    host = urlparse(os.environ.get("HF_ENDPOINT", constants.ENDPOINT)).hostname or "huggingface.co"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"  # (HF_ENDPOINT, as huggingface_hub reads it)
     try:
         socket.getaddrinfo(host, 443)
     except OSError as err:
@@ -555,6 +554,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (CompileError, SettingError, OSError, ImportError) as err:  # refused, a path, a missing extra: the reason
         print(f"specgraph {args.command}: {err}", file=sys.stderr)
+        return 2
+    except SystemExit as err:  # a refusal raised with its message (a target, an --out): bad input, as above
+        if not isinstance(err.code, str):
+            raise
+        print(err.code, file=sys.stderr)
         return 2
 
 

@@ -374,7 +374,7 @@ def test_stop_strings_stop_where_model_generate_stops():
         spec.generate(ids, max_new_tokens=4, stop_strings=["x"])
 
 
-def test_incomplete_heads_empty_prompts_and_unknown_targets_get_clear_errors(model, spec, tmp_path, monkeypatch):
+def test_incomplete_heads_empty_prompts_and_unknown_targets_get_clear_errors(model, spec, tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file, save_file
 
     from specgraph.cli import main
@@ -392,9 +392,12 @@ def test_incomplete_heads_empty_prompts_and_unknown_targets_get_clear_errors(mod
     def offline(name, **kwargs):  # what transformers raises without a network (none is reached in tests)
         raise OSError(f"We couldn't connect to the hub to load {name}.\nmore")
 
+    import socket
+
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
-    with pytest.raises(SystemExit, match="the target 'someorg/no-such-model' is not a .gguf file or a model directory"):
-        main(["inspect", "someorg/no-such-model"])
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: [])  # the hub's host resolves, then fails
+    assert main(["inspect", "someorg/no-such-model"]) == 2
+    assert "the target 'someorg/no-such-model' is not a .gguf file or a model directory" in capsys.readouterr().err
 
 
 def test_every_draft_kind_implements_the_draft_protocol_and_others_are_refused(model):
