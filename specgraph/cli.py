@@ -120,6 +120,17 @@ def _hub_reachable(name: str) -> None:
                          f"({err.strerror or err}): download it where there is a network, or pass a local path") from None
 
 
+def _trained_to(out) -> int | None:
+    """The last step a training run in ``out`` logged (its history.json), None if none."""
+    import json
+
+    try:
+        history = json.loads((out / "history.json").read_text())
+        return int(history[-1]["step"]) if history else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
 def writable_dir(path, flag: str):
     """``path`` as a directory that exists and can be written (made if missing), checked before any work."""
     from pathlib import Path
@@ -172,7 +183,12 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.init_from is not None and args.draft != "eagle3":
         raise SystemExit(f"specgraph train {args.draft}: --init-from is for EAGLE-3 heads")
-    writable_dir(args.out, "--out")  # before the model, the data and the first steps: checkpoints go there
+    out = writable_dir(args.out, "--out")  # before the model, the data and the first steps: checkpoints go there
+    done = _trained_to(out)
+    if done is not None and done >= min(args.steps, args.stop_at or args.steps):
+        print(f"{args.draft}: {out} is trained to step {done} already (--steps {args.steps}"
+              f"{f', --stop-at {args.stop_at}' if args.stop_at else ''}): nothing to do")
+        return 0
     model, tokenizer = _load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = model.to(device).eval()

@@ -91,6 +91,16 @@ def test_train_on_distilled_shards_keeps_the_best_head_by_held_out_tau(tmp_path)
     # the same command trains the same head (its initial weights are seeded); another --seed another one
     assert [h["loss"] for h in run(tmp_path / "again")] == [h["loss"] for h in history]
     assert run(tmp_path / "seed1", "--seed", "1")[0]["loss"] != history[0]["loss"]
+    import specgraph.cli as cli  # the same command again: nothing to train, so no model is even loaded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded for a run that is done")
+
+    cli_load, cli._load_target = cli._load_target, refuse
+    try:
+        assert run(tmp_path / "head") == history
+    finally:
+        cli._load_target = cli_load
 
 
 @pytest.mark.model
