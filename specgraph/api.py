@@ -355,8 +355,9 @@ class SpecModel:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a row of input_ids is all padding (attention_mask has no 1)")
         streamer = kwargs.get("streamer")
-        if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-            raise TypeError(f"streamer={streamer!r}: a transformers streamer (put(tokens) and end()), e.g. TextStreamer")
+        if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
+            raise TypeError(f"streamer={streamer!r}: a transformers streamer (put(tokens) and end()), "
+                            f"e.g. TextStreamer")
         if streamer is not None:
             if b != 1:
                 raise ValueError("streamer: only batch size 1 can be streamed (as in model.generate)")

@@ -116,8 +116,9 @@ def _hub_reachable(name: str) -> None:
     try:
         socket.getaddrinfo(host, 443)
     except OSError as err:
-        raise SystemExit(f"specgraph: the target {name!r} is not a local path, and the hub ({host}) cannot be reached "
-                         f"({err.strerror or err}): download it where there is a network, or pass a local path") from None
+        raise SystemExit(f"specgraph: the target {name!r} is not a local path, and the hub ({host}) cannot be "
+                         f"reached ({err.strerror or err}): download it where there is a network, or pass a local "
+                         f"path") from None
 
 
 def _trained_to(out) -> int | None:

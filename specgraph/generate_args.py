@@ -104,7 +104,8 @@ def max_new_tokens(kwargs: dict, generation_config, prompt_width: int, max_posit
         return whole
     max_length = setting(kwargs, generation_config, "max_length")
     if max_length is None:  # transformers' default: 20 new tokens, within the model's positions
-        new = HF_DEFAULT_NEW_TOKENS if max_positions is None else min(HF_DEFAULT_NEW_TOKENS, max_positions - prompt_width)
+        new = HF_DEFAULT_NEW_TOKENS if max_positions is None else \
+            min(HF_DEFAULT_NEW_TOKENS, max_positions - prompt_width)
         if new < 1:
             raise ValueError(f"the prompt of {prompt_width} tokens fills the model's max_position_embeddings="
                              f"{max_positions}: pass max_new_tokens (no length was given anywhere)")

@@ -333,5 +333,6 @@ def _token_ids(ids, vocab: int) -> torch.Tensor:
     ids = ids.to(torch.int64)
     outside = ids[(ids < 0) | (ids >= vocab)]
     if outside.numel():
-        raise ValueError(f"draft_vocab: ids {outside[:8].tolist()} lie outside the target's vocabulary 0 .. {vocab - 1}")
+        raise ValueError(f"draft_vocab: ids {outside[:8].tolist()} lie outside the target's vocabulary "
+                         f"0 .. {vocab - 1}")
     return ids

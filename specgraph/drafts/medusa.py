@@ -256,7 +256,8 @@ class MedusaSession(DraftSession):
         self.hidden = torch.zeros(batch, draft.hidden_size, dtype=next(draft.parameters()).dtype, device=device)
         # built once here, read by the compiled propose (made inside it, they would be graph constants)
         self.index, self.parent_index = tree_index(tree, device), spec_parents(tree, device)
-        self.length = torch.zeros(batch, dtype=torch.int64, device=device)  # the target's cache_len (the root's position)
+        # the target's cache_len: the position of each row's root
+        self.length = torch.zeros(batch, dtype=torch.int64, device=device)
         self.coupling = None  # sampled calls: (keys, temperature) of the target's seeded draws (couple)
 
     def couple(self, keys: torch.Tensor, temperature: torch.Tensor) -> bool:
