@@ -215,6 +215,12 @@ class Eagle3(FeatureDraft):
         if not config:
             raise FileNotFoundError(f"{path}: EAGLE-3 checkpoints carry a config.json")
         eagle_config = config.get("eagle_config") or {}
+        architectures = config.get("architectures") or []
+        if config.get("num_hidden_layers", 1) != 1 and not eagle_config and "draft_vocab_size" not in config and \
+                not any("eagle" in str(a).lower() for a in architectures):  # no mark of a head at all
+            raise ValueError(f"{path}: a {', '.join(map(str, architectures)) or 'model'} directory with "
+                             f"{config['num_hidden_layers']} layers, not an EAGLE-3 head (a head's config has one "
+                             f"layer, and draft_vocab_size or eagle_config): pass the head's directory")
         flags = {**config, **eagle_config}
         refused = [f"{f}={flags[f]!r}" for f in REFUSED_FLAGS if flags.get(f)]
         if config.get("num_hidden_layers", 1) != 1:

@@ -236,6 +236,13 @@ def test_eagle3_refusals_name_the_problem(tmp_path):
     _write(tmp_path / "deep", state, config | {"num_hidden_layers": 2})
     with pytest.raises(ValueError, match="num_hidden_layers=2"):
         Eagle3.from_pretrained(tmp_path / "deep")
+    import transformers  # a target model's directory, not a head: said so, not "multi-layer head"
+
+    target = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64))
+    target.save_pretrained(tmp_path / "target")
+    with pytest.raises(ValueError, match="LlamaForCausalLM directory with 2 layers, not an EAGLE-3 head"):
+        Eagle3.from_pretrained(tmp_path / "target")
     _write(tmp_path / "no_d2t", {k: v for k, v in state.items() if k != "d2t"}, config)
     with pytest.raises(ValueError, match=r"missing weights \['d2t'\]"):
         Eagle3.from_pretrained(tmp_path / "no_d2t")
