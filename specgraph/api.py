@@ -27,7 +27,8 @@ from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus,
 from .runtime.fast_start import FastStart
 from .refusals import (BACKENDS, TYPICAL_DEFAULT, auto_backend, cache_memory_problems, draft_tree, fast_start_default,
                        fast_start_problems, model_problems, tree_blockers, verify_problems)
-from .model_state import bind_to, bound_elsewhere, fingerprint, outside_inference_mode
+from .model_state import (CHANGED_SINCE_COMPILE, COPY_REFUSED, bind_to, bound_elsewhere, fingerprint,
+                          outside_inference_mode)
 from .runtime.policy import MeasuredPolicy
 from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
@@ -209,11 +210,10 @@ class SpecModel:
     """The speculating model. ``generate`` takes ``model.generate``'s arguments: greedy is token-exact,
     sampling exact in distribution (unless compiled with the lossy ``verify="typical"``)."""
 
-    def __deepcopy__(self, memo):
-        raise TypeError("a SpecModel cannot be copied or pickled: its captured graphs and caches are tied to the "
-                        "model's storage. Copy the model (copy.deepcopy(model)) and specgraph.compile the copy")
+    def __deepcopy__(self, memo=None):
+        raise TypeError(COPY_REFUSED)
 
-    __reduce__ = __reduce_ex__ = lambda self, *args: SpecModel.__deepcopy__(self, None)
+    __reduce__ = __reduce_ex__ = __deepcopy__
 
     def __init__(self, model, draft, config: SpecConfig):
         self.model, self.draft, self.config = model, draft, config
@@ -222,7 +222,7 @@ class SpecModel:
         self.fast_start = None if not config.fast_start else FastStart(  # its own Capture: let go when compiled
             lambda: Capture(model, config.max_cache_len, backend="cudagraphs"), self.capture)
         fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
-        self._storage = fingerprint(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
+        self._fingerprint = fingerprint(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
         # what generate may run per call: the tree; with a policy also a chain as deep as the
         # tree (a smaller tree: at a large batch it can win where the tree loses) and plain decoding
         self.modes = {"tree": (draft, config.tree)}
@@ -264,7 +264,7 @@ class SpecModel:
         if not TRACE_LOCK.acquire(blocking=False):
             return False
         try:
-            return fingerprint(self.model, self.draft) != self._storage
+            return fingerprint(self.model, self.draft) != self._fingerprint
         finally:
             TRACE_LOCK.release()
 
@@ -286,11 +286,7 @@ class SpecModel:
         ``logits`` (with ``output_scores`` / ``output_logits``) and ``accept_lens`` (per step, per row:
         tokens committed). Any other setting that would change the output raises TypeError."""
         if self._moved():
-            raise RuntimeError("the model's or the draft's parameters were moved or replaced, or its modules or "
-                               "forward hooks changed, since specgraph.compile (model.to(...), .half(), a new layer, "
-                               "a hook added or removed, ...): the captured graphs still run the old ones. Call "
-                               "specgraph.compile again after the change (after attach: specgraph.detach(model), "
-                               "then attach again)")
+            raise RuntimeError(CHANGED_SINCE_COMPILE)
         gen = generation_config(self.model, kwargs.get("generation_config"))  # unset fields: the model's
         unknown = unsupported_arguments(kwargs, gen)
         if unknown:

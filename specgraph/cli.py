@@ -5,7 +5,8 @@ import argparse
 import sys
 
 from . import __version__
-from .cli_args import MAX_NODES, draft_spec, layer_ids, number, row_range, tree as tree_arg, whole_number
+from .cli_args import MAX_NODES, Parser, draft_spec, layer_ids, number, row_range, tree as tree_arg, whole_number
+from .cli_io import load_target, run_identity, trained_to, writable_dir
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -83,96 +84,6 @@ def _tree(args: argparse.Namespace) -> int:
     return 0
 
 
-def _identity(model) -> str:
-    """A short digest of a target (its config and a strided sample of every weight): a run resumed into the
-    same --out must train against the same target."""
-    import hashlib
-    import json
-
-    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    for name, p in sorted(model.state_dict().items()):
-        flat = p.detach().reshape(-1)
-        digest.update(name.encode() + flat[:: max(1, flat.numel() // 64)].float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def _hub_reachable(name: str) -> None:
-    """A hub id (not a local path) needs the hub: when its host does not even resolve, say so at once
-    (transformers would retry for half a minute first). Offline mode and a local cache are left to transformers."""
-    import socket
-    from pathlib import Path
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if Path(name).exists() or constants.HF_HUB_OFFLINE:
-        return
-    try:
-        if try_to_load_from_cache(name, "config.json") is not None:
-            return
-    except ValueError:  # not a valid repository id: transformers' own error names it
-        return
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"  # (HF_ENDPOINT, as huggingface_hub reads it)
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError as err:
-        raise SystemExit(f"specgraph: the target {name!r} is not a local path, and the hub ({host}) cannot be "
-                         f"reached ({err.strerror or err}): download it where there is a network, or pass a local "
-                         f"path") from None
-
-
-def _trained_to(out) -> int | None:
-    """The last step a training run in ``out`` logged (its history.json), None if none."""
-    import json
-
-    try:
-        history = json.loads((out / "history.json").read_text())
-        return int(history[-1]["step"]) if history else None
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return None
-
-
-def writable_dir(path, flag: str):
-    """``path`` as a directory that exists and can be written (made if missing), checked before any work."""
-    from pathlib import Path
-
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".specgraph-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise SystemExit(f"specgraph: {flag} {str(out)!r} cannot be written ({err.strerror or err}): pass a "
-                         f"directory you can write") from None
-    return out
-
-
-def _load_target(name: str | None, tokenizer: bool = True):
-    """(model, tokenizer) from a .gguf file, a HF directory or hub id; None: the embedded SmolLM2.
-    ``tokenizer=False``: the model alone (the tokenizer is None)."""
-    from .models import load_gguf
-
-    if name is None or name.endswith(".gguf"):
-        model, tokenizer = load_gguf(name)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        _hub_reachable(name)
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
-            tokenizer = AutoTokenizer.from_pretrained(name) if tokenizer else None
-        except OSError as err:  # offline, no such repository or directory: one line naming the target
-            raise SystemExit(f"specgraph: the target {name!r} is not a .gguf file or a model directory here, and "
-                             f"transformers could not fetch it as a hub id ({str(err).splitlines()[0][:200]}); "
-                             f"download it where there is a network, or pass a local path") from None
-        except ValueError as err:  # a directory without a model config, or a tokenizer transformers cannot build
-            raise SystemExit(f"specgraph: cannot load the target {name!r}: {str(err).splitlines()[0][:300]}") from None
-    model.config._attn_implementation = "sdpa"
-    return model, tokenizer
-
-
 def _train(args: argparse.Namespace) -> int:
     import time
 
@@ -185,12 +96,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.init_from is not None and args.draft != "eagle3":
         raise SystemExit(f"specgraph train {args.draft}: --init-from is for EAGLE-3 heads")
     out = writable_dir(args.out, "--out")  # before the model, the data and the first steps: checkpoints go there
-    done = _trained_to(out)
+    done = trained_to(out)
     if done is not None and done >= min(args.steps, args.stop_at or args.steps):
         print(f"{args.draft}: {out} is trained to step {done} already (--steps {args.steps}"
               f"{f', --stop-at {args.stop_at}' if args.stop_at else ''}): nothing to do")
         return 0
-    model, tokenizer = _load_target(args.target)
+    model, tokenizer = load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = model.to(device).eval()
     for p in model.parameters():
@@ -226,7 +137,7 @@ def _train(args: argparse.Namespace) -> int:
                          eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
                          max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20),
                          select=args.select, patience=args.patience, seed=args.seed,
-                         run=dict(target=_identity(model), draft=args.draft, ttt_steps=args.ttt_steps,
+                         run=dict(target=run_identity(model), draft=args.draft, ttt_steps=args.ttt_steps,
                                   mask_repeats=args.mask_repeats, max_length=args.max_length, data=args.data,
                                   shards=args.shards, limit=args.limit, draft_vocab=args.draft_vocab,
                                   heads=args.heads, held_out_first_answer=args.held_out_first_answer))
@@ -259,7 +170,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"specgraph bench acceptance: --tree {args.tree} verifies the root alone (plain decoding): "
                          f"no draft would be measured; pass a deeper tree, e.g. chain4")
     out = writable_dir(args.out, "--out")  # before the benchmark: its report must have somewhere to go
-    model, tokenizer = _load_target(args.target)
+    model, tokenizer = load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = model.to(device, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
     kind, path = args.draft
@@ -283,7 +194,7 @@ def _export(args: argparse.Namespace) -> int:
     from . import Chain, compile
     from .drafts import NGram
 
-    model, _ = _load_target(args.target, tokenizer=False)
+    model, _ = load_target(args.target, tokenizer=False)
     # the exported step holds no draft and takes the tree as input: a chain as long as the bucket
     # bounds every tree of that many nodes
     draft, tree = (None, None) if args.nodes == 1 else (NGram(), Chain(args.nodes - 1))
@@ -334,7 +245,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"specgraph inspect: --max-cache-len {args.max_cache_len} must be larger than --nodes {args.nodes}",
               file=sys.stderr)
         return 2
-    model, _ = _load_target(args.model, tokenizer=False)  # inspect reads no text
+    model, _ = load_target(args.model, tokenizer=False)  # inspect reads no text
     taps = HiddenTaps(args.taps, args.convention, args.final) if args.taps or args.final else None
     lines, supported = inspect_model(model, args.batch, args.nodes, args.max_cache_len, taps, args.logits_rows)
     print("\n".join(lines))
@@ -393,33 +304,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-class _DefaultsShown(argparse.HelpFormatter):
-    """Each option's default in its help, with or without a help text (ArgumentDefaultsHelpFormatter shows it
-    only where there is one), unless the text already says it or there is none to show."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS, (), []) or not action.option_strings \
-                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction)):
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
-
-
-class _Parser(argparse.ArgumentParser):
-    """Every --help shows the defaults (subcommands' parsers are of the parent's class)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _DefaultsShown)
-        super().__init__(*args, **kwargs)
-
-    def add_argument(self, *args, **kwargs):
-        if "help" not in kwargs and args and args[0].startswith("-") and kwargs.get("default") is not None:
-            kwargs["help"] = "(default: %(default)s)"  # argparse prints nothing for an option without help
-        return super().add_argument(*args, **kwargs)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="specgraph",
         description="specgraph: a compiler for speculative decoding (compile, demo, inspect, train, export, bench).",
     )

@@ -84,3 +84,28 @@ def tree(text: str):
         return parse_tree(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Each option's default in its help, with or without a help text (ArgumentDefaultsHelpFormatter shows it
+    only where there is one), unless the text already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, (), []) or not action.option_strings \
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction)):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class Parser(argparse.ArgumentParser):
+    """Every --help shows the defaults (subcommands' parsers are of the parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if "help" not in kwargs and args and args[0].startswith("-") and kwargs.get("default") is not None:
+            kwargs["help"] = "(default: %(default)s)"  # argparse prints nothing for an option without help
+        return super().add_argument(*args, **kwargs)

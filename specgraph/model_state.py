@@ -9,6 +9,13 @@ import weakref
 
 import torch
 
+CHANGED_SINCE_COMPILE = (
+    "the model's or the draft's parameters were moved or replaced, or its modules or forward hooks changed, since "
+    "specgraph.compile (model.to(...), .half(), a new layer, a hook added or removed, ...): the captured graphs "
+    "still run the old ones. Call specgraph.compile again after the change (after attach: specgraph.detach(model), "
+    "then attach again)")
+COPY_REFUSED = ("a SpecModel cannot be copied or pickled: its captured graphs and caches are tied to the model's "
+                "storage. Copy the model (copy.deepcopy(model)) and specgraph.compile the copy")
 # a draft module -> the SpecModel it was last compiled for: binding borrows that target's modules
 _BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 

@@ -96,11 +96,11 @@ def test_train_on_distilled_shards_keeps_the_best_head_by_held_out_tau(tmp_path)
     def refuse(*args, **kwargs):
         raise AssertionError("the target was loaded for a run that is done")
 
-    cli_load, cli._load_target = cli._load_target, refuse
+    cli_load, cli.load_target = cli.load_target, refuse
     try:
         assert run(tmp_path / "head") == history
     finally:
-        cli._load_target = cli_load
+        cli.load_target = cli_load
 
 
 @pytest.mark.model
