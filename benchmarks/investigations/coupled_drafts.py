@@ -2,12 +2,15 @@
 
     python3 benchmarks/investigations/coupled_drafts.py [--prompts mt-bench] [--questions 20] [--max-new-tokens 64]
         [--temperature 1.0] [--trees chain4 dynamic:2,8,8 dynamic:2,8,8+lookup8] [--device cpu] [--out FILE.json]
+        [--sharpen 1.0 0.7 ...] [--coupled-only]
 
 The shipped EAGLE-3 head on SmolLM2 (fp32 on the CPU, bf16 on CUDA), unseeded sampling (``top_k=0``), each tree
 twice in one process: coupled (the head ranks its candidates with the target's seeded noise; the step verifies
 with the seeded draws) and not (the head's own top-k; block verification on a chain, token-wise rejection on a
 tree: what every sampled call did before coupling). τ = generated tokens per target step
 (``train.evaluate.acceptance``). Both are exact in distribution; only how many tokens a step commits differs.
+``--sharpen S ...``: coupled runs also rank by logits / (S T) + the target's noise (S < 1: the draft's own
+distribution sharpened); the target's draws, hence the generated tokens, are the same in every run.
 """
 import argparse
 import json
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 import specgraph
+from specgraph.drafts import autoregressive
 from specgraph.drafts.autoregressive import ARSession
 from specgraph.models import load_default_draft, load_gguf
 from specgraph.train.evaluate import acceptance, prompt_set
@@ -34,24 +38,31 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", default=["chain4", "dynamic:2,8,8", "dynamic:2,8,8+lookup8"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--sharpen", type=float, nargs="+", default=[1.0])
+    parser.add_argument("--coupled-only", action="store_true")
     args = parser.parse_args()
     model, tokenizer = load_gguf()
     if args.device == "cuda":
         model = model.to("cuda", torch.bfloat16)
     draft, questions = load_default_draft(), prompt_set(args.prompts, args.questions)
-    couple = ARSession.couple
+    couple, scores = ARSession.couple, autoregressive.coupled_scores
     rows = []
+    settings = ([] if args.coupled_only else [(False, 1.0)]) + [(True, s) for s in args.sharpen]
     for spelling in args.trees:
-        for coupled in (False, True):
+        for coupled, sharpen in settings:
             ARSession.couple = couple if coupled else (lambda self, keys, temperature: False)
+            autoregressive.coupled_scores = (lambda logits, keys, positions, temperature, tokens=None, s=sharpen:
+                                             scores(logits, keys, positions, temperature * s, tokens))
             spec = specgraph.compile(model, draft, tree=parse_tree(spelling), max_batch=args.batch_size)
             spec.capture.decode_steps.clear()  # the buckets were made under the other setting
             begin = time.perf_counter()
             report = acceptance(spec, tokenizer, questions, args.max_new_tokens, args.temperature,
                                 batch_size=args.batch_size)
-            rows.append({"tree": spelling, "coupled": coupled, "tau": report["tau"], "seconds": time.perf_counter() - begin})
-            print(f"{spelling:24s} {'coupled' if coupled else 'not coupled':12s} tau {report['tau']:.3f}", flush=True)
-    ARSession.couple = couple
+            rows.append({"tree": spelling, "coupled": coupled, "sharpen": sharpen, "tau": report["tau"],
+                         "seconds": time.perf_counter() - begin})
+            print(f"{spelling:24s} {'coupled' if coupled else 'not coupled':12s} sharpen {sharpen:g} tau {report['tau']:.3f}",
+                  flush=True)
+    ARSession.couple, autoregressive.coupled_scores = couple, scores
     if args.out:
         import subprocess
 
