@@ -2,7 +2,7 @@
 
     python3 benchmarks/investigations/coupled_drafts.py [--prompts mt-bench] [--questions 20] [--max-new-tokens 64]
         [--temperature 1.0] [--trees chain4 dynamic:2,8,8 dynamic:2,8,8+lookup8] [--device cpu] [--out FILE.json]
-        [--sharpen 1.0 0.7 ...] [--coupled-only]
+        [--sharpen 1.0 0.7 ...] [--confident P] [--coupled-only]
 
 The shipped EAGLE-3 head on SmolLM2 (fp32 on the CPU, bf16 on CUDA), unseeded sampling (``top_k=0``), each tree
 twice in one process: coupled (the head ranks its candidates with the target's seeded noise; the step verifies
@@ -10,7 +10,8 @@ with the seeded draws) and not (the head's own top-k; block verification on a ch
 tree: what every sampled call did before coupling). τ = generated tokens per target step
 (``train.evaluate.acceptance``). Both are exact in distribution; only how many tokens a step commits differs.
 ``--sharpen S ...``: coupled runs also rank by logits / (S T) + the target's noise (S < 1: the draft's own
-distribution sharpened); the target's draws, hence the generated tokens, are the same in every run.
+distribution sharpened; ``--confident P``: only where the draft's top probability exceeds P); the target's
+draws, hence the generated tokens, are the same in every run.
 """
 import argparse
 import json
@@ -28,6 +29,12 @@ from specgraph.train.evaluate import acceptance, prompt_set
 from specgraph.trees import parse_tree
 
 
+def sharpened(logits: torch.Tensor, temperature, sharpen: float, confident: float):
+    """The temperature the draft's candidates are ranked at: T * sharpen where its top probability > confident."""
+    top = torch.softmax(logits.float() / temperature, -1).amax(-1, keepdim=True)  # [B, ..., 1]
+    return temperature * torch.where(top > confident, sharpen, 1.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="mt-bench")
@@ -39,6 +46,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--sharpen", type=float, nargs="+", default=[1.0])
+    parser.add_argument("--confident", type=float, default=0.0)
     parser.add_argument("--coupled-only", action="store_true")
     args = parser.parse_args()
     model, tokenizer = load_gguf()
@@ -52,7 +60,8 @@ def main() -> None:
         for coupled, sharpen in settings:
             ARSession.couple = couple if coupled else (lambda self, keys, temperature: False)
             autoregressive.coupled_scores = (lambda logits, keys, positions, temperature, tokens=None, s=sharpen:
-                                             scores(logits, keys, positions, temperature * s, tokens))
+                                             scores(logits, keys, positions, sharpened(logits, temperature, s,
+                                                                                      args.confident), tokens))
             spec = specgraph.compile(model, draft, tree=parse_tree(spelling), max_batch=args.batch_size)
             spec.capture.decode_steps.clear()  # the buckets were made under the other setting
             begin = time.perf_counter()
@@ -69,7 +78,7 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
                                         "command": "python3 benchmarks/investigations/coupled_drafts.py " + " ".join(sys.argv[1:]),
-                                        "rows": rows}, indent=1))
+                                        "confident": args.confident, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""Where a sampled step's time goes: plain decoding of SmolLM2 (bf16, CUDA, inductor), greedy against T = 1
+(unseeded and seeded), one generate each timed and one under torch.profiler (device-time tables).
+
+    python3 benchmarks/investigations/sampling_profile.py [--tokens 256] --out DIR
+"""
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import specgraph
+from specgraph.models import load_gguf
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_gguf()
+    model = model.to("cuda", torch.bfloat16)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a story about a lighthouse keeper."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to("cuda")
+    spec = specgraph.compile(model, None, backend="inductor")
+    settings = {"greedy": dict(do_sample=False), "T1": dict(do_sample=True, temperature=1.0, top_k=0),
+                "T1-seeded": dict(do_sample=True, temperature=1.0, top_k=0, seed=0)}
+    for name, kwargs in settings.items():
+        run = lambda: spec.generate(ids, max_new_tokens=args.tokens, eos_token_id=None, **kwargs)  # noqa: E731
+        run()
+        run()
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - begin) * 1e3 / args.tokens
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90)
+        (args.out / f"sampling-profile-{name}.txt").write_text(f"{name}: {ms:.3f} ms per token\n\n{table}\n")
+        print(f"{name}: {ms:.3f} ms per token", flush=True)
+
+
+if __name__ == "__main__":
+    main()
