@@ -22,7 +22,7 @@ from .drafts.plain import Plain
 from .fast_paths import draft_fast_paths
 from .generate_args import (generation_config, max_new_tokens, repetition_penalty, sampling_settings, setting,
                             stopping_criteria, strip_left_padding, token_ids, unsupported_arguments)
-from .runtime.generate import AcceptanceStats, Sampling, speculative_generate
+from .runtime.generate import AcceptanceStats, Sampling, speculative_generate, verify_rule
 from .runtime.budget import CostPolicy, CostTable, budget_taus, confidence_taus, cost_key, mean_confidence
 from .runtime.fast_start import FastStart
 from .refusals import (BACKENDS, TYPICAL_DEFAULT, auto_backend, cache_memory_problems, draft_tree, fast_start_default,
@@ -416,8 +416,7 @@ class SpecModel:
     def _bucket_key(self, b: int, mode: str, sampling: Sampling | None, penalty, keep) -> tuple:
         """A fast start's (and the first-call lock's) name for the compiled bucket a call of ``mode`` needs, as
         ``decode_step`` keys it."""
-        rule = None if sampling is None else (sampling.typical is not None, sampling.seed is not None)
-        return (b, mode, repr(self.mode(mode, b)[1]), rule, penalty is None, keep)
+        return (b, mode, repr(self.mode(mode, b)[1]), verify_rule(sampling), penalty is None, keep)
 
     def _bucket_warmup(self, b: int, mode: str, sampling: Sampling | None, penalty, keep) -> tuple:
         """(``_bucket_key``, warm): ``warm(capture)`` is the short call that compiles the bucket on ``capture``
@@ -450,7 +449,8 @@ class SpecModel:
         if sampling and self.config.synthetic_accept is not None:
             raise ValueError("sampling=True with synthetic_accept (benchmarks only, greedy only): pass sampling=False")
         typical = self.config.typical if self.config.verify == "typical" else None
-        samplings = [None] + ([Sampling(1.0, typical=typical)] if sampling else [])
+        plain_call = sampling_settings({"do_sample": True}, generation_config(self.model, None))  # its warpers
+        samplings = [None] + ([replace(plain_call, typical=typical)] if sampling else [])
 
         def timed_step(draft, tree, b) -> float:  # seconds per step of a 16-token call
             result = speculative_generate(self.capture, draft, tree, [[1] * 8] * b, 16, set(),

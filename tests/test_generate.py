@@ -265,8 +265,10 @@ def test_sampling_matches_plain_sampling_in_distribution(params, draft):
     draft, tree = (NGram(), Chain(3)) if draft == "ngram" else (Eagle.for_target(model), DynamicTree(3, 2, 4))
     spec = specgraph.compile(model, draft, tree=tree, max_batch=rows, max_cache_len=64)
     ids = torch.tensor([prompt] * rows)
-    # the bucket first samples with other parameters: it is reused below, with ``params`` set in place
-    spec.generate(ids, do_sample=True, max_new_tokens=2, eos_token_id=None, temperature=3.0, top_k=2, top_p=0.5)
+    # the bucket first samples with other values of the same filters: it is reused below, ``params`` set in place
+    other = dict(temperature=3.0, top_k=2 if params["top_k"] else 0, top_p=0.5 if "top_p" in params else 1.0,
+                 min_p=0.5 if "min_p" in params else 0.0)
+    spec.generate(ids, do_sample=True, max_new_tokens=2, eos_token_id=None, **other)
     torch.manual_seed(10)
     out = spec.generate(ids, do_sample=True, max_new_tokens=positions, eos_token_id=None, return_dict_in_generate=True,
                         **params)

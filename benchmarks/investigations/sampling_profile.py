@@ -1,9 +1,12 @@
 """Where a sampled step's time goes: plain decoding of SmolLM2 (bf16, CUDA, inductor), greedy against T = 1
-(unseeded and seeded), one generate each timed and one under torch.profiler (device-time tables).
+(``top_k=0``; transformers' default ``top_k=50``; seeded), one generate each timed and one under torch.profiler
+(device-time tables). ``--random-weights``: SmolLM2's config with random weights (no GGUF needed; the sampling
+kernels' cost does not depend on the weights).
 
-    python3 benchmarks/investigations/sampling_profile.py [--tokens 256] --out DIR
+    python3 benchmarks/investigations/sampling_profile.py [--tokens 256] [--random-weights] --out DIR
 """
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -13,23 +16,37 @@ from torch.profiler import ProfilerActivity, profile
 import specgraph
 from specgraph.models import load_gguf
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from common import SMOLLM2  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_gguf()
-    model = model.to("cuda", torch.bfloat16)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a story about a lighthouse keeper."}],
-                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to("cuda")
+    if args.random_weights:
+        import transformers
+
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2)).to("cuda", torch.bfloat16).eval()
+        ids = torch.randint(3, SMOLLM2["vocab_size"], (1, 32), device="cuda")
+    else:
+        model, tokenizer = load_gguf()
+        model = model.to("cuda", torch.bfloat16)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a story about a lighthouse keeper."}],
+                                            add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"].to("cuda")
     spec = specgraph.compile(model, None, backend="inductor")
     settings = {"greedy": dict(do_sample=False), "T1": dict(do_sample=True, temperature=1.0, top_k=0),
-                "T1-seeded": dict(do_sample=True, temperature=1.0, top_k=0, seed=0)}
+                "T1-top_k50": dict(do_sample=True, temperature=1.0, top_k=50),
+                "T1-seeded": dict(do_sample=True, temperature=1.0, top_k=0, seed=0),
+                "T1-top_k50-seeded": dict(do_sample=True, temperature=1.0, top_k=50, seed=0)}
     for name, kwargs in settings.items():
         run = lambda: spec.generate(ids, max_new_tokens=args.tokens, eos_token_id=None, **kwargs)  # noqa: E731
-        run()
+        tokens = run()[0, ids.shape[1]:].tolist()  # seeded: the same tokens on any code that samples alike
         run()
         torch.cuda.synchronize()
         begin = time.perf_counter()
@@ -41,7 +58,7 @@ def main() -> None:
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90)
         (args.out / f"sampling-profile-{name}.txt").write_text(f"{name}: {ms:.3f} ms per token\n\n{table}\n")
-        print(f"{name}: {ms:.3f} ms per token", flush=True)
+        print(f"{name}: {ms:.3f} ms per token; tokens {tokens[:12]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -169,29 +169,39 @@ def _cumsum_in_blocks(x: torch.Tensor) -> torch.Tensor:
     return (within + before.unsqueeze(-1)).flatten(-2)[..., :v]
 
 
-def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+TOP_K_CAP = 256  # a top_k up to this is found by torch.topk: a sort of 49k-150k logits costs tens of µs a step
+
+
+def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None, top_k_cap: int | None = None,
+                   greedy_rows: bool = True) -> torch.Tensor:
     """Per-row target distribution after temperature, top-k, top-p, then min-p.
 
     logits: [B, N, V]; temperature, top_k, top_p, min_p: [B] (or scalars).
     temperature <= 0 means greedy (one-hot argmax); top_k <= 0, top_p >= 1 and
-    min_p <= 0 disable their filter. Semantics match transformers' Temperature,
-    TopK, TopP and MinP logits warpers applied in that order (its generate's
-    order). returns float32 [B, N, V].
+    min_p <= 0 disable their filter, None skips it (no work). Semantics match
+    transformers' Temperature, TopK, TopP and MinP logits warpers applied in that
+    order (its generate's order). ``top_k_cap``: every row's top_k is at most this
+    (the k-th largest logit is then found by torch.topk, not a sort of the
+    vocabulary). ``greedy_rows=False``: every temperature is > 0 (no argmax pass).
+    returns float32 [B, N, V].
     """
-    x, greedy = _warp(logits, temperature, top_k, top_p, min_p)
+    x, greedy = _warp(logits, temperature, top_k, top_p, min_p, top_k_cap)
     probs = x.softmax(-1)
+    if not greedy_rows:
+        return probs
     one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)
 
 
-def warped_logits(logits, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+def warped_logits(logits, temperature, top_k=None, top_p=None, min_p=None, top_k_cap: int | None = None,
+                  greedy_rows: bool = True) -> torch.Tensor:
     """The scores ``sampling_probs`` takes the softmax of: fp32 logits / temperature, -inf where
     top-k, top-p or min-p filter a token (transformers' warpers' output, what ``model.generate``
-    returns as ``scores``). temperature > 0."""
-    return _warp(logits, temperature, top_k, top_p, min_p)[0]
+    returns as ``scores``). temperature > 0 (``greedy_rows``: as ``sampling_probs``, unused here)."""
+    return _warp(logits, temperature, top_k, top_p, min_p, top_k_cap)[0]
 
 
-def _warp(logits, temperature, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor]:
+def _warp(logits, temperature, top_k, top_p, min_p, top_k_cap=None) -> tuple[torch.Tensor, torch.Tensor]:
     b, _, v = logits.shape
 
     def per_row(x, dtype):
@@ -202,7 +212,11 @@ def _warp(logits, temperature, top_k, top_p, min_p) -> tuple[torch.Tensor, torch
     x = logits.float() / torch.where(greedy, 1.0, temperature)
     if top_k is not None:
         k = per_row(top_k, torch.int64).clamp(max=v)
-        kth = x.sort(-1, descending=True).values.gather(-1, (k - 1).clamp(min=0).expand(b, x.shape[1], 1))
+        if top_k_cap is not None and top_k_cap < v:  # k <= cap: the k-th of the cap largest, no full sort
+            largest = x.topk(top_k_cap, -1).values  # [B, N, cap], descending
+            kth = largest.gather(-1, (k - 1).clamp(min=0, max=top_k_cap - 1).expand(b, x.shape[1], 1))
+        else:
+            kth = x.sort(-1, descending=True).values.gather(-1, (k - 1).clamp(min=0).expand(b, x.shape[1], 1))
         x = torch.where((k > 0) & (x < kth), float("-inf"), x)
     if top_p is not None:
         p = per_row(top_p, torch.float32)

@@ -21,6 +21,7 @@ import torch
 
 from .. import compiled_cache, config
 from ..drafts.lookup import open_session
+from ..kernels.verify import TOP_K_CAP
 from ..trees import chain_mask
 from .graphed import GraphedCall, StaticStep
 from .outputs import per_position
@@ -140,6 +141,19 @@ class Sampling:
     typical: tuple[float, float] | None = None
     seed: int | None = None  # seeded sampling: the tokens plain sampling with this seed emits (kernels/gumbel.py)
 
+    def warpers(self) -> tuple[str | None, bool, bool]:
+        """The filters a sampled step runs, part of its bucket: top-k ("topk": the k-th largest logit found
+        among the TOP_K_CAP largest; "sort": a sort of the vocabulary; None: off), top-p, min-p. A filter
+        that is off costs nothing (transformers does not run its warper either)."""
+        top_k = None if self.top_k == 0 else "topk" if self.top_k <= TOP_K_CAP else "sort"
+        return top_k, self.top_p < 1.0, self.min_p > 0.0
+
+
+def verify_rule(sampling: Sampling | None) -> tuple | None:
+    """What of ``sampling`` a compiled step is built for (its bucket's key): the verification rule (typical,
+    seeded) and the warpers. The values (temperature, k, p) are not: the step reads them from tensors."""
+    return None if sampling is None else (sampling.typical is not None, sampling.seed is not None, sampling.warpers())
+
 
 def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sampling | None,
                 synthetic_accept: int | None = None, penalty: float | None = None,
@@ -158,7 +172,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
     graphed = whole_step and cuda_graphs_on(device)
     # sampling's and the penalty's values are not in the key: the step reads them from tensors
     # (DecodeStep.set_sampling, set_penalty)
-    verify = None if sampling is None else (sampling.typical is not None, sampling.seed is not None)  # the rule
+    verify = verify_rule(sampling)
     key = (id(draft), batch, repr(tree), max_length, verify, compiled, whole_step, graphed, synthetic_accept,
            penalty is None, tuple(keep))
     if key in capture.decode_steps:

@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.gumbel import stream_keys, verify_seeded
 from ..kernels.penalty import mark_seen, penalize, reset_seen, seen_buffer
-from ..kernels.verify import (greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample,
+from ..kernels.verify import (TOP_K_CAP, greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample,
                               verify_typical, warped_logits)
 from ..kernels.verify_block import verify_block
 from ..trees import Chain, Tree
@@ -85,6 +85,7 @@ class DecodeStep:
             coupled = sampling.typical is None and session.couple(keys, self.sampling["temperature"])
             if sampling.seed is not None or coupled:
                 self.seed_keys = keys
+            self.warpers = sampling.warpers()  # the filters this step runs (its bucket's key names them)
             self.set_sampling(sampling)
         self.synthetic_accept = synthetic_accept
         self.penalty = self.seen = None
@@ -100,6 +101,8 @@ class DecodeStep:
 
     def set_sampling(self, sampling) -> None:
         """Use ``sampling``'s temperature, top_k, top_p and min_p from the next step on (in place)."""
+        if sampling.warpers() != self.warpers:  # decode_step keys its buckets by them: a bug if reached
+            raise RuntimeError(f"a step built for the warpers {self.warpers} was given {sampling}")
         for name, value in self.sampling.items():
             value.fill_(getattr(sampling, name))
         for value, setting in zip((self.typical or {}).values(), sampling.typical or ()):
@@ -107,6 +110,14 @@ class DecodeStep:
         if self.seed_keys is not None:  # unseeded: a seed from torch's generator (torch.manual_seed repeats it)
             seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**63 - 1, ()))
             self.seed_keys.copy_(stream_keys(seed, self.seed_keys.shape[0]))
+
+    def warp_args(self) -> dict:
+        """``sampling_probs``'s arguments: the filters that are on (the rest skipped), temperature > 0."""
+        top_k, top_p, min_p = self.warpers
+        s = self.sampling
+        return dict(temperature=s["temperature"], top_k=s["top_k"] if top_k else None,
+                    top_k_cap=TOP_K_CAP if top_k == "topk" else None, top_p=s["top_p"] if top_p else None,
+                    min_p=s["min_p"] if min_p else None, greedy_rows=False)
 
     def set_penalty(self, penalty: float) -> None:
         """Use repetition penalty ``penalty`` from the next step on (in place)."""
@@ -132,8 +143,8 @@ class DecodeStep:
             target_tokens = greedy_tokens(logits, self.argmax_chunk)  # [B, N]
             acc = verify_greedy(tree.tokens, tree.parents, tree.mask, target_tokens, self.spec.max_depth)
         else:  # temperature > 0 (generate refuses the rest): the probabilities are the warped scores' softmax
-            warped = warped_logits(logits, **self.sampling) if self.keep_scores else None
-            probs = sampling_probs(logits, **self.sampling) if warped is None else warped.softmax(-1)
+            warped = warped_logits(logits, **self.warp_args()) if self.keep_scores else None
+            probs = sampling_probs(logits, **self.warp_args()) if warped is None else warped.softmax(-1)
             if self.typical is not None:
                 acc = verify_typical(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth, **self.typical)
             elif self.seed_keys is not None:  # the tokens plain sampling with this seed emits (kernels/gumbel.py);
