@@ -216,6 +216,35 @@ def test_plain_seeded_sampling_is_the_independent_oracle():
     assert not torch.equal(alone[1], got[2]) or not torch.equal(alone[2], got[1])
 
 
+def test_unseeded_plain_sampling_follows_the_target_and_each_call_draws_anew():
+    """Plain decoding samples unseeded through the seeded draws with a seed per call: per position the same
+    distribution as model.generate's sampling (two-sample chi-square); two calls differ, a repeated
+    torch.manual_seed repeats a call; plain sampling at another temperature is told apart (control)."""
+    from test_generate import _homogeneity_p, _marginals
+
+    model = small_model()
+    rows, positions, prompt = 2000, 3, [3, 4, 5, 3, 4]
+    plain = specgraph.compile(model, None, max_batch=rows, max_cache_len=64)
+    ids = torch.tensor([prompt] * rows)
+    torch.manual_seed(5)
+    ours = plain.generate(ids, do_sample=True, max_new_tokens=positions, eos_token_id=None, **PARAMS)
+    torch.manual_seed(6)
+    theirs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=positions,
+                            eos_token_id=None, pad_token_id=0, **PARAMS)
+    hot = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=positions,
+                         eos_token_id=None, pad_token_id=0, **{**PARAMS, "temperature": 2.5})
+    a, b, c = (_marginals(x, len(prompt), positions, VOCAB) for x in (ours, theirs, hot))
+    assert min(_homogeneity_p(a[i], b[i]) for i in range(positions)) > 0.01 / positions
+    assert min(_homogeneity_p(b[i], c[i]) for i in range(positions)) < 1e-3
+    one = ids[:4]
+    first = plain.generate(one, do_sample=True, max_new_tokens=8, eos_token_id=None, **PARAMS)
+    assert not torch.equal(plain.generate(one, do_sample=True, max_new_tokens=8, eos_token_id=None, **PARAMS), first)
+    torch.manual_seed(7)
+    again = plain.generate(one, do_sample=True, max_new_tokens=8, eos_token_id=None, **PARAMS)
+    torch.manual_seed(7)
+    assert torch.equal(plain.generate(one, do_sample=True, max_new_tokens=8, eos_token_id=None, **PARAMS), again)
+
+
 def _node_keyed(tokens, parents, mask, target_probs, max_depth, keys, base):
     """Negative control: noise keyed by node index, not position."""
     n = tokens.shape[1]
@@ -275,8 +304,8 @@ def test_fast_start_samples_plain_samplings_tokens_uncompiled_and_compiled(aot_e
 
 # ----------------------------------------------------------------------------- the rule the step takes; bad seeds
 def test_the_sampled_step_picks_its_rule(monkeypatch):
-    """Seeded, or a draft that couples (EAGLE, Medusa): the Gumbel-max rule; else (n-gram) block verification
-    on a chain (token-wise on other trees: a draft of another kind)."""
+    """Seeded, a draft that couples (EAGLE, Medusa) or plain decoding: the Gumbel-max rule; else (n-gram) block
+    verification on a chain (token-wise on other trees: a draft of another kind)."""
     import specgraph.runtime.step as step
 
     calls = []
@@ -289,7 +318,9 @@ def test_the_sampled_step_picks_its_rule(monkeypatch):
     tree = specgraph.compile(model, Eagle.for_target(model), tree=DynamicTree(steps=2, topk=2, nodes=4), max_cache_len=64)
     medusa = specgraph.compile(model, Medusa(model.config.hidden_size, VOCAB, num_heads=2), tree=STATIC.__class__(
         [[0], [1], [0, 0]]), max_cache_len=64)
-    for spec, kw, want in [(chain, {}, "verify_block"), (chain, {"seed": 1}, "verify_seeded"),
+    plain = specgraph.compile(model, None, max_cache_len=64)
+    for spec, kw, want in [(plain, {}, "verify_seeded"), (chain, {}, "verify_block"),
+                           (chain, {"seed": 1}, "verify_seeded"),
                            (tree, {}, "verify_seeded"), (tree, {"seed": 1}, "verify_seeded"),
                            (medusa, {}, "verify_seeded")]:
         calls.clear()

@@ -79,11 +79,13 @@ class DecodeStep:
             self.sampling = {name: torch.zeros((), dtype=dtype, device=capture.kv_device) for name, dtype in
                              (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
                               ("min_p", torch.float32))}
-            # seeded draws (kernels/gumbel.py) with a seed, and with a draft that couples its candidates to
-            # them (unseeded: a random seed per call); each row's stream key
+            # seeded draws (kernels/gumbel.py) with a seed, with a draft that couples its candidates to them
+            # and in plain decoding (unseeded: a random seed per call; hashed float32 noise is the cheaper exact
+            # draw there: no float64 exponential race); each row's stream key
             keys = torch.zeros((batch, 2), dtype=torch.int64, device=capture.kv_device)
             coupled = sampling.typical is None and session.couple(keys, self.sampling["temperature"])
-            if sampling.seed is not None or coupled:
+            plain = spec.num_nodes == 1 and sampling.typical is None
+            if sampling.seed is not None or coupled or plain:
                 self.seed_keys = keys
             self.warpers = sampling.warpers()  # the filters this step runs (its bucket's key names them)
             self.set_sampling(sampling)
