@@ -60,7 +60,7 @@ def test_the_step_runs_the_filters_that_are_on_and_keys_its_bucket_by_them(monke
         return seen[-1]
 
     off = call(top_k=0, top_p=1.0)
-    assert off["top_k"] is None and off["top_p"] is None and off["min_p"] is None and not off["greedy_rows"]
+    assert off["top_k"] is None and off["top_p"] is None and off["min_p"] is None and off["greedy_rows"] is False
     buckets = len(spec.capture.decode_steps)
     topk = call(top_k=5, top_p=0.9)
     assert topk["top_k_cap"] == TOP_K_CAP and int(topk["top_k"]) == 5 and float(topk["top_p"]) == pytest.approx(0.9)

@@ -193,11 +193,11 @@ def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None, top_
     return torch.where(greedy, one_hot, probs)
 
 
-def warped_logits(logits, temperature, top_k=None, top_p=None, min_p=None, top_k_cap: int | None = None,
-                  greedy_rows: bool = True) -> torch.Tensor:
+def warped_logits(logits, temperature, top_k=None, top_p=None, min_p=None,
+                  top_k_cap: int | None = None) -> torch.Tensor:
     """The scores ``sampling_probs`` takes the softmax of: fp32 logits / temperature, -inf where
     top-k, top-p or min-p filter a token (transformers' warpers' output, what ``model.generate``
-    returns as ``scores``). temperature > 0 (``greedy_rows``: as ``sampling_probs``, unused here)."""
+    returns as ``scores``). temperature > 0."""
     return _warp(logits, temperature, top_k, top_p, min_p, top_k_cap)[0]
 
 

@@ -114,12 +114,12 @@ class DecodeStep:
             self.seed_keys.copy_(stream_keys(seed, self.seed_keys.shape[0]))
 
     def warp_args(self) -> dict:
-        """``sampling_probs``'s arguments: the filters that are on (the rest skipped), temperature > 0."""
+        """``sampling_probs``'s and ``warped_logits``' arguments: the filters that are on (the rest skipped)."""
         top_k, top_p, min_p = self.warpers
         s = self.sampling
         return dict(temperature=s["temperature"], top_k=s["top_k"] if top_k else None,
                     top_k_cap=TOP_K_CAP if top_k == "topk" else None, top_p=s["top_p"] if top_p else None,
-                    min_p=s["min_p"] if min_p else None, greedy_rows=False)
+                    min_p=s["min_p"] if min_p else None)
 
     def set_penalty(self, penalty: float) -> None:
         """Use repetition penalty ``penalty`` from the next step on (in place)."""
@@ -146,7 +146,8 @@ class DecodeStep:
             acc = verify_greedy(tree.tokens, tree.parents, tree.mask, target_tokens, self.spec.max_depth)
         else:  # temperature > 0 (generate refuses the rest): the probabilities are the warped scores' softmax
             warped = warped_logits(logits, **self.warp_args()) if self.keep_scores else None
-            probs = sampling_probs(logits, **self.warp_args()) if warped is None else warped.softmax(-1)
+            probs = (sampling_probs(logits, **self.warp_args(), greedy_rows=False) if warped is None
+                     else warped.softmax(-1))
             if self.typical is not None:
                 acc = verify_typical(tree.tokens, tree.parents, tree.mask, probs, self.spec.max_depth, **self.typical)
             elif self.seed_keys is not None:  # the tokens plain sampling with this seed emits (kernels/gumbel.py);
