@@ -80,3 +80,33 @@ def test_warmup_compiles_the_bucket_a_plain_sampled_call_uses():
     assert len(spec.capture.decode_steps) == buckets
     spec.generate(ids, do_sample=True, top_k=0, max_new_tokens=3, eos_token_id=None)  # control: other filters
     assert len(spec.capture.decode_steps) == buckets + 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_vocabulary_past_the_cap_samples_through_topk_and_speculation_keeps_plain_samplings_tokens(
+        backend, aot_eager_compile):
+    """A 300-token vocabulary (> TOP_K_CAP): transformers' default top_k=50 takes the torch.topk path inside the
+    step (eager, and traced as one graph: aot_eager stands in for inductor's code generation); seeded, an
+    EAGLE tree and an n-gram chain emit plain sampling's tokens."""
+    import transformers
+
+    from specgraph import Chain, DynamicTree
+    from specgraph.drafts import Eagle, NGram
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=300, max_position_embeddings=128,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(4)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11, 12]])
+
+    def tokens(draft, tree):
+        spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=96, backend=backend)
+        out = spec.generate(ids, do_sample=True, seed=3, temperature=0.9, max_new_tokens=16, eos_token_id=None)
+        caps = {bucket.step.warp_args()["top_k_cap"] for bucket in spec.capture.decode_steps.values()}
+        assert caps == {TOP_K_CAP}, caps
+        return out
+
+    plain = tokens(None, None)
+    assert torch.equal(tokens(NGram(), Chain(3)), plain)
+    assert torch.equal(tokens(Eagle.for_target(model), DynamicTree(steps=2, topk=2, nodes=4)), plain)
