@@ -449,8 +449,8 @@ class SpecModel:
         if sampling and self.config.synthetic_accept is not None:
             raise ValueError("sampling=True with synthetic_accept (benchmarks only, greedy only): pass sampling=False")
         typical = self.config.typical if self.config.verify == "typical" else None
-        plain_call = sampling_settings({"do_sample": True}, generation_config(self.model, None))  # its warpers
-        samplings = [None] + ([replace(plain_call, typical=typical)] if sampling else [])
+        samplings = [None] + ([replace(sampling_settings({"do_sample": True}, generation_config(self.model, None)),
+                                       typical=typical)] if sampling else [])  # a plain do_sample call's warpers
 
         def timed_step(draft, tree, b) -> float:  # seconds per step of a 16-token call
             result = speculative_generate(self.capture, draft, tree, [[1] * 8] * b, 16, set(),
