@@ -1,7 +1,7 @@
 """Greedy, typical and sampling-parameter parts of reference verification."""
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specgraph import Chain, StaticTree, Tree
@@ -85,7 +85,8 @@ def test_verify_errors_name_the_argument():
 
 
 # ----------------------------------------------------------------------------- sampling parameters
-def _hf_warped(logits, temperature, top_k, top_p, min_p=0.0):
+def _hf_warped(logits, temperature, top_k, top_p, min_p=0.0, nucleus=None):
+    """transformers' warpers in generate's order; ``nucleus``: a top-p step to use instead of TopPLogitsWarper."""
     from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
@@ -93,18 +94,32 @@ def _hf_warped(logits, temperature, top_k, top_p, min_p=0.0):
     if top_k > 0:
         x = TopKLogitsWarper(top_k)(None, x)
     if top_p < 1.0:
-        x = TopPLogitsWarper(top_p)(None, x)
+        x = TopPLogitsWarper(top_p)(None, x) if nucleus is None else nucleus(x, top_p)
     if min_p > 0:
         x = MinPLogitsWarper(min_p)(None, x)
     return x.softmax(-1)
 
 
+def _nucleus_float64(x, top_p):
+    """Top-p by its definition, token by token in float64: a token stays iff the tokens strictly more
+    likely than it hold less than top_p of the mass (ties at the edge stay together)."""
+    probs = x.double().softmax(-1)  # [..., V]
+    more_likely = probs.unsqueeze(-2) > probs.unsqueeze(-1)  # [..., V, V]: [i, j] token j more likely than i
+    above = (more_likely * probs.unsqueeze(-2)).sum(-1)  # [..., V]
+    return torch.where(above < top_p, x, float("-inf"))
+
+
+@settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_sampling_probs_match_transformers_warpers(data):
+    """Without ties every filter is transformers' own; with a tie at the nucleus' edge (logit 0 = logit 1
+    now and then) top-p is the float64 definition: the tied tokens stay together."""
     b, n, v = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4)), data.draw(st.integers(2, 40))
     seed = data.draw(st.integers(0, 2**31))
     logits = torch.randn(b, n, v, generator=torch.Generator().manual_seed(seed)) * 3
-    logits[..., 0] = logits[..., 1]  # a tie at the top-k / top-p boundary now and then
+    tied = data.draw(st.booleans())
+    if tied:
+        logits[..., 0] = logits[..., 1]  # a tie at the top-k / top-p boundary now and then
     temperature = [data.draw(st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5])) for _ in range(b)]
     top_k = [data.draw(st.sampled_from([0, 1, 2, 5, v, v + 3])) for _ in range(b)]
     top_p = [data.draw(st.sampled_from([1.0, 0.95, 0.8, 0.5, 0.1])) for _ in range(b)]
@@ -115,8 +130,19 @@ def test_sampling_probs_match_transformers_warpers(data):
         if temperature[row] == 0:
             want = torch.nn.functional.one_hot(logits[row].argmax(-1), v).float()
         else:
-            want = _hf_warped(logits[row], temperature[row], top_k[row], top_p[row], min_p[row])
+            want = _hf_warped(logits[row], temperature[row], top_k[row], top_p[row], min_p[row],
+                              nucleus=_nucleus_float64 if tied else None)
         torch.testing.assert_close(probs[row], want, atol=1e-6, rtol=1e-5)
+
+
+def test_tied_tokens_at_the_nucleus_edge_stay_together():
+    """Two tokens tied at the edge: transformers keeps one (whichever its sort puts last), top-p here both."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.tensor([[[2.0, 1.0, 1.0, 0.0]]])  # mass 0.53, 0.20, 0.20, 0.07
+    kept = sampling_probs(logits, 1.0, top_p=torch.tensor(0.6)) > 0
+    assert kept.tolist() == [[[True, True, True, False]]]
+    assert (TopPLogitsWarper(0.6)(None, logits[0]) > float("-inf")).sum() == 2  # one of the tied pair goes
 
 
 def test_sampling_with_greedy_targets_is_the_greedy_walk():

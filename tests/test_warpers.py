@@ -1,6 +1,6 @@
 """The sampling filters a step runs (kernels/verify.py ``_warp``, ``Sampling.warpers``): a top-k found by
-torch.topk among the ``top_k_cap`` largest logits filters exactly what a sort of the vocabulary does (ties at
-the k-th logit included); a filter that is off is not run; the step's bucket is keyed by the filters that are
+torch.topk among the ``top_k_cap`` largest logits, and the top-p nucleus found among them, filter exactly what
+a sort of the vocabulary does (ties at the k-th logit and at the nucleus' edge included); a filter that is off is not run; the step's bucket is keyed by the filters that are
 on, and ``warmup(sampling=True)`` compiles the bucket a plain ``do_sample=True`` call uses."""
 import hypothesis.strategies as st
 import pytest
@@ -21,9 +21,9 @@ def test_top_k_among_the_largest_filters_what_the_sort_does(data):
     cap = data.draw(st.sampled_from([1, 4, 16, 64, 256]))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
     logits = torch.randint(-8, 8, (b, n, v), generator=g).float() / 2  # a coarse grid: ties everywhere, as in bf16
-    top_k = torch.tensor([data.draw(st.integers(0, cap)) for _ in range(b)])  # 0: off for that row
+    top_k = torch.tensor([data.draw(st.integers(1, cap)) for _ in range(b)])  # the cap's promise: 1 <= k <= cap
     temperature = torch.tensor([data.draw(st.sampled_from([0.5, 1.0, 1.3])) for _ in range(b)])
-    top_p = torch.tensor([data.draw(st.sampled_from([1.0, 0.9, 0.5])) for _ in range(b)])
+    top_p = torch.tensor([data.draw(st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.1])) for _ in range(b)])
     min_p = torch.tensor([data.draw(st.sampled_from([0.0, 0.1])) for _ in range(b)])
     sorted_ = warped_logits(logits, temperature, top_k, top_p, min_p)
     among_largest = warped_logits(logits, temperature, top_k, top_p, min_p, top_k_cap=cap)
@@ -36,6 +36,9 @@ def test_a_cap_below_k_would_filter_differently():
     """Negative control: the equality above needs k <= cap (Sampling.warpers sorts a larger top_k)."""
     logits = torch.arange(40.0).view(1, 1, 40)
     assert not torch.equal(warped_logits(logits, 1.0, top_k=10, top_k_cap=4), warped_logits(logits, 1.0, top_k=10))
+    # and k >= 1: with top-k off the nucleus may reach past the cap's largest (here the 5th token)
+    assert not torch.equal(warped_logits(logits, 1.0, top_k=0, top_p=0.99, top_k_cap=4),
+                           warped_logits(logits, 1.0, top_k=0, top_p=0.99))
     assert Sampling(top_k=TOP_K_CAP).warpers()[0] == "topk" and Sampling(top_k=TOP_K_CAP + 1).warpers()[0] == "sort"
 
 

@@ -1,5 +1,5 @@
 """Where a sampled step's time goes: plain decoding of SmolLM2 (bf16, CUDA, inductor), greedy against T = 1
-(``top_k=0``; transformers' default ``top_k=50``; seeded), one generate each timed and one under torch.profiler
+(``top_k=0``; transformers' default ``top_k=50``; with ``top_p=0.9``; seeded), one generate each timed and one under torch.profiler
 (device-time tables). ``--random-weights``: SmolLM2's config with random weights (no GGUF needed; the sampling
 kernels' cost does not depend on the weights).
 
@@ -42,6 +42,7 @@ def main() -> None:
     spec = specgraph.compile(model, None, backend="inductor")
     settings = {"greedy": dict(do_sample=False), "T1": dict(do_sample=True, temperature=1.0, top_k=0),
                 "T1-top_k50": dict(do_sample=True, temperature=1.0, top_k=50),
+                "T1-top_k50-top_p0.9": dict(do_sample=True, temperature=1.0, top_k=50, top_p=0.9),
                 "T1-seeded": dict(do_sample=True, temperature=1.0, top_k=0, seed=0),
                 "T1-top_k50-seeded": dict(do_sample=True, temperature=1.0, top_k=50, seed=0)}
     for name, kwargs in settings.items():

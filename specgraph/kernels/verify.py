@@ -180,9 +180,13 @@ def sampling_probs(logits, temperature, top_k=None, top_p=None, min_p=None, top_
     temperature <= 0 means greedy (one-hot argmax); top_k <= 0, top_p >= 1 and
     min_p <= 0 disable their filter, None skips it (no work). Semantics match
     transformers' Temperature, TopK, TopP and MinP logits warpers applied in that
-    order (its generate's order). ``top_k_cap``: every row's top_k is at most this
-    (the k-th largest logit is then found by torch.topk, not a sort of the
-    vocabulary). ``greedy_rows=False``: every temperature is > 0 (no argmax pass).
+    order (its generate's order), but for ties at the nucleus' edge: top-p keeps a
+    token iff the tokens strictly more likely hold less than top_p of the mass, so
+    tokens tied at the edge stay together (transformers keeps those its unstable
+    sort happens to put last). ``top_k_cap``: every row's top_k is in 1..cap (the
+    k-th largest logit, and the nucleus inside the top k, are then found by
+    torch.topk, not a sort of the vocabulary). ``greedy_rows=False``: every
+    temperature is > 0 (no argmax pass).
     returns float32 [B, N, V].
     """
     x, greedy = _warp(logits, temperature, top_k, top_p, min_p, top_k_cap)
@@ -210,21 +214,26 @@ def _warp(logits, temperature, top_k, top_p, min_p, top_k_cap=None) -> tuple[tor
     temperature = per_row(temperature, torch.float32)
     greedy = temperature <= 0
     x = logits.float() / torch.where(greedy, 1.0, temperature)
+    descending = None  # [B, N, S] the S largest of x after top-k, descending: the nucleus lies among them
     if top_k is not None:
         k = per_row(top_k, torch.int64).clamp(max=v)
         if top_k_cap is not None and top_k_cap < v:  # k <= cap: the k-th of the cap largest, no full sort
             largest = x.topk(top_k_cap, -1).values  # [B, N, cap], descending
-            kth = largest.gather(-1, (k - 1).clamp(min=0, max=top_k_cap - 1).expand(b, x.shape[1], 1))
         else:
-            kth = x.sort(-1, descending=True).values.gather(-1, (k - 1).clamp(min=0).expand(b, x.shape[1], 1))
+            largest = x.sort(-1, descending=True).values
+        kth = largest.gather(-1, (k - 1).clamp(min=0, max=largest.shape[-1] - 1).expand(b, x.shape[1], 1))
         x = torch.where((k > 0) & (x < kth), float("-inf"), x)
+        descending = torch.where((k > 0) & (largest < kth), float("-inf"), largest)
     if top_p is not None:
         p = per_row(top_p, torch.float32)
-        ascending, order = x.sort(-1)
-        cumulative = _cumsum_in_blocks(ascending.softmax(-1))
-        drop = cumulative <= 1 - p
-        drop[..., -1] = False  # always keep the most likely token
-        x = torch.where(drop.scatter(-1, order, drop), float("-inf"), x)
+        if descending is None:
+            descending = x.sort(-1, descending=True).values
+        mass = (descending - x.logsumexp(-1, keepdim=True)).exp()
+        above = _cumsum_in_blocks(mass) - mass  # [B, N, S] the mass strictly before each place
+        # the last place holding less than top_p above it; every later place is in a later tie group. All
+        # S places: the rest of x is -inf or ties the last (top-k's k-th), so the kept set is the same
+        edge = descending.gather(-1, ((above < p).sum(-1, keepdim=True) - 1).clamp(min=0))
+        x = torch.where((x < edge) & (p < 1), float("-inf"), x)
     if min_p is not None:  # tokens less likely than min_p times the most likely one go
         probs = x.softmax(-1)
         x = torch.where(probs < per_row(min_p, torch.float32) * probs.amax(-1, keepdim=True), float("-inf"), x)
