@@ -3,7 +3,7 @@
 (device-time tables). ``--random-weights``: SmolLM2's config with random weights (no GGUF needed; the sampling
 kernels' cost does not depend on the weights).
 
-    python3 benchmarks/investigations/sampling_profile.py [--tokens 256] [--random-weights] --out DIR
+    python3 benchmarks/investigations/sampling_profile.py [--tokens 256] [--random-weights] [--speculative] --out DIR
 """
 import argparse
 import sys
@@ -24,6 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--random-weights", action="store_true")
+    parser.add_argument("--speculative", action="store_true",
+                        help="the shipped EAGLE-3 head of this checkout on compile's default tree (many sampled rows a step)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,10 @@ def main() -> None:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a story about a lighthouse keeper."}],
                                             add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"].to("cuda")
-    spec = specgraph.compile(model, None, backend="inductor")
+    head = Path(__file__).resolve().parents[2] / "specgraph" / "heads" / "smollm2-135m-instruct-eagle3"
+    draft = specgraph.drafts.Eagle3.from_pretrained(head).to("cuda") if args.speculative else None
+    spec = specgraph.compile(model, draft, backend="inductor")
+    prefix = "spec-" if args.speculative else ""
     settings = {"greedy": dict(do_sample=False), "T1": dict(do_sample=True, temperature=1.0, top_k=0),
                 "T1-top_k50": dict(do_sample=True, temperature=1.0, top_k=50),
                 "T1-top_k50-top_p0.9": dict(do_sample=True, temperature=1.0, top_k=50, top_p=0.9),
@@ -58,8 +63,8 @@ def main() -> None:
             run()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90)
-        (args.out / f"sampling-profile-{name}.txt").write_text(f"{name}: {ms:.3f} ms per token\n\n{table}\n")
-        print(f"{name}: {ms:.3f} ms per token; tokens {tokens[:12]}", flush=True)
+        (args.out / f"sampling-profile-{prefix}{name}.txt").write_text(f"{name}: {ms:.3f} ms per token\n\n{table}\n")
+        print(f"{prefix}{name}: {ms:.3f} ms per token; tokens {tokens[:12]}", flush=True)
 
 
 if __name__ == "__main__":
