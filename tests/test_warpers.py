@@ -1,7 +1,8 @@
 """The sampling filters a step runs (kernels/verify.py ``_warp``, ``Sampling.warpers``): a top-k found by
 torch.topk among the ``top_k_cap`` largest logits, and the top-p nucleus found among them, filter exactly what
-a sort of the vocabulary does (ties at the k-th logit and at the nucleus' edge included); a filter that is off is not run; the step's bucket is keyed by the filters that are
-on, and ``warmup(sampling=True)`` compiles the bucket a plain ``do_sample=True`` call uses."""
+a sort of the vocabulary does (ties at the k-th logit and at the nucleus' edge included); a filter that is off
+is not run; the step's bucket is keyed by the filters that are on, and ``warmup(sampling=True)`` compiles the
+bucket a plain ``do_sample=True`` call uses."""
 import hypothesis.strategies as st
 import pytest
 import torch
