@@ -14,10 +14,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import specgraph
-from specgraph.models import load_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import SMOLLM2  # noqa: E402
+from common import SMOLLM2, load_target  # noqa: E402
 
 
 def main() -> None:
@@ -36,11 +35,12 @@ def main() -> None:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2)).to("cuda", torch.bfloat16).eval()
         ids = torch.randint(3, SMOLLM2["vocab_size"], (1, 32), device="cuda")
     else:
-        model, tokenizer = load_gguf()
-        model = model.to("cuda", torch.bfloat16)
+        model, tokenizer = load_target("smollm2", torch.bfloat16)
+        model = model.to("cuda")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a story about a lighthouse keeper."}],
                                             add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"].to("cuda")
+    # this checkout's head, not the imported package's: an older specgraph on PYTHONPATH (the baseline) ships none
     head = Path(__file__).resolve().parents[2] / "specgraph" / "heads" / "smollm2-135m-instruct-eagle3"
     draft = specgraph.drafts.Eagle3.from_pretrained(head).to("cuda") if args.speculative else None
     spec = specgraph.compile(model, draft, backend="inductor")

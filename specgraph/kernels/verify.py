@@ -223,7 +223,8 @@ def _warp(logits, temperature, top_k, top_p, min_p, top_k_cap=None) -> tuple[tor
             largest = x.sort(-1, descending=True).values
         kth = largest.gather(-1, (k - 1).clamp(min=0, max=largest.shape[-1] - 1).expand(b, x.shape[1], 1))
         x = torch.where((k > 0) & (x < kth), float("-inf"), x)
-        descending = torch.where((k > 0) & (largest < kth), float("-inf"), largest)
+        if top_p is not None:  # top-p's nucleus lies among them
+            descending = torch.where((k > 0) & (largest < kth), float("-inf"), largest)
     if top_p is not None:
         p = per_row(top_p, torch.float32)
         if descending is None:
