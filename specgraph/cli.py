@@ -154,7 +154,9 @@ def _train(args: argparse.Namespace) -> int:
     history = train(draft, loss_fn, examples[held_out:], config, args.out,
                     eval_examples=examples[:held_out], stop_at=args.stop_at, deadline=deadline)
     if history:
-        print(f"{args.draft}: step {history[-1]['step']}, loss {history[-1]['loss']:.3f}; saved to {args.out}")
+        skipped = sum(1 for entry in history if entry.get("skipped"))
+        print(f"{args.draft}: step {history[-1]['step']}, loss {history[-1]['loss']:.3f}; saved to {args.out}"
+              + (f" ({skipped} steps skipped: a non-finite gradient)" if skipped else ""))
     return 0
 
 

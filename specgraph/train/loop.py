@@ -1,6 +1,6 @@
 """The training loop every draft trainer shares: frozen target, AdamW with warm-up and cosine
 decay, gradient clipping, bf16 autocast on CUDA, tqdm, periodic held-out eval, checkpoints, resume,
-early stopping.
+early stopping. A step whose gradient is not finite is skipped (its history entry says ``skipped``).
 
 A trainer supplies ``loss_fn(batch) -> (loss, metrics)`` over batches of
 examples (``{"input_ids": [T], "loss_mask": [T]}``) and the draft module to
@@ -157,12 +157,15 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        optimizer.step()
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:  # one batch's non-finite gradient (a bf16 overflow) would poison every weight: skip it
+            optimizer.step()
         scheduler.step()
         state["step"] += 1
         step = state["step"]
         entry = {"step": step, "epoch": state["epoch"], "loss": loss.item(), "grad_norm": float(grad_norm),
-                 "lr": scheduler.get_last_lr()[0], **{k: float(v) for k, v in metrics.items()}}
+                 "lr": scheduler.get_last_lr()[0], **{k: float(v) for k, v in metrics.items()},
+                 **({} if finite else {"skipped": True})}
         stop = False
         if eval_examples and (step % config.eval_every == 0 or step == config.steps):
             with autocast:

@@ -2,6 +2,7 @@
 epoch) and grouped by length; the best checkpoint by a held-out metric is kept and patience
 ends the run; a resumed run continues from its data position."""
 import json
+import math
 
 import pytest
 import torch
@@ -129,3 +130,23 @@ def test_evaluate_takes_a_ratio_metric_as_the_ratio_of_its_totals():
     assert out["tau"] == pytest.approx(10 / 4)
     assert out["tau_mean"] == pytest.approx((3 + 1) / 2)
     assert float(Ratio(0, 0)) == 0.0  # no steps: no division error
+
+
+def test_a_step_with_a_non_finite_gradient_is_skipped_not_taken(tmp_path):
+    """A batch whose gradient is inf/nan leaves the weight as it was (and the history says so); the
+    steps around it train as usual. Control: the finite steps do move the weight."""
+    examples = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.ones(3, dtype=torch.bool)}] * 4
+    draft, step, weights = Scalar(), [0], {}
+
+    def loss_fn(batch):
+        step[0] += 1
+        weights[step[0]] = float(draft.w)
+        scale = float("inf") if step[0] == 3 else 1.0  # step 3: an overflowing batch
+        return (draft.w - 1.0) ** 2 * scale, {}
+
+    config = TrainConfig(steps=5, batch_size=2, lr=0.1, warmup_steps=1, eval_every=100, save_every=100)
+    history = train(draft, loss_fn, examples, config, tmp_path)
+    assert [h.get("skipped", False) for h in history] == [False, False, True, False, False]
+    assert all(math.isfinite(w) for w in weights.values()) and math.isfinite(float(draft.w))
+    assert weights[4] == weights[3] != weights[2]  # step 3 changed nothing; step 2 did
+    assert weights[5] != weights[4]
