@@ -1,6 +1,7 @@
 """The training loop every draft trainer shares: frozen target, AdamW with warm-up and cosine
 decay, gradient clipping, bf16 autocast on CUDA, tqdm, periodic held-out eval, checkpoints, resume,
-early stopping. A step whose gradient is not finite is skipped (its history entry says ``skipped``).
+early stopping. A step whose gradient is not finite is skipped (its history entry's ``skipped`` names the
+parameters whose gradient was).
 
 A trainer supplies ``loss_fn(batch) -> (loss, metrics)`` over batches of
 examples (``{"input_ids": [T], "loss_mask": [T]}``) and the draft module to
@@ -165,7 +166,7 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         step = state["step"]
         entry = {"step": step, "epoch": state["epoch"], "loss": loss.item(), "grad_norm": float(grad_norm),
                  "lr": scheduler.get_last_lr()[0], **{k: float(v) for k, v in metrics.items()},
-                 **({} if finite else {"skipped": True})}
+                 **({} if finite else {"skipped": _non_finite_grads(draft)})}
         stop = False
         if eval_examples and (step % config.eval_every == 0 or step == config.steps):
             with autocast:
@@ -289,6 +290,11 @@ def plot_history(history: list[dict], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _non_finite_grads(draft: torch.nn.Module) -> list[str]:
+    """The parameters whose gradient holds an inf or a nan (where a skipped step's overflow reached)."""
+    return [name for name, p in draft.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
 
 
 def _autocast(device):
