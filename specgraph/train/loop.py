@@ -159,7 +159,7 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         finite = bool(torch.isfinite(grad_norm))
-        if finite:  # one batch's non-finite gradient (a bf16 overflow) would poison every weight: skip it
+        if finite:  # AdamW would carry one batch's inf/nan gradient into every weight: skip the step
             optimizer.step()
         scheduler.step()
         state["step"] += 1
