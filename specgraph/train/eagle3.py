@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafts.eagle3 import Eagle3
@@ -50,6 +51,11 @@ def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], 1)
 
 
+# cuDNN's SDPA backward (torch >= 2.11, H100/H200) returns NaN grad_q with a mask tensor when a key length is
+# 64 mod 128 and a row's logsumexp < -88.7 (pytorch/pytorch#196678): it turned half of a Qwen2.5 head's steps NaN
+NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def ttt_hidden(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """The draft's output of every TTT step: ``steps`` tensors [B, T, H]; step j row t predicts x_{t+2+j}."""
     b, t = ids.shape
@@ -80,7 +86,8 @@ def ttt_hidden(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps: 
         # one fused attention over the keys of steps 0..j ([B, H, (j+1)T, D]) under the TTT mask
         # [T, (j+1)T]: causal over step 0, the diagonal over each later step
         mask = torch.cat([causal] + [own_row] * j, 1)
-        out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
+        with sdpa_kernel(NOT_CUDNN):
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
         out = attn.o_proj(out.transpose(1, 2).reshape(b, t, heads * d))
         h = (normed if draft.norm_before_residual else hidden) + out
         h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -231,3 +231,29 @@ def test_padding_to_the_width_multiple_changes_no_loss_or_metric():
     (a, ma), (b, mb) = loss_fn(padded), loss_fn(exact)
     torch.testing.assert_close(a, b)
     assert "tau" in ma and set(ma) == set(mb) and all(float(ma[k]) == pytest.approx(float(mb[k]), abs=1e-6) for k in ma)
+
+
+def test_the_unrolled_attention_keeps_off_cudnns_sdpa(monkeypatch):
+    """Every TTT step's attention runs with the cuDNN SDPA backend disabled (its backward returns NaN
+    grad_q for some masked shapes: pytorch/pytorch#196678), so CUDA picks the memory-efficient kernel.
+    Control: the target's own attention (outside ttt_forward) runs with it enabled, torch's default."""
+    import specgraph.train.eagle3 as trainer
+
+    model = frozen_target()
+    examples = self_distilled(model, 2, length=16)
+    draft = new_eagle3_for(model, examples, draft_vocab_size=40, aux_layer_ids=(0, 1, 1))
+    seen, sdpa = [], trainer.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.F, "scaled_dot_product_attention", spy)
+    ids = torch.stack([e["input_ids"] for e in examples])
+    with torch.no_grad():
+        features = tap_states(model(input_ids=ids, output_hidden_states=True).hidden_states,
+                              draft.aux_layer_ids, draft.aux_convention)
+    layers = len(seen)  # the target's own attention: torch's default, cuDNN allowed (the control)
+    ttt_forward(draft, ids, features, steps=3)
+    assert layers == model.config.num_hidden_layers and seen == [True] * layers + [False] * 3
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each step
