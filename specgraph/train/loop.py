@@ -62,7 +62,7 @@ class TrainConfig:
     run: dict = field(default_factory=dict)
 
 
-PAD_MULTIPLE = 64  # few distinct T: kernels that plan per shape (cuDNN attention) plan once per width
+PAD_MULTIPLE = 64  # few distinct T: kernels that plan per shape (the target's cuDNN attention) plan once per width
 
 
 def collate(examples: list[dict], pad_id: int = 0) -> dict:
