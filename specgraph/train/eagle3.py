@@ -52,7 +52,7 @@ def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 
 # cuDNN's SDPA backward (torch >= 2.11, H100/H200) returns NaN grad_q with a mask tensor when a key length is
-# 64 mod 128 and a row's logsumexp < -88.7 (pytorch/pytorch#196678): likely what made half of a Qwen2.5 head's steps NaN
+# 64 mod 128 and a row's logsumexp < -88.7 (pytorch/pytorch#196678): half of a Qwen2.5 head's steps went NaN; none off it
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
