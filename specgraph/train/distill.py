@@ -4,13 +4,14 @@ specgraph's batched plain decoding, stored as compact token shards.
     python -m specgraph.train.distill --out DIR [--target MODEL] [--temperatures 0 0.8] [--max-minutes M]
 
 Per variant (temperature 0: greedy; T > 0: sampled at T, as the EAGLE-3 / HASS recipes mix them),
-turn by turn over all conversations: the prompt is the chat template of the conversation so far
+turn after turn of each conversation: the prompt is the chat template of the conversation so far
 (the user's turns and the target's own earlier answers), the answer is the target's, up to
 ``max_new_tokens``. A conversation ends where its next prompt would exceed ``max_prompt_tokens``.
-Batches always hold ``batch_size`` rows (the last one padded with copies), so the engine compiles
-one prefill and one decode bucket per variant. Each batch is seeded from (seed, variant, turn,
-batch index), so a run is reproducible; a run resumed mid-turn batches that turn's remaining
-conversations anew (other batches, other seeds: the same distribution, not the same samples).
+All of it runs as one stream of ``batch_size`` rows (``runtime.stream``: a row that finishes takes the
+next prompt, and an answer queues its conversation's next turn), so the engine compiles one decode
+bucket and two prefill buckets (the batch's and the refill's) per variant. A run is seeded from
+(seed, variant, answers so far), so it is reproducible; a resumed run schedules the remaining turns
+anew (other rows, other draws: the same distribution, not the same samples).
 
 Layout of ``DIR``: ``state-{variant}.pt`` (the answers so far, as token ids: what a resumed run
 reads), ``{variant}/shard-NNNNN.safetensors`` (``input_ids`` uint16 or int32 concatenated,
@@ -23,6 +24,7 @@ import argparse
 import json
 import logging
 import time
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
@@ -33,6 +35,8 @@ import torch
 from tqdm import tqdm
 
 from ..errors import SettingError
+from ..runtime.generate import Sampling
+from ..runtime.stream import stream_generate
 from .data import _template, file_digest, load_sharegpt, sharegpt_path, tokenize
 
 log = logging.getLogger(__name__)
@@ -91,56 +95,62 @@ def _conversation(messages: list[dict], answers: list[list[int]], tokenizer) -> 
 def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], temperature: float, progress: Progress,
                        config: DistillConfig, variant: int, deadline: float | None = None,
                        save=lambda: None) -> bool:
-    """Advance ``progress`` turn by turn until every conversation is closed or ``deadline`` passes
-    (checked between batches). ``save`` is called every few batches. returns: finished."""
-    device = spec.capture.kv_device
+    """Advance ``progress`` until every conversation is closed or ``deadline`` passes (checked as answers
+    come back; answers still being generated then are dropped, and made again by a resumed run). Every
+    open conversation's next turn is queued, shortest prompt first, and each answer queues its
+    conversation's following turn, all through one stream of ``batch_size`` rows (``runtime.stream``: a
+    finished row's slot takes the next prompt). ``save`` is called every 256 answers. returns: finished."""
     gen = spec.model.generation_config
     eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
-    b = config.batch_size
-    while not progress.finished():
-        turn = min(len(a) for a, closed in zip(progress.answers, progress.closed) if not closed)
-        prompts = {}
-        for c, (messages, answers) in enumerate(zip(conversations, progress.answers)):
-            if progress.closed[c] or len(answers) != turn:
-                continue
-            if 2 * turn >= len(messages):
-                progress.closed[c] = True
-                continue
-            ids = _template(tokenizer, _conversation(messages, answers, tokenizer) + [messages[2 * turn]], True)
-            if len(ids) > config.max_prompt_tokens:
-                progress.closed[c] = True
-                continue
-            prompts[c] = ids
-        todo = sorted(prompts, key=lambda c: len(prompts[c]))  # similar lengths share a batch
-        bar = tqdm(range(0, len(todo), b), desc=f"{variant_name(temperature)} turn {turn + 1}", leave=False)
-        for i in bar:
-            if deadline is not None and time.time() > deadline:
-                save()
-                return False
-            rows = todo[i:i + b]
-            batch = [prompts[c] for c in rows] + [prompts[rows[0]]] * (b - len(rows))  # one bucket: B rows
-            width = max(map(len, batch))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-            torch.manual_seed(hash((config.seed, variant, turn, i)) % 2**62)
-            start = time.perf_counter()
-            out = spec.generate(ids, attention_mask=mask, max_new_tokens=config.max_new_tokens,
-                                eos_token_id=sorted(eos_ids), pad_token_id=pad, **sample)
-            progress.seconds += time.perf_counter() - start
-            for c, row in zip(rows, out[:, width:].tolist()):
-                end = next((k for k, t in enumerate(row) if t in eos_ids), None)
-                progress.answers[c].append(row[:end] if end is not None else row)
-                progress.generated += (end + 1) if end is not None else len(row)
-                progress.ended_at_eos += end is not None
-            bar.set_postfix(tok_s=f"{progress.generated / max(progress.seconds, 1e-9):.0f}")
-            if (i // b) % 8 == 7:
-                save()
+    sampling = Sampling(temperature=temperature) if temperature > 0 else None
+
+    def next_prompt(c: int) -> list[int] | None:
+        """Conversation c's next prompt, or None (closed: no turn left, or the prompt is over the cap)."""
+        messages, answers = conversations[c], progress.answers[c]
+        if 2 * len(answers) < len(messages):
+            ids = _template(tokenizer, _conversation(messages, answers, tokenizer) + [messages[2 * len(answers)]],
+                            True)
+            if len(ids) <= config.max_prompt_tokens:
+                return ids
+        progress.closed[c] = True
+        bar.total -= len(messages[2 * len(answers)::2])  # turns that will not be answered
+        return None
+
+    open_turns = [len(m[2 * len(a)::2]) for m, a, closed in zip(conversations, progress.answers, progress.closed)
+                  if not closed]
+    bar = tqdm(total=sum(open_turns), desc=f"{variant_name(temperature)} answers", leave=False)
+    prompts = ((c, next_prompt(c)) for c in range(len(conversations)) if not progress.closed[c])
+    queue = deque(sorted(((c, p) for c, p in prompts if p is not None), key=lambda cp: len(cp[1])))
+    if not queue or (deadline is not None and time.time() > deadline):
+        bar.close()
+        save()
+        return progress.finished()
+    torch.manual_seed(hash((config.seed, variant, sum(map(len, progress.answers)))) % 2**62)
+    draft, _ = spec.mode("tree", config.batch_size)
+    start, seconds = time.perf_counter(), progress.seconds
+    stream = stream_generate(spec.capture, draft, queue, config.batch_size, config.max_new_tokens, eos_ids,
+                             spec.config.max_cache_len, sampling)
+    for done, (c, tokens, at_eos) in enumerate(stream):
+        progress.answers[c].append(tokens[:-1] if at_eos else tokens)
+        progress.generated += len(tokens)
+        progress.ended_at_eos += at_eos
+        progress.seconds = seconds + time.perf_counter() - start
+        bar.update()
+        bar.set_postfix(tok_s=f"{progress.generated / max(progress.seconds, 1e-9):.0f}")
+        prompt = next_prompt(c)
+        if prompt is not None:
+            queue.append((c, prompt))
+        if deadline is not None and time.time() > deadline:
+            stream.close()
+            bar.close()
+            save()
+            return False
+        if done % 256 == 255:
+            save()
+    bar.close()
     save()
-    return True
+    return progress.finished()
 
 
 def _tokenize_chunk(args) -> list[dict]:
@@ -354,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor", choices=["eager", "inductor"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--max-minutes", type=number(0.0, above=True), default=None,
-                        help="stop between batches after this long")
+                        help="stop after this long (answers in flight are made again by the next run)")
     parser.add_argument("--workers", type=_positive, default=8, help="tokenizer processes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -86,7 +86,7 @@ def test_a_run_stopped_by_its_deadline_resumes_to_the_same_answers(target, tmp_p
     for name in ("greedy", "t1"):
         a = torch.load(tmp_path / "resumed" / f"state-{name}.pt")["answers"]
         b = torch.load(tmp_path / "straight" / f"state-{name}.pt")["answers"]
-        assert a == b, name  # greedy, and sampling seeded per (seed, variant, turn, batch)
+        assert a == b, name  # greedy, and sampling seeded per (seed, variant, answers so far)
         assert resumed["variants"][name]["finished"] and straight["variants"][name]["finished"]
     greedy = torch.load(tmp_path / "straight" / "state-greedy.pt")["answers"]
     sampled = torch.load(tmp_path / "straight" / "state-t1.pt")["answers"]
@@ -96,6 +96,35 @@ def test_a_run_stopped_by_its_deadline_resumes_to_the_same_answers(target, tmp_p
         with pytest.raises(SettingError, match=f"{next(iter(changed))}: .* -> "):
             distill(model, tokenizer, tmp_path / "straight", DistillConfig(**{**config.__dict__, **changed}), source,
                     workers=1)
+
+
+def test_a_run_stopped_mid_stream_keeps_its_answers_and_resumes_to_the_greedy_ones(target, tmp_path, monkeypatch):
+    """The deadline passes after the second answer: the rows still decoding are dropped, the answers made are
+    kept, and the next run answers the rest: the same greedy answers as one uninterrupted run."""
+    import specgraph.train.distill as distill_module
+
+    model, tokenizer = target
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(RECORDS))
+    straight = distill(model, tokenizer, tmp_path / "straight", CONFIG, source, workers=1)
+    calls = []
+
+    class Clock:  # time.time() passes the deadline (1.0) from its third reading on: after the second answer
+        perf_counter = staticmethod(time.perf_counter)
+
+        @staticmethod
+        def time():
+            calls.append(1)
+            return 0.0 if len(calls) <= 2 else 2.0
+
+    monkeypatch.setattr(distill_module, "time", Clock)
+    stopped = distill(model, tokenizer, tmp_path / "resumed", CONFIG, source, workers=1, deadline=1.0)
+    monkeypatch.undo()
+    assert not stopped["variants"]["greedy"]["finished"] and stopped["variants"]["greedy"]["turns"] == 2
+    distill(model, tokenizer, tmp_path / "resumed", CONFIG, source, workers=1)
+    assert torch.load(tmp_path / "resumed" / "state-greedy.pt")["answers"] == \
+        torch.load(tmp_path / "straight" / "state-greedy.pt")["answers"]
+    assert straight["variants"]["greedy"]["turns"] == 5
 
 
 def test_shards_round_trip_under_their_size_limit(tmp_path):

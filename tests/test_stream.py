@@ -1,0 +1,90 @@
+"""runtime.stream_generate (continuous batching of plain decoding): every prompt's answer is HF greedy's,
+whichever slot it ran in, however often the slots were refilled, and with prompts added while it runs;
+bad input is refused by name."""
+from collections import deque
+
+import pytest
+import torch
+
+import specgraph
+from specgraph.drafts import NGram
+from specgraph.runtime.generate import Sampling
+from specgraph.runtime.stream import stream_generate
+from test_capture import tiny_model
+from test_generate import hf_greedy, prompts
+
+MAX_NEW = 10
+MAX_LENGTH = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_model("llama")
+    rows = prompts(3, [4, 9, 17, 6, 30, 2, 11, 23, 5, 14])
+    full = [hf_greedy(model, p, max_new_tokens=MAX_NEW, eos_token_id=None) for p in rows]
+    # an eos the answers reach at different points (or never): rows finish at different steps
+    counts = torch.bincount(torch.tensor([t for f in full for t in f[1:]]))
+    eos = int(counts.argmax())
+    return model, rows, full, eos
+
+
+def expected(full: list[int], eos: int | None) -> list[int]:
+    return full[: full.index(eos) + 1] if eos is not None and eos in full else full
+
+
+def stream(spec, queue, batch, eos, refill, sampling=None):
+    draft, _ = spec.mode("tree", batch)
+    return stream_generate(spec.capture, draft, queue, batch, MAX_NEW, {eos} if eos is not None else set(),
+                           MAX_LENGTH, sampling, refill)
+
+
+@pytest.mark.parametrize("batch, refill", [(4, 1), (4, 2), (3, 3)])
+def test_every_prompt_gets_hf_greedys_answer_through_refilled_slots(target, batch, refill):
+    model, rows, full, eos = target
+    ends = [expected(f, eos) for f in full]
+    assert len({len(e) for e in ends}) > 2  # the rows finish at different steps: slots are refilled mid-run
+    spec = specgraph.compile(model, None, max_batch=batch, max_cache_len=MAX_LENGTH)
+    got = {key: (tokens, at_eos) for key, tokens, at_eos in stream(spec, deque(enumerate(rows)), batch, eos, refill)}
+    assert sorted(got) == list(range(len(rows)))
+    for i, want in enumerate(ends):
+        assert got[i] == (want, want[-1] == eos), i
+
+
+def test_prompts_added_while_it_runs_are_answered_too(target):
+    """The next turn of a conversation enters the queue when its answer comes back (what distill does)."""
+    model, rows, _, eos = target
+    spec = specgraph.compile(model, None, max_batch=2, max_cache_len=MAX_LENGTH)
+    queue, seen = deque((i, p) for i, p in enumerate(rows[:3])), {}
+    for key, tokens, _ in stream(spec, queue, 2, eos, 1):
+        seen[key] = tokens
+        if isinstance(key, int):
+            queue.append((f"{key}+", rows[key] + tokens + [7]))
+    assert len(seen) == 6
+    for i in range(3):
+        assert seen[i] == expected(hf_greedy(model, rows[i], max_new_tokens=MAX_NEW, eos_token_id=None), eos)
+        follow = rows[i] + seen[i] + [7]
+        assert seen[f"{i}+"] == expected(hf_greedy(model, follow, max_new_tokens=MAX_NEW, eos_token_id=None), eos)
+
+
+def test_a_near_zero_temperature_samples_the_greedy_answers(target):
+    """The sampled step through the same slots: at T = 1e-3 every draw is the argmax (the sharpened head's
+    gaps are far above T), so any slot mix-up would show."""
+    model, rows, full, eos = target
+    spec = specgraph.compile(model, None, max_batch=3, max_cache_len=MAX_LENGTH)
+    got = dict((k, t) for k, t, _ in stream(spec, deque(enumerate(rows)), 3, eos, 1, Sampling(temperature=1e-3)))
+    assert got == {i: expected(f, eos) for i, f in enumerate(full)}
+
+
+def test_bad_input_is_refused_by_name(target):
+    model, rows, _, eos = target
+    spec = specgraph.compile(model, None, max_batch=2, max_cache_len=MAX_LENGTH)
+    with pytest.raises(ValueError, match="sampling.seed=5"):
+        next(stream(spec, deque([(0, rows[0])]), 2, eos, 1, Sampling(temperature=1.0, seed=5)))
+    with pytest.raises(ValueError, match="refill=3"):
+        next(stream(spec, deque([(0, rows[0])]), 2, eos, 3))
+    with pytest.raises(ValueError, match="prompt 'long' of 90 tokens"):
+        next(stream(spec, deque([("long", [5] * 90)]), 2, eos, 1))
+    ngram = specgraph.compile(model, NGram(), max_batch=2, max_cache_len=MAX_LENGTH)
+    with pytest.raises(TypeError, match="draft=NGram"):
+        next(stream(ngram, deque([(0, rows[0])]), 2, eos, 1))
+    assert list(stream(spec, deque(), 2, eos, 1)) == []  # nothing queued: nothing to do
