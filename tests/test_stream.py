@@ -88,3 +88,12 @@ def test_bad_input_is_refused_by_name(target):
     with pytest.raises(TypeError, match="draft=NGram"):
         next(stream(ngram, deque([(0, rows[0])]), 2, eos, 1))
     assert list(stream(spec, deque(), 2, eos, 1)) == []  # nothing queued: nothing to do
+
+
+def test_the_compiled_step_streams_the_same_answers(target):
+    """backend="inductor": the whole step compiled over static buffers (StaticStep), which a refill writes
+    in place (the path a GPU runs, there replayed as a CUDA graph)."""
+    model, rows, full, eos = target
+    spec = specgraph.compile(model, None, backend="inductor", max_batch=4, max_cache_len=MAX_LENGTH)
+    got = dict((k, t) for k, t, _ in stream(spec, deque(enumerate(rows)), 4, eos, 2))
+    assert got == {i: expected(f, eos) for i, f in enumerate(full)}
