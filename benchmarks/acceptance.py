@@ -83,7 +83,7 @@ def main() -> None:
         heads["medusa"] = specgraph.drafts.Medusa.from_pretrained(args.medusa).to(device)
     args.out.mkdir(parents=True, exist_ok=True)
     summary = dict(prompts=args.prompts, date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                   torch=torch.__version__, target="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)", runs={})
+                   torch=torch.__version__, target=f"{args.target} (fp32)", eagle3=args.eagle3, runs={})
     specs = {}
 
     def run(draft: str, tree, temperature: float, questions: int, tokens: int, prefix: str = "") -> dict | None:
