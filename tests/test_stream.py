@@ -80,6 +80,8 @@ def test_bad_input_is_refused_by_name(target):
     spec = specgraph.compile(model, None, max_batch=2, max_cache_len=MAX_LENGTH)
     with pytest.raises(ValueError, match="sampling.seed=5"):
         next(stream(spec, deque([(0, rows[0])]), 2, eos, 1, Sampling(temperature=1.0, seed=5)))
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        next(stream_generate(spec.capture, spec.mode("tree", 2)[0], deque([(0, rows[0])]), 2, 0, {eos}, MAX_LENGTH))
     with pytest.raises(ValueError, match="refill=3"):
         next(stream(spec, deque([(0, rows[0])]), 2, eos, 3))
     with pytest.raises(ValueError, match="prompt 'long' of 90 tokens"):

@@ -41,6 +41,8 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
     if sampling is not None and sampling.seed is not None:
         raise ValueError(f"sampling.seed={sampling.seed}: a seeded stream is keyed by (row, position), which a "
                          f"refilled row repeats; stream unseeded (the global RNG), or generate in fixed batches")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: at least 1")
     refill = max(1, batch // 8) if refill is None else refill
     if not 1 <= refill <= batch:
         raise ValueError(f"refill={refill}: between 1 and batch={batch}")
@@ -60,6 +62,7 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
     first = take(batch)
     if not first:
         return
+    # per slot: [key, prompt, tokens generated so far], or None while the slot is empty
     rows: list[list | None] = [[key, prompt, []] for key, prompt in first] + [None] * (batch - len(first))
     padded = [p for _, p in first] + [first[0][1]] * (batch - len(first))  # one bucket: B rows
     cache_len, _ = prefill(capture, padded, device)
