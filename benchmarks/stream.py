@@ -50,15 +50,15 @@ def fixed_batches(spec, prompts, batch, max_new, eos, pad, sample) -> tuple[list
 
 
 def streamed(spec, prompts, batch, max_new, eos, sampling) -> tuple[list[list[int]], int]:
-    """Answers through one stream of ``batch`` rows (its row-steps are not counted: 0)."""
+    """Answers through one stream of ``batch`` rows, and the row-steps run (batch x decode steps)."""
     answers: list = [None] * len(prompts)
     draft, _ = spec.mode("tree", batch)
-    queue = deque(enumerate(prompts))
+    queue, stats = deque(enumerate(prompts)), {}
     for key, tokens, _ in tqdm(stream_generate(spec.capture, draft, queue, batch, max_new, eos,
-                                               spec.config.max_cache_len, sampling),
+                                               spec.config.max_cache_len, sampling, stats=stats),
                                total=len(prompts), desc="stream", leave=False):
         answers[key] = tokens
-    return answers, 0
+    return answers, batch * stats["steps"]
 
 
 def main() -> None:
@@ -101,7 +101,7 @@ def main() -> None:
         results[name] = dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens,
                              mean_answer=tokens / len(answers),
                              ended_at_eos=sum(a[-1] in eos for a in answers) / len(answers),
-                             utilization=tokens / row_steps if row_steps else None, answers=answers)
+                             utilization=tokens / row_steps, answers=answers)
     fixed, stream = results["fixed batches"], results["stream"]
     differ = sum(a != b for a, b in zip(fixed.pop("answers"), stream.pop("answers")))
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -109,9 +109,8 @@ def main() -> None:
           f"batch {args.batch}, max_new_tokens {args.max_new_tokens}, T = {args.temperature:g}")
     print(f"{'way':<14} {'tok/s':>9} {'seconds':>8} {'mean answer':>12} {'eos':>5} {'utilization':>12}")
     for way, r in results.items():
-        util = "" if r["utilization"] is None else f"{r['utilization']:.2f}"
         print(f"{way:<14} {r['tokens_per_s']:>9.1f} {r['seconds']:>8.1f} {r['mean_answer']:>12.1f} "
-              f"{r['ended_at_eos']:>5.2f} {util:>12}")
+              f"{r['ended_at_eos']:>5.2f} {r['utilization']:>12.2f}")
     print(f"stream / fixed batches: {stream['tokens_per_s'] / fixed['tokens_per_s']:.2f}x; "
           f"answers that differ: {differ} of {len(prompts)}")
     if args.out:

@@ -38,14 +38,34 @@ def stream(spec, queue, batch, eos, refill, sampling=None):
                            MAX_LENGTH, sampling, refill)
 
 
+def schedule(lengths: list[int], batch: int, refill: int) -> dict:
+    """The stream's policy replayed on answer lengths alone: every busy row emits a token a step; once
+    ``refill`` rows are free (and prompts wait) that many are prefilled into them. Steps and refills."""
+    waiting, busy = list(lengths[batch:]), list(lengths[:batch]) + [0] * max(0, batch - len(lengths))
+    steps = refills = 0
+    while any(busy):
+        steps += 1
+        busy = [n - 1 if n else 0 for n in busy]
+        free = [s for s, n in enumerate(busy) if n == 0]
+        while waiting and len(free) >= refill:
+            for s in free[:refill]:
+                busy[s] = waiting.pop(0) if waiting else 0
+            free, refills = free[refill:], refills + 1
+    return dict(steps=steps, refills=refills)
+
+
 @pytest.mark.parametrize("batch, refill", [(4, 1), (4, 2), (3, 3)])
 def test_every_prompt_gets_hf_greedys_answer_through_refilled_slots(target, batch, refill):
     model, rows, full, eos = target
     ends = [expected(f, eos) for f in full]
     assert len({len(e) for e in ends}) > 2  # the rows finish at different steps: slots are refilled mid-run
     spec = specgraph.compile(model, None, max_batch=batch, max_cache_len=MAX_LENGTH)
-    got = {key: (tokens, at_eos) for key, tokens, at_eos in stream(spec, deque(enumerate(rows)), batch, eos, refill)}
+    draft, _ = spec.mode("tree", batch)
+    stats = {}
+    got = {key: (tokens, at_eos) for key, tokens, at_eos in stream_generate(
+        spec.capture, draft, deque(enumerate(rows)), batch, MAX_NEW, {eos}, MAX_LENGTH, None, refill, stats)}
     assert sorted(got) == list(range(len(rows)))
+    assert stats == schedule([len(e) for e in ends], batch, refill) and stats["refills"] >= 1
     for i, want in enumerate(ends):
         assert got[i] == (want, want[-1] == eos), i
 

@@ -30,12 +30,13 @@ from .generate import Sampling, _Readback, decode_step, prefill
 @torch.no_grad()
 def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tokens: int, eos_token_ids: set[int],
                     max_length: int, sampling: Sampling | None = None,
-                    refill: int | None = None) -> Iterator[tuple[object, list[int], bool]]:
+                    refill: int | None = None, stats: dict | None = None) -> Iterator[tuple[object, list[int], bool]]:
     """Decode every ``(key, prompt)`` popped from the left of ``queue`` (the caller may append more between
     yields) on ``batch`` rows of ``draft``'s plain decoding (the SpecModel's own ``Plain``: its buckets are
     kept per draft object); yields ``(key, tokens, ended_at_eos)`` as each finishes (eos included, at most
     ``max_new_tokens``), in finishing order. ``refill``: rows prefilled at once (its own prefill bucket and KV
-    buffer; default ``batch // 8``, at least 1). Stops when the queue and every row are empty."""
+    buffer; default ``batch // 8``, at least 1). Stops when the queue and every row are empty. ``stats``, if
+    given, counts as it goes: ``steps`` (decode steps run) and ``refills`` (refill prefills)."""
     if not isinstance(draft, Plain):
         raise TypeError(f"draft={type(draft).__name__}: streams run plain decoding (compile(model, None))")
     if sampling is not None and sampling.seed is not None:
@@ -75,7 +76,11 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
     kv = capture.kv(batch)
     ahead = device.type == "cuda"
 
+    stats = {} if stats is None else stats
+    stats.update(steps=0, refills=0)
+
     def launch(tree, cache):
+        stats["steps"] += 1
         return readback.start(run(tree, cache, active))
 
     def empty() -> list[int]:
@@ -108,6 +113,7 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
             new = take(refill)
             group = [p for _, p in new] + [new[0][1]] * (refill - len(new))
             lengths, _ = prefill(capture, group, device)
+            stats["refills"] += 1
             at = torch.tensor(slots[: len(new)], device=device)
             if refill < batch:  # (refill == batch: every slot was empty, the prefill wrote them in place)
                 kv.index_copy_(1, at, capture.kv(refill)[:, : len(new)])  # [2L, B, H, T, D]: whole rows
