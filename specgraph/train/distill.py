@@ -71,7 +71,7 @@ class Progress:
     seconds: float = 0.0
     generated: int = 0
     ended_at_eos: int = 0
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # the streams' counts: steps, refills, rows, tokens (kept answers)
     made_by: dict = field(default_factory=dict)  # what decides the answers (a resumed run must match it)
 
     @classmethod
@@ -128,12 +128,20 @@ def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], tempera
         return progress.finished()
     torch.manual_seed(hash((config.seed, variant, sum(map(len, progress.answers)))) % 2**62)
     draft, _ = spec.mode("tree", config.batch_size)
-    start, seconds = time.perf_counter(), progress.seconds
+    start, seconds, counts = time.perf_counter(), progress.seconds, {}
     stream = stream_generate(spec.capture, draft, queue, config.batch_size, config.max_new_tokens, eos_ids,
-                             spec.config.max_cache_len, sampling)
+                             spec.config.max_cache_len, sampling, stats=counts)
+
+    def count() -> None:  # the stream's steps so far into progress.stats (row-steps: what the rows could emit)
+        for key, value in (("steps", counts["steps"]), ("refills", counts["refills"]),
+                           ("row_steps", counts["steps"] * config.batch_size)):
+            progress.stats[key] = progress.stats.get(key, 0) + value
+        counts.update(steps=0, refills=0)
+
     for done, (c, tokens, at_eos) in enumerate(stream):
         progress.answers[c].append(tokens[:-1] if at_eos else tokens)
         progress.generated += len(tokens)
+        progress.stats["stream_tokens"] = progress.stats.get("stream_tokens", 0) + len(tokens)
         progress.ended_at_eos += at_eos
         progress.seconds = seconds + time.perf_counter() - start
         bar.update()
@@ -144,11 +152,14 @@ def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], tempera
         if deadline is not None and time.time() > deadline:
             stream.close()
             bar.close()
+            count()
             save()
             return False
         if done % 256 == 255:
+            count()
             save()
     bar.close()
+    count()
     save()
     return progress.finished()
 
@@ -297,6 +308,9 @@ def summarize(progress: Progress, examples: list[dict]) -> dict:
             "loss_tokens": int(sum(e["loss_mask"].sum() for e in examples)),
             "seconds": round(progress.seconds, 1),
             "tokens_per_s": round(progress.generated / max(progress.seconds, 1e-9), 1),
+            # answer tokens kept / the rows' decode steps, over the streamed part (1: no row ever idle)
+            "row_utilization": round(progress.stats["stream_tokens"] / progress.stats["row_steps"], 3)
+            if progress.stats.get("row_steps") else None,
             "finished": progress.finished()}
 
 
@@ -375,10 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     config = DistillConfig(tuple(args.temperatures), args.batch_size, args.max_new_tokens, args.max_prompt_tokens,
                            args.max_length, args.limit, args.seed, args.backend)
     summary = distill(model, tokenizer, args.out, config, args.data, deadline, args.workers)
-    print(f"{'variant':>8} {'convs':>6} {'turns':>6} {'generated':>10} {'tok/s':>8} {'eos':>5} {'stored':>10}")
+    print(f"{'variant':>8} {'convs':>6} {'turns':>6} {'generated':>10} {'tok/s':>8} {'eos':>5} {'rows':>5} "
+          f"{'stored':>10}")
     for name, s in summary["variants"].items():
+        rows = "-" if s["row_utilization"] is None else f"{s['row_utilization']:.2f}"
         print(f"{name:>8} {s['conversations']:>6} {s['turns']:>6} {s['generated_tokens']:>10} "
-              f"{s['tokens_per_s']:>8.0f} {s['ended_at_eos']:>5.2f} {s['stored_tokens']:>10}"
+              f"{s['tokens_per_s']:>8.0f} {s['ended_at_eos']:>5.2f} {rows:>5} {s['stored_tokens']:>10}"
               f"{'' if s['finished'] else '  (unfinished: run again)'}")
     done = len(summary["variants"]) == len(config.temperatures) and all(
         s["finished"] for s in summary["variants"].values())

@@ -68,6 +68,8 @@ def test_every_turn_is_the_targets_greedy_answer_to_its_own_conversation(target,
     assert all(state.closed) and sum(map(len, state.answers)) == 5  # "c" opens with a prompt over the cap
     greedy = summary["variants"]["greedy"]
     assert greedy["finished"] and greedy["turns"] == 5 and greedy["conversations"] == greedy["examples"] == 3
+    # answer tokens over the rows' decode steps: a share, and every generated token counted
+    assert 0 < greedy["row_utilization"] <= 1 and state.stats["stream_tokens"] == greedy["generated_tokens"]
     examples = load_shards(tmp_path / "out")
     assert len(examples) == 3 and {e["variant"] for e in examples} == {"greedy"}
     assert sum(int(e["loss_mask"].sum()) for e in examples) == greedy["loss_tokens"] > 0
