@@ -38,8 +38,7 @@ def fixed_batches(spec, prompts, batch, max_new, eos, pad, sample) -> tuple[list
         padded = rows + [rows[0]] * (batch - len(rows))
         width = max(map(len, padded))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in padded], device=spec.capture.kv_device)
-        mask = (torch.arange(width, device=ids.device) >= width - torch.tensor([len(p) for p in padded],
-                                                                              device=ids.device)[:, None]).long()
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in padded], device=ids.device)
         out = spec.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=sorted(eos),
                             pad_token_id=pad, **sample)[:, width:].tolist()
         for row in out[:len(rows)]:
