@@ -20,6 +20,8 @@ Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served fro
   gate_up_silu, down_norm_out).
 
     python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--rows 1 8] [--tiles all|wide-rows|few-rows] [--out DIR]
+    python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b llama8b --rows 1 8   (layer chains only:
+        programmatic dependent launch off / on / on with the weights' first lines prefetched, kernels/pdl.py)
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 from common import LLAMA_8B, QWEN_1_5B, SMOLLM2, copy_bandwidth, graphed_ms, layer_products  # first: sys.path (common.py)
 import specgraph.kernels  # noqa: E402,F401
+from specgraph import config  # noqa: E402
 from specgraph.kernels import fused_linear as fl  # noqa: E402
 
 # layers, hidden, q/k/v rows, intermediate: the decoder layers' products
@@ -107,8 +110,10 @@ def product_sweep(weights, rand, m: int, bandwidth: float, tiles) -> tuple[list[
     return rows, best
 
 
-def layer_chain(weights, rand, m: int, bandwidth: float, best: dict) -> dict:
-    """The layers without attention: now (norm + cuBLAS + add) vs fused, default and best tiles."""
+def layer_chain(weights, rand, m: int, bandwidth: float, best: dict | None, pdl: bool = False) -> dict:
+    """The layers without attention: now (norm + cuBLAS + add) vs fused, default and best tiles (best None:
+    not swept); ``pdl``: fused again with each kernel launched by programmatic dependent launch
+    (``config.pdl`` on, then prefetch: kernels/pdl.py)."""
     from specgraph.kernels.fused_linear import rms_norm_reference
 
     fused = torch.ops.specgraph.fused_linear
@@ -143,15 +148,18 @@ def layer_chain(weights, rand, m: int, bandwidth: float, best: dict) -> dict:
     h = rand(1, m, hidden)
     row = dict(M=m, floor_us=layer_bytes / bandwidth * 1e6)
     outs = {}
-    variants = (("now", now, None), ("fused", with_fused, None), ("fused_best", with_fused, best))
-    if m > 1:
-        variants += (("rows_folded", rows_folded, None),)
-    for label, body, tiles in variants:
+    variants = [("now", now, None, "off"), ("fused", with_fused, None, "off")]
+    variants += [("fused_best", with_fused, best, "off")] if best is not None else []
+    variants += [("rows_folded", rows_folded, None, "off")] if m > 1 else []
+    variants += [(f"fused_pdl_{mode}", with_fused, None, mode) for mode in ("on", "prefetch")] if pdl else []
+    for label, body, tiles, mode in variants:
         fl.TILE_OVERRIDE = tiles
         try:
-            step = torch.compile(body, dynamic=False)
-            outs[label] = step(h, weights)
-            row[f"{label}_us"] = graphed_ms(lambda: step(h, weights)) * 1e3 / len(weights)  # noqa: B023
+            with config.patch(pdl=mode):  # read at each launch: the graph records the launches made under it
+                torch._dynamo.reset()
+                step = torch.compile(body, dynamic=False)
+                outs[label] = step(h, weights)
+                row[f"{label}_us"] = graphed_ms(lambda: step(h, weights)) * 1e3 / len(weights)  # noqa: B023
         except Exception as error:  # noqa: BLE001
             print(f"#   {label} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
     fl.TILE_OVERRIDE = None
@@ -170,6 +178,9 @@ def main() -> None:
                         help="all: ROW_TILES (M = 1) and DOT_TILES; wide-rows: one-row tiles of 4-16 weight rows "
                              "and 512-2048 columns, 4 or 8 warps (M = 1 only); few-rows: DOT_TILES and "
                              "FEW_ROW_TILES (512-2048 columns a step, 1-2 stages; M > 1 only)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="only the layer chains, in the default tiles, with programmatic dependent launch off, "
+                             "on and with the weight prefetch (SPECGRAPH_PDL; kernels/pdl.py): no tile sweep")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     import torch._dynamo
@@ -195,6 +206,9 @@ def main() -> None:
         weights, rand = make_layers(*SHAPES[shape])
         record = results["shapes"][shape] = dict(products=[], layers=[], best={})
         for m in args.rows:
+            if args.pdl:
+                record["layers"].append(layer_chain(weights, rand, m, bandwidth, None, pdl=True))
+                continue
             rows, best = product_sweep(weights, rand, m, bandwidth, sweep(m))
             record["products"] += rows
             record["best"][m] = {f"{n}x{k}": list(t) for (n, k), t in best.items()}

@@ -37,6 +37,15 @@ def _names(name: str, text: str) -> frozenset[str]:
     return frozenset(n.strip() for n in text.split(",") if n.strip())
 
 
+PDL_MODES = ("off", "on", "prefetch")
+
+
+def _pdl_mode(name: str, text: str) -> str:
+    if text not in PDL_MODES:
+        raise SettingError(f"{name}={text!r}: use one of {', '.join(PDL_MODES)}")
+    return text
+
+
 def _path(name: str, text: str) -> Path:
     return Path(text).expanduser()
 
@@ -77,6 +86,11 @@ class Settings:
                                                "(comma-separated; specgraph/fast_paths.py)", developer=True)
     reference_kernels: bool = _setting(False, _flag, "CUDA: plain-torch tree_attention and fused_linear instead "
                                        "of the Triton kernels (bisection)", developer=True)
+
+    pdl: str = _setting("off", _pdl_mode, "CUDA: launch fused_linear and tree attention with programmatic "
+                        "dependent launch, each kernel waiting in-kernel for the one before (on), and with "
+                        "fused_linear asking L2 for its first weight lines before it waits (prefetch); an "
+                        "experiment until timed (benchmarks/fused_linear.py --pdl)", developer=True)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
@@ -124,6 +138,8 @@ def _checked(name: str, value):
         return Path(value)
     if name == "overlap" and value is not None and not isinstance(value, bool):
         raise TypeError(f"config.patch(overlap={value!r}): True, False or None (auto)")
+    if name == "pdl" and value not in PDL_MODES:
+        raise TypeError(f"config.patch(pdl={value!r}): one of {', '.join(PDL_MODES)}")
     if FIELDS[name].type == "bool" and not isinstance(value, bool):
         raise TypeError(f"config.patch({name}={value!r}): True or False")
     return value

@@ -61,13 +61,25 @@ import triton
 import triton.language as tl
 
 from .. import config
+from .pdl import pdl_kwargs, pdl_launch
 from .tree_attention import _dot
 
 MAX_ROWS = 16  # one 16-row tile of x per program
 SQUARE_COLS = 16  # norm_out: one partial sum of squares per row and 16 output columns
 SMALL_WEIGHT_BYTES = 8 << 20  # a small model's weight (SmolLM2's 0.7-3.5 MB; 8B's 34-235 MB): its own tiles
 ROW_GRID_PROGRAMS = 768  # a few rows of a small weight: a program per row and 8 weight rows up to this many
+PREFETCH_LINES = 16  # pdl "prefetch": the first 16 128-byte lines (2 KB) of each weight row a program streams
 FEW_PROGRAMS = 256  # one row of a large weight in fewer 8-row programs (two waves of 132 SMs) takes small tiles
+
+
+@triton.jit
+def _prefetch_l2(W, weight_rows, K, stride_wn, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines (LINE elements each) of each of ``weight_rows``: no
+    registers, no wait; addresses clamped into the weight."""
+    cols = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
+    ptrs = W + weight_rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -76,7 +88,8 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
                          NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                          SILU_MUL: tl.constexpr,
                          ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, SQUARE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                         PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # grid axis 1: the row blocks
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,6 +97,12 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
     w_up_rows = W + (N + cols)[:, None].to(tl.int64) * stride_wn  # SILU_MUL: the up half's rows
+    if PDL:  # launched before the kernel ahead ends: weights (never its output) may stream, the rest waits
+        if PREFETCH_LINES > 0:
+            _prefetch_l2(W, tl.where(col_ok, cols, 0), K, stride_wn, PREFETCH_LINES, LINE)
+            if SILU_MUL:
+                _prefetch_l2(W, tl.where(col_ok, cols, 0) + N, K, stride_wn, PREFETCH_LINES, LINE)
+        tl.extra.cuda.gdc_wait()
 
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if NORM and BLOCK_M != 1:  # more rows: each row's mean square first, in float32 as HF (for the tl.dot
@@ -128,6 +147,8 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
             acc += _dot(x, tl.trans(w), UPCAST)
             if SILU_MUL:
                 acc_up += _dot(x, tl.trans(w_up), UPCAST)
+    if PDL:  # the weights are read: the next kernel may launch (it waits for this one's end to read)
+        tl.extra.cuda.gdc_launch_dependents()
     if BLOCK_M == 1:
         acc += tl.sum(lanes, 1)[None, :]
         acc_up += tl.sum(lanes_up, 1)[None, :]
@@ -228,6 +249,9 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
             raise ValueError(f"fused_linear_triton: tiles={tiles}: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}")
         scaled = torch.empty_like(out)
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
+    pdl = pdl_launch(x.device)
+    line = 128 // weight.element_size()
+    lines = min(PREFETCH_LINES, triton.next_power_of_2(triton.cdiv(k, line))) if config.pdl == "prefetch" else 0
     _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         rows, weight, gamma if gamma is not None else weight, bias if bias is not None else weight,
         res if res is not None else out, out,
@@ -240,7 +264,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         ROW_SCALE=squares_in is not None, NORM_OUT=next_gamma is not None, SQUARE_COLS=SQUARE_COLS,
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **pdl_kwargs(pdl, PREFETCH_LINES=lines, LINE=line))
     out = out.view(*x.shape[:-1], n)
     if next_gamma is None:
         return out

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .. import config
 from .bitmask import bit_at, bit_or, mask_to_matrix, popcount64
+from .pdl import pdl_kwargs, pdl_launch
 
 WINDOW_SLOTS = 64
 LOG2E = 1.4426950408889634
@@ -106,8 +107,10 @@ def _tree_attention_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr,
     WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, MERGE_HERE: tl.constexpr, SPLITS_POW2: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched before the kernel ahead ends (kernels/pdl.py): q, the cache and the mask are its outputs
+        tl.extra.cuda.gdc_wait()
     pid_m = tl.program_id(0)  # tile of the G*R (group head, query row) pairs: fastest, so tiles share K/V in L2
     pid_bh = tl.program_id(1)  # b * H_KV + kv head
     pid_s = tl.program_id(2)  # split of the prefix; with splits, the last program takes only the window
@@ -181,6 +184,8 @@ def _tree_attention_kernel(
         s = tl.where(ancestor & used[None, :], _dot(q, k, UPCAST) * qk_scale, float("-inf"))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, UPCAST)
 
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     out_row = Out + b.to(tl.int64) * stride_ob + h[:, None].to(tl.int64) * stride_oh + r[:, None] * stride_or
@@ -337,7 +342,7 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
         WRITE_NEW=new_kv is not None, ROPE=rope is not None, MERGE_HERE=arrived is not None,
         SPLITS_POW2=triton.next_power_of_2(splits),
         UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_kwargs(pdl_launch(q.device)),
     )
     if splits > 1 and arrived is None:
         rows, block_rows = b * h * r, 16

@@ -234,3 +234,61 @@ def test_topk_at_draft_vocabularies(rows, vocab, k):
         compiled = torch.compile(lambda t: torch.ops.specgraph.topk(t, k), fullgraph=True)(x)
         for values, indices in (eager, replayed, compiled):
             assert torch.equal(indices, want[1]) and torch.equal(values, want[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs Hopper or later")
+@pytest.mark.parametrize("m", [1, 8])
+def test_pdl_chain_replayed_in_a_cuda_graph_equals_plain_launches(m, settings):
+    """Layers of the decode step's kernels (norm + q/k/v, write + attend with rope, o + residual, norm +
+    gate/up, SiLU·mul + down + residual), each reading the one before, replayed from a CUDA graph: with
+    programmatic dependent launch (on, prefetch) the outputs are bitwise those of plain launches; a kernel
+    reading before its wait would read its predecessor's half-written output. The cache is reset before
+    each replay so every mode starts from the same state."""
+    from specgraph import config
+
+    hidden, heads, h_kv, d, inter, layers, s_max = 1536, 12, 2, 128, 8960, 4, 1024
+    g = torch.Generator(device="cuda").manual_seed(m)
+    rand = lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    qkv_rows = (heads + 2 * h_kv) * d
+    weights = [(rand(qkv_rows, hidden) / hidden**0.5, rand(qkv_rows), rand(hidden, heads * d) / hidden**0.5,
+                rand(2 * inter, hidden) / hidden**0.5, rand(hidden, inter) / inter**0.5,
+                1 + 0.1 * rand(hidden), 1 + 0.1 * rand(hidden)) for _ in range(layers)]
+    kv0 = [(rand(1, h_kv, s_max, d), rand(1, h_kv, s_max, d)) for _ in range(layers)]
+    cache_len = torch.tensor([700], device="cuda", dtype=torch.int32)
+    tree_mask = torch.tensor([[(1 << (i + 1)) - 1 for i in range(m)]], device="cuda", dtype=torch.int64)  # a chain
+    cos, sin = rand(1, m, d).cos(), rand(1, m, d).sin()
+    x0 = rand(1, m, hidden)
+
+    def step(kv):
+        h = x0
+        for (w_qkv, b_qkv, w_o, w_gu, w_d, g1, g2), (k_cache, v_cache) in zip(weights, kv):
+            qkv = torch.ops.specgraph.fused_linear(h, w_qkv, g1, 1e-6, None, bias=b_qkv)  # [1, m, (H + 2 Hkv) D]
+            q = qkv[..., : heads * d].view(1, m, heads, d).transpose(1, 2)
+            k_new = qkv[..., heads * d: (heads + h_kv) * d].view(1, m, h_kv, d).transpose(1, 2)
+            v_new = qkv[..., (heads + h_kv) * d:].view(1, m, h_kv, d).transpose(1, 2)
+            attn = tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, d**-0.5, 0,
+                                         new_kv=(k_new, v_new), rope=(cos, sin))  # [1, H, m, D]
+            h = torch.ops.specgraph.fused_linear(attn.transpose(1, 2).reshape(1, m, heads * d), w_o, None, 0.0, h)
+            h = torch.ops.specgraph.fused_linear(torch.ops.specgraph.fused_linear(h, w_gu, g2, 1e-6, None),
+                                                 w_d, None, 0.0, h, True)
+        return h
+
+    results = {}
+    for mode in ("off", "on", "prefetch"):
+        with config.patch(pdl=mode):
+            kv = [(k.clone(), v.clone()) for k, v in kv0]
+            step(kv)  # compiles the variant outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step(kv)
+            for (k, v), (k0, v0) in zip(kv, kv0):
+                k.copy_(k0), v.copy_(v0)
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            results[mode] = (out.clone(), [k.clone() for k, _ in kv])
+    for mode in ("on", "prefetch"):
+        assert torch.equal(results[mode][0], results["off"][0]), mode
+        assert all(torch.equal(a, b) for a, b in zip(results[mode][1], results["off"][1])), mode
+    assert results["off"][0].abs().sum() > 0
