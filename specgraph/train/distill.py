@@ -126,7 +126,8 @@ def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], tempera
         bar.close()
         save()
         return progress.finished()
-    torch.manual_seed(hash((config.seed, variant, sum(map(len, progress.answers)))) % 2**62)
+    if sampling is not None:  # a resumed run draws anew from where it stopped (the global RNG: unseeded stream)
+        torch.manual_seed(hash((config.seed, variant, sum(map(len, progress.answers)))) % 2**62)
     draft, _ = spec.mode("tree", config.batch_size)
     start, seconds, counts = time.perf_counter(), progress.seconds, {}
     stream = stream_generate(spec.capture, draft, queue, config.batch_size, config.max_new_tokens, eos_ids,

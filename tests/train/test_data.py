@@ -76,9 +76,13 @@ def test_self_distillation_and_the_cache(smollm2, tmp_path):
     model = tiny_target_for(tokenizer)
     conversations = [[{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "(old)"}],
                      [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "(old)"},
-                      {"role": "user", "content": "Again."}, {"role": "assistant", "content": "(old)"}]]
+                      {"role": "user", "content": "Again."}, {"role": "assistant", "content": "(old)"}],
+                     [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "(old)"},
+                      {"role": "user", "content": "Thanks."}],  # a trailing user turn stays as it is
+                     [{"role": "user", "content": "Unanswered."}]]
     new = regenerate(model, tokenizer, conversations, max_new_tokens=6, batch_size=2)  # specgraph's engine
     assert regenerate(model, tokenizer, conversations, max_new_tokens=6, batch_size=2, engine="hf") == new
+    assert new[2][2] == conversations[2][2] and new[3] == conversations[3]
     for conversation, rewritten in zip(conversations, new):
         assert [m["role"] for m in rewritten] == [m["role"] for m in conversation]
         for i in range(1, len(rewritten), 2):  # each answer is the target's own greedy reply to what precedes it
