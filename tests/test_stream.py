@@ -119,3 +119,20 @@ def test_the_compiled_step_streams_the_same_answers(target):
     spec = specgraph.compile(model, None, backend="inductor", max_batch=4, max_cache_len=MAX_LENGTH)
     got = dict((k, t) for k, t, _ in stream(spec, deque(enumerate(rows)), 4, eos, 2))
     assert got == {i: expected(f, eos) for i, f in enumerate(full)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_graphed_stream_streams_the_same_answers(target):
+    """On CUDA: the inductor step replayed as a CUDA graph, the next step launched before the host reads
+    the last (``ahead``), refills writing the graph's static buffers in place; fp32, so HF greedy's answers."""
+    model, rows, full, eos = target
+    cuda_model = tiny_model("llama").cuda()  # the same seed: the same weights as ``model``
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(cuda_model.state_dict().values(), model.state_dict().values()))
+    spec = specgraph.compile(cuda_model, None, backend="inductor", max_batch=4, max_cache_len=MAX_LENGTH)
+    stats = {}
+    draft, _ = spec.mode("tree", 4)
+    got = {k: t for k, t, _ in stream_generate(spec.capture, draft, deque(enumerate(rows)), 4, MAX_NEW, {eos},
+                                                MAX_LENGTH, None, 2, stats)}
+    assert got == {i: expected(f, eos) for i, f in enumerate(full)}
+    assert stats["refills"] >= 1
