@@ -6,7 +6,7 @@ row ends) against one continuous stream (``runtime.stream``: finished rows refil
         [--max-new-tokens 512] [--temperature 0] [--out FILE]
 
 The same prompts (ShareGPT first turns, shortest first, as distill orders them), the same compiled model, one
-process: each way runs once to compile, then once timed. Prints tok/s of each (answer tokens, eos included),
+process: each way runs a few tokens to compile, then once timed. Prints tok/s of each (answer tokens, eos included),
 their ratio, the mean answer, the share ended at eos and the rows' utilization (answer tokens / row-steps run);
 greedy answers that differ between the two ways are counted (bf16: the batch composition changes the
 products' rounding, so a few near-ties may flip).
@@ -85,16 +85,17 @@ def main() -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     sample = dict(do_sample=True, temperature=args.temperature, top_k=0) if args.temperature > 0 else {}
     sampling = Sampling(temperature=args.temperature) if args.temperature > 0 else None
-    ways = {"fixed batches": lambda ps: fixed_batches(spec, ps, args.batch, args.max_new_tokens, eos, pad, sample),
-            "stream": lambda ps: streamed(spec, ps, args.batch, args.max_new_tokens, eos, sampling)}
+    ways = {"fixed batches": lambda ps, new: fixed_batches(spec, ps, args.batch, new, eos, pad, sample),
+            "stream": lambda ps, new: streamed(spec, ps, args.batch, new, eos, sampling)}
     results = {}
     for name, way in ways.items():
-        way(prompts[: args.batch + args.batch // 8 + 1])  # compiles every bucket the way uses (refill's too)
+        # compiles every bucket the way uses (decode, prefill in 64-token chunks, refill's): a few tokens do
+        way(prompts[: args.batch + args.batch // 8 + 1], 4)
         torch.manual_seed(0)
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        answers, row_steps = way(prompts)
+        answers, row_steps = way(prompts, args.max_new_tokens)
         seconds = time.perf_counter() - start
         tokens = sum(map(len, answers))
         results[name] = dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens,
