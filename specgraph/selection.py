@@ -121,13 +121,15 @@ def expand_frontier(lanes: Frontier, logprobs: torch.Tensor, tokens: torch.Tenso
 
 
 def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                root_tokens: torch.Tensor, spec: DynamicTree) -> Tree:
+                root_tokens: torch.Tensor, spec: DynamicTree, extra: int = 0) -> Tree:
     """EAGLE-2 re-ranking: the best ``N-1`` candidates, numbered depth first.
 
     scores:  [B, E] cumulative log-probabilities (E = spec.num_candidates)
     tokens:  [B, E] candidate tokens
     parents: [B, E] parent candidate id, -1 for the root; parents[c] < c
     root_tokens: [B]
+    extra: candidates appended after the draft's (a lookup chain of that many: ``drafts/lookup.py``),
+    the kept tree then up to ``max(spec.max_depth, extra)`` deep.
     Scores are clamped to their ancestors' (a child never outranks its
     parent), NaN marks a candidate and its descendants worst, ties go to the
     lower id; the kept set is therefore closed under ancestors for every
@@ -135,9 +137,9 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     """
     b, e = scores.shape
     n = spec.num_nodes
-    if e != spec.num_candidates or tokens.shape != scores.shape or parents.shape != scores.shape:
+    if e != spec.num_candidates + extra or tokens.shape != scores.shape or parents.shape != scores.shape:
         raise ValueError(
-            f"scores, tokens and parents must be [B, {spec.num_candidates}] for {spec}; got "
+            f"scores, tokens and parents must be [B, {spec.num_candidates + extra}] for {spec} (+{extra}); got "
             f"{tuple(scores.shape)}, {tuple(tokens.shape)}, {tuple(parents.shape)}"
         )
     if root_tokens.shape != (b,):
@@ -148,7 +150,7 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     nan = scores.isnan()
     clean = _nan_to_neg_inf(scores.float())
     up = torch.where(parents >= 0, parents, e).to(torch.int64)
-    for _ in range((spec.steps - 1).bit_length()):
+    for _ in range((max(spec.steps, extra) - 1).bit_length()):
         clean = torch.minimum(clean, torch.cat([clean, clean.new_full((b, 1), float("inf"))], 1).gather(1, up))
         nan = nan | torch.cat([nan, nan.new_zeros(b, 1)], 1).gather(1, up)
         up = torch.cat([up, up.new_full((b, 1), e)], 1).gather(1, up)
@@ -163,7 +165,7 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     out_tokens = torch.cat([root_tokens.view(b, 1).to(torch.int64), torch.zeros_like(node)], 1)
     out_tokens = out_tokens.scatter(1, node, tokens.gather(1, kept).to(torch.int64))
     out_parents = torch.cat([root - 1, torch.zeros_like(node)], 1).scatter(1, node, parent_node)
-    tree = Tree.from_parents(out_tokens, out_parents, spec.max_depth, validate=False)
+    tree = Tree.from_parents(out_tokens, out_parents, max(spec.max_depth, min(extra, n - 1)), validate=False)
     tree.rank = (root - 1).expand(b, n).scatter(1, node, torch.arange(n - 1, device=device).expand(b, n - 1))
     tree.confidence = budget_confidence(clean)
     return tree

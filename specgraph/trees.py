@@ -153,6 +153,9 @@ class WithLookup:
     depth: int
     max_ngram: int = 3
     min_ngram: int = 1
+    # shared: the branch's tokens compete with the DynamicTree's candidates for its ``nodes`` (EAGLE-2's
+    # selection over both, the lookup scored by its match length: drafts/lookup.py), instead of adding rows
+    shared: bool = False
 
     def __post_init__(self):
         if not isinstance(self.tree, (Chain, StaticTree, DynamicTree)):
@@ -160,20 +163,27 @@ class WithLookup:
         _check_int("WithLookup.depth", self.depth, 1)
         _check_int("WithLookup.min_ngram", self.min_ngram, 1)
         _check_int("WithLookup.max_ngram", self.max_ngram, self.min_ngram)
+        if not isinstance(self.shared, bool):
+            raise ValueError(f"WithLookup.shared={self.shared!r}: True or False")
+        if self.shared and not (isinstance(self.tree, DynamicTree) and self.depth <= self.tree.nodes - 1):
+            raise ValueError(f"WithLookup(shared=True) needs a DynamicTree whose nodes - 1 >= depth={self.depth} (the "
+                             f"branch competes for its nodes); got {self.tree!r}")
         check_num_nodes(self.num_nodes, f"{self.tree} ({self.tree.num_nodes} nodes) with a {self.depth}-token lookup "
                                         f"branch has {self.num_nodes} nodes; the number of tree nodes")
 
     @property
     def num_nodes(self) -> int:
-        return self.tree.num_nodes + self.depth
+        return self.tree.num_nodes if self.shared else self.tree.num_nodes + self.depth
 
     @property
     def max_depth(self) -> int:
         return max(self.tree.max_depth, self.depth)
 
     def with_tree(self, tree) -> "WithLookup":
-        """The same lookup branch beside another tree (a smaller budget of the draft's)."""
-        return WithLookup(tree, self.depth, self.max_ngram, self.min_ngram)
+        """The same lookup branch beside another tree (a smaller budget of the draft's; shared: at most
+        the smaller tree's nodes - 1 deep)."""
+        depth = min(self.depth, tree.nodes - 1) if self.shared else self.depth
+        return WithLookup(tree, depth, self.max_ngram, self.min_ngram, self.shared)
 
 
 def spec_parents(spec: "Chain | StaticTree", device) -> torch.Tensor:
@@ -240,7 +250,8 @@ NAMED_TREES = {"eagle1": EAGLE1_MC_SIM_7B_63, "medusa": MEDUSA_MC_SIM_7B_63}
 def parse_tree(text: str) -> TreeSpec:
     """A tree from its command-line spelling: ``chainK`` (``Chain(K)``), ``dynamic:STEPS,TOPK,NODES``
     (``DynamicTree``), ``eagle1`` or ``medusa`` (the shipped ``mc_sim_7b_63`` trees); any of them
-    ``+lookupK`` (``WithLookup(tree, K)``: a K-token prompt-lookup branch beside it)."""
+    ``+lookupK`` (``WithLookup(tree, K)``: a K-token prompt-lookup branch beside it); a DynamicTree also
+    ``+lookupK:shared`` (``WithLookup(tree, K, shared=True)``: the branch competes for the tree's nodes)."""
     def count(digits: str) -> int:  # ASCII digits only: int() also reads "+4", " 4" and other scripts' digits
         if not (digits.isascii() and digits.isdigit()):
             raise ValueError(f"{digits!r} is not a whole number")
@@ -248,8 +259,11 @@ def parse_tree(text: str) -> TreeSpec:
 
     base, plus, lookup = text.partition("+lookup")
     if plus:
+        depth, shared, _ = lookup.partition(":shared")
         try:
-            return WithLookup(parse_tree(base), count(lookup))
+            if shared and _:
+                raise ValueError(f"{lookup!r}: +lookupK or +lookupK:shared")
+            return WithLookup(parse_tree(base), count(depth), shared=bool(shared))
         except ValueError as err:
             raise ValueError(f"tree {text!r}: {err}") from None
     if text in NAMED_TREES:
@@ -262,7 +276,8 @@ def parse_tree(text: str) -> TreeSpec:
             return DynamicTree(steps, topk, nodes)
     except ValueError as err:
         raise ValueError(f"tree {text!r}: {err}") from None
-    raise ValueError(f"tree {text!r}: expected chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa (+lookupK)")
+    raise ValueError(f"tree {text!r}: expected chainK, dynamic:STEPS,TOPK,NODES, eagle1 or medusa (+lookupK, "
+                     f"+lookupK:shared)")
 
 # ----------------------------------------------------------------------------- the batched tree
 @dataclass

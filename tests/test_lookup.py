@@ -53,6 +53,47 @@ def test_specs_and_spellings():
             parse_tree(bad)
     with pytest.raises(ValueError, match="max_ngram"):
         WithLookup(Chain(2), 3, max_ngram=1, min_ngram=2)
+    shared = parse_tree("dynamic:2,8,16+lookup12:shared")
+    assert shared == WithLookup(DynamicTree(2, 8, 16), 12, shared=True)
+    assert (shared.num_nodes, shared.max_depth) == (16, 12)  # the branch takes some of the tree's 16 rows
+    assert shared.with_tree(DynamicTree(2, 8, 8)) == WithLookup(DynamicTree(2, 8, 8), 7, shared=True)
+    for bad, says in [("chain4+lookup2:shared", "needs a DynamicTree"), ("dynamic:2,4,8+lookup8:shared", "depth=8"),
+                      ("dynamic:2,4,8+lookup2:sharedx", "lookupK:shared")]:
+        with pytest.raises(ValueError, match=says):
+            parse_tree(bad)
+
+
+def test_a_shared_branch_takes_rows_where_its_ngram_matched():
+    """The shared selection (drafts/lookup.py): with the last 3 tokens seen before, the branch's tokens
+    outrank an untrained head's and fill the rows under the root; with nothing matched, none is kept."""
+    from specgraph.drafts.lookup import LookupSession
+
+    model = tiny_model("llama")
+    draft = Eagle3.for_target(model, aux_layer_ids=(0, 1, 1))
+    tree = WithLookup(DynamicTree(3, 2, 8), 4, shared=True)
+    session = LookupSession(draft.session(tree.tree, 2, 64, "cpu"), tree, 2, 64, "cpu")
+    rows = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]]  # row 0 repeats 5 6 7 -> 8 9 10 5
+    hidden = torch.randn(2, 9, 3 * model.config.hidden_size)
+    with torch.no_grad():
+        session.prefill(rows, hidden)
+        proposed = session.propose(torch.tensor([7, 19]))
+    assert proposed.tokens.shape == (2, 8)
+    chain = [8, 9, 10, 5]
+    row0 = proposed.tokens[0].tolist()
+    assert all(t in row0 for t in chain[:3])  # 0.8, 0.64, 0.51 beat an untrained head's 1/2 .. 1/8
+    path = [i for i, t in enumerate(row0) if t in chain]
+    assert all(proposed.depth[0, i] == chain.index(row0[i]) + 1 for i in path)
+    assert not any(t in (11, 12, 13) for t in proposed.tokens[1, 1:].tolist())  # row 1: no match, no branch
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_shared_branch_is_token_exact_in_batches(shared):
+    """Rows with and without matches in one batch, compiled with the whole step: HF greedy per row."""
+    model = tiny_model("llama")
+    draft, _ = drafts(model)["eagle3-shared"]
+    spec = specgraph.compile(model, draft, tree=WithLookup(DynamicTree(3, 2, 8), 6, shared=shared), max_batch=3,
+                             max_cache_len=256)
+    assert_batch_and_single_match_hf(model, spec, prompts(6, [9, 40, 17]), max_new_tokens=30)
 
 
 def drafts(model):
@@ -62,10 +103,12 @@ def drafts(model):
         "eagle3-dynamic": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), WithLookup(DynamicTree(3, 2, 5), 6)),
         "eagle3-chain": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), WithLookup(Chain(1), 6)),
         "medusa-static": (Medusa(h, v, num_heads=2), WithLookup(StaticTree([[0], [1], [0, 0]]), 5)),
+        "eagle3-shared": (Eagle3.for_target(model, aux_layer_ids=(0, 1, 1)), WithLookup(DynamicTree(3, 2, 8), 6,
+                                                                                         shared=True)),
     }
 
 
-@pytest.mark.parametrize("name", ["eagle3-dynamic", "eagle3-chain", "medusa-static"])
+@pytest.mark.parametrize("name", ["eagle3-dynamic", "eagle3-chain", "medusa-static", "eagle3-shared"])
 def test_greedy_is_token_exact_and_the_branch_is_used(name):
     model = tiny_model("llama")
     draft, tree = drafts(model)[name]

@@ -191,6 +191,11 @@ class ARSession(DraftSession):
         return Tree.from_spec(self.tree, tokens, self.parent_index)
 
     def _propose_dynamic(self, roots: torch.Tensor) -> Tree:
+        return select_tree(*self.candidates(), roots, self.tree)
+
+    def candidates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A DynamicTree's candidates before EAGLE-2's selection: (scores, tokens, parents), each [B, E]
+        (``select_tree``'s inputs; a shared lookup branch adds its own before selecting)."""
         spec, b = self.tree, self.batch
         k = spec.topk
         logprobs, top = self._top(self.last, k, 1)  # [B, K]
@@ -214,4 +219,4 @@ class ARSession(DraftSession):
             scores.append(frontier.scores)
             tokens.append(frontier.tokens)
             parents.append(frontier.parents)
-        return select_tree(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), roots, spec)
+        return torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)

@@ -7,9 +7,17 @@ Verification takes the deepest accepted node, so the step accepts the longer of 
 """
 from __future__ import annotations
 
+import torch
+
+from ..selection import select_tree
 from ..trees import Chain, Tree, WithLookup, join_lookup
+from .autoregressive import ARSession
 from .base import Draft, DraftSession
 from .ngram import NGram, NGramSession
+
+# shared branch: the per-token acceptance its tokens are ranked by, by the length n of the n-gram they matched
+# (none, 1, 2, 3 or more): a guess to calibrate (docs/benchmarks.md, the Qwen lookup-tree sweep)
+LOOKUP_ACCEPT = (0.0, 0.15, 0.5, 0.8)
 
 
 def open_session(draft: Draft, tree, batch: int, max_length: int, device) -> DraftSession:
@@ -23,6 +31,9 @@ class LookupSession(DraftSession):
     """The draft's session and an n-gram one, proposing one joined tree."""
 
     def __init__(self, inner: DraftSession, tree: WithLookup, batch: int, max_length: int, device):
+        if tree.shared and not isinstance(inner, ARSession):
+            raise TypeError(f"{tree}: a shared lookup branch needs an autoregressive draft's DynamicTree "
+                            f"(EAGLE, EAGLE-3, MTP); got {type(inner).__name__}")
         self.inner, self.tree = inner, tree
         self.lookup = NGramSession(NGram(tree.max_ngram, tree.min_ngram), Chain(tree.depth), batch, max_length, device)
         self.taps = inner.taps
@@ -41,7 +52,26 @@ class LookupSession(DraftSession):
         self.lookup.prefill(prompts, None)
 
     def propose(self, roots) -> Tree:
-        return join_lookup(self.inner.propose(roots), self.lookup.continuation(self.tree.depth))  # [B, N + K]
+        if not self.tree.shared:
+            return join_lookup(self.inner.propose(roots), self.lookup.continuation(self.tree.depth))  # [B, N + K]
+        return self._propose_shared(roots)
+
+    def _propose_shared(self, roots) -> Tree:
+        """EAGLE-2's selection over the draft's candidates and the branch's K tokens (a chain under the
+        root, token d scored d * log LOOKUP_ACCEPT[n]): the tree's N nodes go where acceptance is expected."""
+        scores, tokens, parents = self.inner.candidates()  # [B, E] each
+        b, e = scores.shape
+        k = self.tree.depth
+        look, n = self.lookup.continuation_matched(k)  # [B, K], [B]
+        accept = torch.zeros(b, device=scores.device)
+        for length, rate in enumerate(LOOKUP_ACCEPT[1:], 1):  # n >= len(LOOKUP_ACCEPT) - 1 takes the last
+            accept = torch.where(n >= length, rate, accept)
+        depth = torch.arange(1, k + 1, device=scores.device)
+        look_scores = accept.log().view(b, 1) * depth  # [B, K] cumulative: -inf without a match
+        look_parents = torch.arange(e - 1, e + k - 1, device=scores.device).masked_fill(depth == 1, -1).expand(b, k)
+        return select_tree(torch.cat([scores, look_scores.to(scores.dtype)], 1),
+                           torch.cat([tokens, look.to(tokens.dtype)], 1),
+                           torch.cat([parents, look_parents.to(parents.dtype)], 1), roots, self.tree.tree, extra=k)
 
     def commit(self, tree, acc, features, accept_len) -> None:
         self.inner.commit(tree, acc, features, accept_len)  # acc.path indexes the joined tree, as features do

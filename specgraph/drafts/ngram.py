@@ -56,10 +56,17 @@ def propose_on_device(seq: torch.Tensor, length: torch.Tensor, k: int, max_ngram
     seq [B, L] tokens (row b valid up to length[b], its last token the root), length [B] -> [B, k].
     The longest n with an earlier occurrence wins; among those, the latest occurrence.
     """
+    return lookup_on_device(seq, length, k, max_ngram, min_ngram)[0]
+
+
+def lookup_on_device(seq: torch.Tensor, length: torch.Tensor, k: int, max_ngram: int,
+                     min_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``propose_on_device``, and [B] int64 the length n of the n-gram each row's proposal matched (0: none)."""
     b, cap = seq.shape
     idx = torch.arange(cap, device=seq.device)
     root = seq.gather(1, (length - 1).clamp(min=0).view(b, 1))
     out, found = root.expand(b, k).clone(), torch.zeros(b, dtype=torch.bool, device=seq.device)
+    matched = torch.zeros(b, dtype=torch.int64, device=seq.device)
     for n in range(max_ngram, min_ngram - 1, -1):
         if n >= cap:
             continue
@@ -74,8 +81,9 @@ def propose_on_device(seq: torch.Tensor, length: torch.Tensor, k: int, max_ngram
         follow = seq.gather(1, pos.clamp(min=0, max=cap - 1))
         take = (start >= 0) & ~found
         out = torch.where(take.view(b, 1), follow, out)
+        matched = torch.where(take, n, matched)
         found |= start >= 0
-    return out
+    return out, matched
 
 
 class NGramSession(DraftSession):
@@ -94,6 +102,10 @@ class NGramSession(DraftSession):
     def continuation(self, k: int) -> torch.Tensor:
         """[B, k]: each row's lookup proposal after its last committed token."""
         return propose_on_device(self.seq, self.length, k, self.draft.max_ngram, self.draft.min_ngram)
+
+    def continuation_matched(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``continuation``, and [B] the matched n-gram's length (0: none)."""
+        return lookup_on_device(self.seq, self.length, k, self.draft.max_ngram, self.draft.min_ngram)
 
     def propose(self, roots: torch.Tensor) -> Tree:
         drafts = self.continuation(self.tree.num_nodes - 1)
