@@ -119,11 +119,12 @@ def test_greedy_is_token_exact_and_the_branch_is_used(name):
     assert max(max(step) for step in out["accept_lens"]) > tree.tree.max_depth + 1
 
 
-def test_the_whole_step_compiles_as_one_graph(aot_eager_compile):
+@pytest.mark.parametrize("name", ["eagle3-dynamic", "eagle3-shared"])
+def test_the_whole_step_compiles_as_one_graph(aot_eager_compile, name):
     """backend="inductor" (dynamo with fullgraph=True: no graph break, no host sync in the joined propose
     and the two commits; aot_eager stands in for inductor's CPU codegen): the same tokens."""
     model = tiny_model("llama")
-    draft, tree = drafts(model)["eagle3-dynamic"]
+    draft, tree = drafts(model)[name]
     spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=128, backend="inductor")
     assert_greedy_matches_hf(model, spec, prompts(5, [12, 40]), 20)
 
