@@ -36,7 +36,7 @@ SWEEP = [Chain(3), Chain(5), Chain(7), DynamicTree(4, 4, 16), DynamicTree(5, 8, 
 
 def tree_name(tree) -> str:
     if isinstance(tree, WithLookup):
-        return f"{tree_name(tree.tree)}-lookup{tree.depth}"
+        return f"{tree_name(tree.tree)}-lookup{tree.depth}{'-shared' if tree.shared else ''}"
     if isinstance(tree, Chain):
         return f"chain{tree.depth}"
     if isinstance(tree, DynamicTree):

@@ -36,7 +36,8 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
   sg_ngram@chainK NGram (prompt lookup) K tokens deep (--ngram-trees chainK ...), inductor
   sg_default:NAME the EAGLE-3 head NAME of --heads NAME=DIR with compile's defaults (heads compared in one run)
   sg_eagle3@TREE  the head on any tree spec (--trees TREE ...: chainK, dynamic:STEPS,TOPK,NODES, eagle1; any of
-                  them +lookupK: a K-token prompt-lookup branch beside the head's tree, specgraph.WithLookup):
+                  them +lookupK: a K-token prompt-lookup branch beside the head's tree, specgraph.WithLookup;
+                  a dynamic one +lookupK:shared: the branch competing for the tree's nodes):
                   fewer draft steps cost fewer launches per step, at the price of depth
 (inductor methods replay the whole step as a CUDA graph; SPECGRAPH_CUDA_GRAPHS=0 turns that off:
 say so when reporting.)
@@ -305,7 +306,7 @@ def main() -> None:
                         help="also run sg_eagle3_treeN for each tree budget N (nodes, root included; 2 .. 64)")
     parser.add_argument("--trees", nargs="*", default=[], type=_tree_spec,
                         help="also run sg_eagle3@TREE for each spec (chainK, dynamic:STEPS,TOPK,NODES, eagle1; "
-                        "+lookupK adds a prompt-lookup branch)")
+                        "+lookupK adds a prompt-lookup branch, +lookupK:shared lets it compete for the nodes)")
     parser.add_argument("--ngram-trees", nargs="*", default=[], type=_tree_spec,
                         help="also run sg_ngram@TREE for each chain (chainK: prompt lookup K tokens deep)")
     parser.add_argument("--out", type=Path, default=None)
