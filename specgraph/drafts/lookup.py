@@ -15,9 +15,11 @@ from .autoregressive import ARSession
 from .base import Draft, DraftSession
 from .ngram import NGram, NGramSession
 
-# shared branch: the per-token acceptance its tokens are ranked by, by the length n of the n-gram they matched
-# (none, 1, 2, 3 or more): a guess to calibrate (docs/benchmarks.md, the Qwen lookup-tree sweep)
-LOOKUP_ACCEPT = (0.0, 0.15, 0.5, 0.8)
+# shared branch: by the length n of the n-gram the lookup matched (none, 1, 2, 3 or more), the share of its
+# first tokens accepted and of accepted tokens followed by an accepted one (measured on Qwen2.5-Coder-1.5B's
+# self-distilled ShareGPT answers: benchmarks/investigations/lookup_calibration.py, docs/benchmarks.md)
+LOOKUP_FIRST = (0.0, 0.25, 0.5, 0.78)
+LOOKUP_GO_ON = (0.0, 0.63, 0.71, 0.9)
 
 
 def open_session(draft: Draft, tree, batch: int, max_length: int, device) -> DraftSession:
@@ -58,16 +60,19 @@ class LookupSession(DraftSession):
 
     def _propose_shared(self, roots) -> Tree:
         """EAGLE-2's selection over the draft's candidates and the branch's K tokens (a chain under the
-        root, token d scored d * log LOOKUP_ACCEPT[n]): the tree's N nodes go where acceptance is expected."""
+        root, token d scored log LOOKUP_FIRST[n] + (d - 1) log LOOKUP_GO_ON[n], the log-probability that it
+        is accepted): the tree's N nodes go where acceptance is expected."""
         scores, tokens, parents = self.inner.candidates()  # [B, E] each
         b, e = scores.shape
         k = self.tree.depth
         look, n = self.lookup.continuation_matched(k)  # [B, K], [B]
-        accept = torch.zeros(b, device=scores.device)
-        for length, rate in enumerate(LOOKUP_ACCEPT[1:], 1):  # n >= len(LOOKUP_ACCEPT) - 1 takes the last
-            accept = torch.where(n >= length, rate, accept)
+        first, go_on = torch.zeros(b, device=scores.device), torch.zeros(b, device=scores.device)
+        for length in range(1, len(LOOKUP_FIRST)):  # n past the table takes its last entry
+            first = torch.where(n >= length, LOOKUP_FIRST[length], first)
+            go_on = torch.where(n >= length, LOOKUP_GO_ON[length], go_on)
         depth = torch.arange(1, k + 1, device=scores.device)
-        look_scores = accept.log().view(b, 1) * depth  # [B, K] cumulative: -inf without a match
+        look_scores = torch.where((n > 0).view(b, 1), first.log().view(b, 1) + go_on.log().view(b, 1) * (depth - 1),
+                                  float("-inf"))  # [B, K]: no match, no rows
         look_parents = torch.arange(e - 1, e + k - 1, device=scores.device).masked_fill(depth == 1, -1).expand(b, k)
         return select_tree(torch.cat([scores, look_scores.to(scores.dtype)], 1),
                            torch.cat([tokens, look.to(tokens.dtype)], 1),
