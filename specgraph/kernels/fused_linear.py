@@ -251,7 +251,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
     pdl = pdl_launch(x.device)
     line = 128 // weight.element_size()
-    lines = min(PREFETCH_LINES, triton.next_power_of_2(triton.cdiv(k, line))) if config.pdl == "prefetch" else 0
+    lines = min(PREFETCH_LINES, triton.next_power_of_2(triton.cdiv(k, line))) if pdl and config.pdl == "prefetch" else 0
     _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         rows, weight, gamma if gamma is not None else weight, bias if bias is not None else weight,
         res if res is not None else out, out,

@@ -128,8 +128,8 @@ class Decoder:
     """Greedy batched decoding for self-distillation. ``engine="specgraph"``: plain decoding on
     specgraph's static per-row cache (``specgraph.compile(model, None)``; token-exact with
     ``model.generate``), compiled once and reused for as long as its cache fits the prompts;
-    ``"hf"``: ``model.generate`` (its dynamic cache is re-concatenated every step: slow at large
-    batches)."""
+    ``"hf"``: ``model.generate`` in batches (its dynamic cache is re-concatenated every step: slow at
+    large batches)."""
 
     def __init__(self, model, engine: str = "specgraph"):
         if engine not in ("specgraph", "hf"):
@@ -145,13 +145,6 @@ class Decoder:
             self.spec = specgraph.compile(self.model, None, max_batch=rows, max_cache_len=-(-length // 256) * 256)
         return self.spec
 
-    def __call__(self, ids, mask, max_new_tokens: int, pad: int, max_batch: int) -> torch.Tensor:
-        if self.engine == "hf":
-            return self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                       pad_token_id=pad)
-        spec = self.specgraph_engine(max_batch, ids.shape[1] + max_new_tokens + 2)
-        return spec.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-
 
 @torch.no_grad()
 def regenerate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 512,
@@ -162,7 +155,7 @@ def regenerate(model, tokenizer, conversations: list[list[dict]], max_new_tokens
     takes the next prompt, an answer queues its conversation's next turn), HF's turn by turn in batches."""
     decode = engine if isinstance(engine, Decoder) else Decoder(model, engine)
     if decode.engine == "hf":
-        return _regenerate_in_batches(model, tokenizer, conversations, max_new_tokens, batch_size, decode)
+        return _regenerate_in_batches(model, tokenizer, conversations, max_new_tokens, batch_size)
     from .distill import DistillConfig, Progress, _conversation, regenerate_variant  # distill imports this module
 
     answered = [m[: len(m) // 2 * 2] for m in conversations]  # a trailing user turn stays unanswered
@@ -181,8 +174,8 @@ def regenerate(model, tokenizer, conversations: list[list[dict]], max_new_tokens
     return [_conversation(m, a, tokenizer) + full[len(m):] for m, a, full in zip(answered, progress.answers, conversations)]
 
 
-def _regenerate_in_batches(model, tokenizer, conversations, max_new_tokens, batch_size, decode) -> list[list[dict]]:
-    """``regenerate`` turn by turn, in batches of ``batch_size`` prompts (the HF engine's way)."""
+def _regenerate_in_batches(model, tokenizer, conversations, max_new_tokens, batch_size) -> list[list[dict]]:
+    """``regenerate`` with HF's ``model.generate``, turn by turn, in batches of ``batch_size`` prompts."""
     device = next(model.parameters()).device
     out = [list(m) for m in conversations]
     turns = max(len(m) for m in conversations) // 2
@@ -197,7 +190,8 @@ def _regenerate_in_batches(model, tokenizer, conversations, max_new_tokens, batc
             width = max(map(len, prompts))
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-            gen = decode(ids, mask, max_new_tokens, pad, batch_size)
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad)
             for c, row in zip(rows, gen[:, width:].tolist()):
                 text = tokenizer.decode(row, skip_special_tokens=True).strip()
                 out[c][2 * turn + 1] = {"role": "assistant", "content": text or "…"}
