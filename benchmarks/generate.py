@@ -161,8 +161,8 @@ def run_specgraph(spec, rows, max_new, temperature: float = 0.0) -> tuple[list[l
         ids = torch.tensor([row], device="cuda")
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = spec.generate(ids, max_new_tokens=max_new, eos_token_id=None, return_dict_in_generate=True,
-                            **sampling(temperature))
+        out = spec.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, eos_token_id=None,
+                            return_dict_in_generate=True, **sampling(temperature))
         torch.cuda.synchronize()
         elapsed += time.perf_counter() - start
         outs.append(out["sequences"][0, len(row):].tolist())

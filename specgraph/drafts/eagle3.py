@@ -170,11 +170,11 @@ class Eagle3(FeatureDraft):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def default_tree(self, device: torch.device, max_batch: int):
-        """On one CUDA row, DynamicTree(2, 8, 8) with an 8-deep prompt-lookup chain beside it: the fastest of
-        the trees measured end to end with the shipped SmolLM2 head (docs/benchmarks.md, SmolLM2 speculation).
-        Larger batches and CPUs pay for every verified node: a 4-deep chain."""
+        """On one CUDA row, DynamicTree(2, 8, 16) whose 16 nodes a 12-deep prompt-lookup chain competes for
+        (shared): the fastest of the trees measured end to end (docs/benchmarks.md, SmolLM2 speculation and
+        Qwen2.5-Coder). Larger batches and CPUs pay for every verified node: a 4-deep chain."""
         if device.type == "cuda" and max_batch == 1:
-            return WithLookup(DynamicTree(2, 8, 8), 8)
+            return WithLookup(DynamicTree(2, 8, 16), 12, shared=True)
         return Chain(4)
 
     def bind(self, model) -> list[str]:

@@ -199,14 +199,14 @@ def test_a_new_eagle3_head_refused_by_a_small_target_names_the_fix_and_stays_fre
 
 
 def test_tree_none_takes_the_drafts_default_for_the_device_and_batch():
-    """EAGLE-3 on one CUDA row: the measured best, DynamicTree(2, 8, 8) with a lookup chain of 8 (a tree the head
-    can fill); more rows, a CPU, or another draft: Chain(4). compile(tree=None) takes it."""
+    """EAGLE-3 on one CUDA row: the measured best, DynamicTree(2, 8, 16) with a 12-deep lookup chain competing
+    for its nodes (a tree the head can fill); more rows, a CPU, or another draft: Chain(4). compile(tree=None) takes it."""
     from specgraph import WithLookup
     from specgraph.api import draft_tree
 
     model = tiny_model("llama")
     eagle3, eagle = make_draft("eagle3", model), make_draft("eagle", model)
-    best = WithLookup(DynamicTree(2, 8, 8), 8)
+    best = WithLookup(DynamicTree(2, 8, 16), 12, shared=True)
     assert eagle3.default_tree(torch.device("cuda"), 1) == best
     assert eagle3.tree_problems(draft_tree(best)) == []
     assert eagle3.default_tree(torch.device("cuda"), 4) == Chain(4)
