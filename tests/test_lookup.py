@@ -239,3 +239,93 @@ def test_one_row_calls_take_the_one_row_default_under_a_larger_max_batch(monkeyp
     small = specgraph.compile(model, draft, max_batch=3, max_cache_len=one_row.num_nodes)
     assert small.config.one_row_tree is None and small.config.tree_for(1) == Chain(4)
 
+
+
+def _outcomes_by_loop(look, matched, emitted, emitted_len):
+    """The oracle for lookup_outcomes: walk each row's chain against what the target emitted."""
+    out = torch.zeros(4, 4)
+    for row in range(look.shape[0]):
+        n, seen = int(matched[row]), min(int(emitted_len[row]), look.shape[1], emitted.shape[1])
+        if n == 0 or seen == 0:
+            continue
+        bucket = min(n, 3)
+        out[bucket, 1] += 1
+        hits = 0
+        for d in range(seen):
+            if int(look[row, d]) != int(emitted[row, d]):
+                break
+            hits += 1
+        out[bucket, 0] += hits >= 1
+        for d in range(1, seen):  # token d + 1 tried after token d accepted
+            if d > hits:
+                break
+            out[bucket, 3] += 1
+            out[bucket, 2] += d < hits
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookup_outcomes_count_what_the_target_emitted(seed):
+    """Per matched length: first tokens tried / accepted, next tokens tried after an accepted one / accepted;
+    positions past what the step emitted are not counted (a loop over the rows is the oracle)."""
+    from specgraph.drafts.lookup import lookup_outcomes
+
+    g = torch.Generator().manual_seed(seed)
+    b, k, w = 64, 6, 5
+    emitted = torch.randint(0, 3, (b, w), generator=g)
+    look = torch.where(torch.rand(b, k, generator=g) < 0.7, torch.nn.functional.pad(emitted, (0, k - w)),
+                       torch.randint(0, 3, (b, k), generator=g))
+    matched = torch.randint(0, 6, (b,), generator=g)
+    emitted_len = torch.randint(0, w + 1, (b,), generator=g)
+    got = lookup_outcomes(look, matched, emitted, emitted_len)
+    assert torch.equal(got, _outcomes_by_loop(look, matched, emitted, emitted_len))
+    assert got[0].sum() == 0 and got[1:, 1].sum() > 0  # no n-gram matched: nothing to learn
+
+
+def test_lookup_rates_start_at_the_table_and_follow_the_text():
+    from specgraph.drafts.lookup import LOOKUP_FIRST, LOOKUP_GO_ON, lookup_rates
+
+    first, go_on = lookup_rates(torch.zeros(4, 4))
+    assert torch.allclose(first[1:], torch.tensor(LOOKUP_FIRST[1:])) and torch.allclose(go_on[1:], torch.tensor(LOOKUP_GO_ON[1:]))
+    seen = torch.zeros(4, 4)
+    seen[3] = torch.tensor([10.0, 1000.0, 990.0, 1000.0])  # 3-grams: first tokens 1% accepted, next ones 99%
+    first, go_on = lookup_rates(seen)
+    assert abs(float(first[3]) - 0.01) < 0.02 and abs(float(go_on[3]) - 0.99) < 0.01
+    assert torch.allclose(first[1:3], torch.tensor(LOOKUP_FIRST[1:3]))  # other lengths keep the table
+
+
+def test_a_call_learns_its_rates_and_the_next_starts_afresh(monkeypatch):
+    """The shared branch's estimate moves with what the steps emit (a repetitive prompt that the target does
+    not repeat: the first tokens' rate falls), is reset by every call's prefill, and is session state that a
+    recorded step carries (``state_owners``)."""
+    from specgraph.drafts import lookup
+    from specgraph.drafts.lookup import LookupSession
+
+    sessions = []
+    real = LookupSession.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        sessions.append(self)
+
+    monkeypatch.setattr(LookupSession, "__init__", spy)
+    model = tiny_model("llama")
+    draft, tree = drafts(model)["eagle3-shared"]
+    spec = specgraph.compile(model, draft, tree=tree, max_cache_len=128)
+    prompt = torch.tensor([[5, 6, 7, 8] * 6])
+    spec.generate(prompt, max_new_tokens=40, eos_token_id=None)
+    session = sessions[-1]
+    assert session in session.state_owners()
+    tried = session.outcomes[1:, 1].sum()
+    assert tried > 0
+    first, _ = lookup.lookup_rates(session.outcomes)
+    table = torch.tensor(lookup.LOOKUP_FIRST)
+    for n in range(1, 4):  # between the table and what was seen, and off the table where the text disagreed
+        accepted, tried_n = session.outcomes[n, :2].tolist()
+        if tried_n:
+            seen = accepted / tried_n
+            assert min(seen, table[n]) - 1e-6 <= first[n] <= max(seen, table[n]) + 1e-6
+            assert abs(seen - table[n]) < 1e-3 or abs(first[n] - table[n]) > 1e-4
+    session.outcomes = session.outcomes + 5  # stale counts: the next call's prefill clears them
+    spec.generate(prompt, max_new_tokens=1)  # one step of one row: at most one try counted
+    assert sessions[-1].outcomes.max() <= 1
