@@ -121,7 +121,7 @@ def expand_frontier(lanes: Frontier, logprobs: torch.Tensor, tokens: torch.Tenso
 
 
 def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                root_tokens: torch.Tensor, spec: DynamicTree, extra: int = 0, extra_depth: int | None = None) -> Tree:
+                root_tokens: torch.Tensor, spec: DynamicTree, extra: int = 0) -> Tree:
     """EAGLE-2 re-ranking: the best ``N-1`` candidates, numbered depth first.
 
     scores:  [B, E] cumulative log-probabilities (E = spec.num_candidates)
@@ -129,8 +129,7 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     parents: [B, E] parent candidate id, -1 for the root; parents[c] < c
     root_tokens: [B]
     extra: candidates appended after the draft's (a lookup chain of that many: ``drafts/lookup.py``),
-    the kept tree then up to ``max(spec.max_depth, extra_depth)`` deep (``extra_depth``: their deepest
-    node's depth, default ``extra``).
+    the kept tree then up to ``max(spec.max_depth, extra)`` deep.
     Scores are clamped to their ancestors' (a child never outranks its
     parent), NaN marks a candidate and its descendants worst, ties go to the
     lower id; the kept set is therefore closed under ancestors for every
@@ -166,8 +165,7 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     out_tokens = torch.cat([root_tokens.view(b, 1).to(torch.int64), torch.zeros_like(node)], 1)
     out_tokens = out_tokens.scatter(1, node, tokens.gather(1, kept).to(torch.int64))
     out_parents = torch.cat([root - 1, torch.zeros_like(node)], 1).scatter(1, node, parent_node)
-    deepest = extra if extra_depth is None else extra_depth
-    tree = Tree.from_parents(out_tokens, out_parents, max(spec.max_depth, min(deepest, n - 1)), validate=False)
+    tree = Tree.from_parents(out_tokens, out_parents, max(spec.max_depth, min(extra, n - 1)), validate=False)
     tree.rank = (root - 1).expand(b, n).scatter(1, node, torch.arange(n - 1, device=device).expand(b, n - 1))
     tree.confidence = budget_confidence(clean)
     return tree

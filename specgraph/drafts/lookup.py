@@ -74,23 +74,9 @@ class LookupSession(DraftSession):
         look_scores = torch.where((n > 0).view(b, 1), first.log().view(b, 1) + go_on.log().view(b, 1) * (depth - 1),
                                   float("-inf"))  # [B, K]: no match, no rows
         look_parents = torch.arange(e - 1, e + k - 1, device=scores.device).masked_fill(depth == 1, -1).expand(b, k)
-        # a second chain under the draft's best first token: the lookup as if the target accepted it
-        best = torch.where(parents < 0, scores.float(), float("-inf")).argmax(1, keepdim=True)  # [B, 1]
-        guess = tokens.gather(1, best).view(b)
-        after, n_after = self.lookup.continuation_matched_after(guess, k - 1)  # [B, K-1], [B]
-        first2, go_on2 = torch.zeros(b, device=scores.device), torch.zeros(b, device=scores.device)
-        for length in range(1, len(LOOKUP_FIRST)):
-            first2 = torch.where(n_after >= length, LOOKUP_FIRST[length], first2)
-            go_on2 = torch.where(n_after >= length, LOOKUP_GO_ON[length], go_on2)
-        same = (look[:, 0] == guess) & (look[:, 1:] == after).all(1)  # the root's chain already holds it
-        after_scores = torch.where(((n_after > 0) & ~same).view(b, 1),
-                                   scores.float().gather(1, best) + first2.log().view(b, 1)
-                                   + go_on2.log().view(b, 1) * (depth[: k - 1] - 1), float("-inf"))  # [B, K-1]
-        after_parents = torch.cat([best, e + k + torch.arange(k - 2, device=scores.device).expand(b, k - 2)], 1)
-        return select_tree(torch.cat([scores, look_scores.to(scores.dtype), after_scores.to(scores.dtype)], 1),
-                           torch.cat([tokens, look.to(tokens.dtype), after.to(tokens.dtype)], 1),
-                           torch.cat([parents, look_parents.to(parents.dtype), after_parents.to(parents.dtype)], 1),
-                           roots, self.tree.tree, extra=2 * k - 1, extra_depth=k)
+        return select_tree(torch.cat([scores, look_scores.to(scores.dtype)], 1),
+                           torch.cat([tokens, look.to(tokens.dtype)], 1),
+                           torch.cat([parents, look_parents.to(parents.dtype)], 1), roots, self.tree.tree, extra=k)
 
     def commit(self, tree, acc, features, accept_len) -> None:
         self.inner.commit(tree, acc, features, accept_len)  # acc.path indexes the joined tree, as features do

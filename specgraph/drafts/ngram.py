@@ -107,13 +107,6 @@ class NGramSession(DraftSession):
         """``continuation``, and [B] the matched n-gram's length (0: none)."""
         return lookup_on_device(self.seq, self.length, k, self.draft.max_ngram, self.draft.min_ngram)
 
-    def continuation_matched_after(self, token: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``continuation_matched`` as if each row's next token were ``token`` [B]."""
-        b = self.seq.shape[0]
-        slot = self.length.clamp(max=self.seq.shape[1] - 1).view(b, 1)
-        seq = self.seq.scatter(1, slot, token.view(b, 1).to(self.seq.dtype))  # a copy: the table is not changed
-        return lookup_on_device(seq, self.length + 1, k, self.draft.max_ngram, self.draft.min_ngram)
-
     def propose(self, roots: torch.Tensor) -> Tree:
         drafts = self.continuation(self.tree.num_nodes - 1)
         return Tree.from_spec(self.tree, torch.cat([roots.view(-1, 1), drafts], 1))
