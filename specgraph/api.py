@@ -66,8 +66,9 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
 
     ``tree=None``: the draft's own default for the model's device and batch size
     (``Draft.default_tree``): for EAGLE-3 on one CUDA row, ``WithLookup(DynamicTree(2, 8, 16), 12,
-    shared=True)``, the measured best; otherwise ``Chain(4)``. With ``max_batch > 1`` (and ``policy="fixed"``) one-row
-    calls still take the one-row default (``SpecConfig.tree_for``; logged on the ``specgraph`` logger).
+    shared=True)``, the measured best; otherwise ``Chain(4)``. With ``max_batch > 1`` (and
+    ``policy="fixed"``) one-row calls still take the one-row default (``SpecConfig.tree_for``; logged on the
+    ``specgraph`` logger).
 
     ``backend``: ``"auto"`` (default: ``"inductor"`` on CUDA — the whole decode step one compiled
     graph, replayed as a CUDA graph — and ``"eager"`` elsewhere), ``"eager"``, ``"inductor"`` or

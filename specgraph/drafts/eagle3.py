@@ -171,8 +171,8 @@ class Eagle3(FeatureDraft):
 
     def default_tree(self, device: torch.device, max_batch: int):
         """On one CUDA row, DynamicTree(2, 8, 16) whose 16 nodes a 12-deep prompt-lookup chain competes for
-        (shared): the fastest of the trees measured end to end (docs/benchmarks.md, SmolLM2 speculation and
-        Qwen2.5-Coder). Larger batches and CPUs pay for every verified node: a 4-deep chain."""
+        (shared): the fastest of the trees measured end to end with the shipped SmolLM2 head (docs/benchmarks.md,
+        SmolLM2 speculation). Larger batches and CPUs pay for every verified node: a 4-deep chain."""
         if device.type == "cuda" and max_batch == 1:
             return WithLookup(DynamicTree(2, 8, 16), 12, shared=True)
         return Chain(4)

@@ -200,7 +200,8 @@ def test_a_new_eagle3_head_refused_by_a_small_target_names_the_fix_and_stays_fre
 
 def test_tree_none_takes_the_drafts_default_for_the_device_and_batch():
     """EAGLE-3 on one CUDA row: the measured best, DynamicTree(2, 8, 16) with a 12-deep lookup chain competing
-    for its nodes (a tree the head can fill); more rows, a CPU, or another draft: Chain(4). compile(tree=None) takes it."""
+    for its nodes (a tree the head can fill); more rows, a CPU, or another draft: Chain(4). compile(tree=None)
+    takes it."""
     from specgraph import WithLookup
     from specgraph.api import draft_tree
 
