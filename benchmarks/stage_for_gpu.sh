@@ -12,7 +12,6 @@ python=${PYTHON:-python3}
 parts=${*:-smollm2 qwen prompts}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-grep -qxF '/.stage/' .git/info/exclude 2>/dev/null || echo '/.stage/' >> .git/info/exclude
 $python -m pip download -q --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 for part in $parts; do
   case $part in

@@ -259,9 +259,9 @@ def parse_tree(text: str) -> TreeSpec:
 
     base, plus, lookup = text.partition("+lookup")
     if plus:
-        depth, shared, _ = lookup.partition(":shared")
+        depth, shared, rest = lookup.partition(":shared")
         try:
-            if shared and _:
+            if shared and rest:
                 raise ValueError(f"{lookup!r}: +lookupK or +lookupK:shared")
             return WithLookup(parse_tree(base), count(depth), shared=bool(shared))
         except ValueError as err:

@@ -1,5 +1,5 @@
 """How often a prompt-lookup proposal is accepted, by the length of the n-gram it matched: the rates a shared
-lookup branch is ranked by (``drafts/lookup.py`` ``LOOKUP_ACCEPT``), measured on self-distilled answers.
+lookup branch is ranked by (``drafts/lookup.py`` ``LOOKUP_FIRST``, ``LOOKUP_GO_ON``), measured on self-distilled answers.
 
     python3 benchmarks/investigations/lookup_calibration.py --shards DIR [--examples 2000] [--every 3]
         [--depth 12] [--out FILE]

@@ -101,7 +101,7 @@ class NGramSession(DraftSession):
 
     def continuation(self, k: int) -> torch.Tensor:
         """[B, k]: each row's lookup proposal after its last committed token."""
-        return propose_on_device(self.seq, self.length, k, self.draft.max_ngram, self.draft.min_ngram)
+        return self.continuation_matched(k)[0]
 
     def continuation_matched(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``continuation``, and [B] the matched n-gram's length (0: none)."""
