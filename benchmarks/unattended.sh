@@ -8,6 +8,8 @@
 # smol     SmolLM2 + the shipped head: compile's default tree against the previous default ((2, 8, 8) + lookup 8),
 #          80 MT-bench first turns and 40 HumanEval prompts, 256 tokens, one run (benchmarks/generate.py)
 # smolt1   the same at T = 1
+# policy   the 8B shape under forced acceptance: policy="cost" against every fixed mode, at each of $BATCHES (16 4),
+#          a process each (benchmarks/e2e.py --sections batch --batch-policy)
 # dprofile where self-distillation's time goes (benchmarks/investigations/distill_profile.py: SmolLM2, 256 rows)
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = 0.8 for $SAMPLED_MIN (0: none)
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides)
@@ -60,6 +62,8 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                --out $out/\$mode-\$SECONDS || exit; done" ;;
     e2epdl) run e2epdl bash -c "for mode in off prefetch on; do SPECGRAPH_PDL=\$mode python3 benchmarks/e2e.py \
               --shape qwen1.5b --sections floor plain --prompt 512 --out $out/\$mode || exit; done" ;;
+    policy) run policy bash -c "for b in ${BATCHES:-16 4}; do python3 benchmarks/e2e.py --sections batch --batch-policy \
+              --batches \$b --batch-trees chain --out $out/b\$b || exit; done" ;;
     dprofile) run dprofile python3 benchmarks/investigations/distill_profile.py ${DATA:+--data "$DATA"} --out "$out" ;;
     sdistill) run sdistill bash -c "env WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill \
                 ${DISTILL_MIN:-4}; [ ${SAMPLED_MIN:-2} = 0 ] || env WORK=$WORK/smol TEMPERATURES=0.8 bash \
