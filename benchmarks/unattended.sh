@@ -16,8 +16,8 @@
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # gtests   the GPU tests of programmatic dependent launch and of the continuous-batching stream
 # pdl      benchmarks/fused_linear.py --pdl: layer chains of products, PDL off / on / prefetch
-# smolpdl  SmolLM2 + the shipped head, plain decoding and compile's default per SPECGRAPH_PDL mode (off, prefetch,
-#          on, off again: the drift), 20 MT-bench + 20 HumanEval prompts, 256 tokens, a process each
+# smolpdl  SmolLM2 + the shipped head, plain decoding and compile's default per SPECGRAPH_PDL mode ($PDL_MODES: off,
+#          prefetch, on, off again for the drift), 20 MT-bench + 20 HumanEval prompts, 256 tokens, a process each
 # e2epdl   plain decoding of the Qwen2.5-Coder-1.5B shape (random weights) per SPECGRAPH_PDL mode (benchmarks/e2e.py)
 # qdistill Qwen2.5-Coder-1.5B answers ShareGPT again (benchmarks/smollm2_heads.sh distill, $DISTILL_MIN minutes)
 # qtrain   its EAGLE-3 head on those answers ($TRAIN_MIN minutes; INIT: a head to start from)
@@ -57,7 +57,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               tests/kernels/test_kernels_gpu.py::test_pdl_chain_replayed_in_a_cuda_graph_equals_plain_launches \
               tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers ;;
     pdl) run pdl python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b --rows 1 8 --out "$out" ;;
-    smolpdl) run smolpdl bash -c "for mode in off prefetch on off; do SPECGRAPH_PDL=\$mode python3 benchmarks/generate.py \
+    smolpdl) run smolpdl bash -c "for mode in ${PDL_MODES:-off prefetch on off}; do SPECGRAPH_PDL=\$mode python3 benchmarks/generate.py \
                --prompt-set mt-bench humaneval --prompts 20 20 --max-new-tokens 256 --methods sg_plain sg_default \
                --out $out/\$mode-\$SECONDS || exit; done" ;;
     e2epdl) run e2epdl bash -c "for mode in off prefetch on; do SPECGRAPH_PDL=\$mode python3 benchmarks/e2e.py \
