@@ -11,7 +11,8 @@
 # policy   the 8B shape under forced acceptance: policy="cost" against every fixed mode, at each of $BATCHES (16 4),
 #          a process each (benchmarks/e2e.py --sections batch --batch-policy)
 # dprofile where self-distillation's time goes (benchmarks/investigations/distill_profile.py: SmolLM2, 256 rows)
-# sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = 0.8 for $SAMPLED_MIN (0: none)
+# sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = 0.8 for
+#          $SAMPLED_MIN (0: none)
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # gtests   the GPU tests of programmatic dependent launch and of the continuous-batching stream
@@ -57,14 +58,15 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               tests/kernels/test_kernels_gpu.py::test_pdl_chain_replayed_in_a_cuda_graph_equals_plain_launches \
               tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers ;;
     pdl) run pdl python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b --rows 1 8 --out "$out" ;;
-    smolpdl) run smolpdl bash -c "for mode in ${PDL_MODES:-off prefetch on off}; do SPECGRAPH_PDL=\$mode python3 benchmarks/generate.py \
-               --prompt-set mt-bench humaneval --prompts 20 20 --max-new-tokens 256 --methods sg_plain sg_default \
-               --out $out/\$mode-\$SECONDS || exit; done" ;;
+    smolpdl) run smolpdl bash -c "for mode in ${PDL_MODES:-off prefetch on off}; do SPECGRAPH_PDL=\$mode python3 \
+               benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 20 20 --max-new-tokens 256 \
+               --methods sg_plain sg_default --out $out/\$mode-\$SECONDS || exit; done" ;;
     e2epdl) run e2epdl bash -c "for mode in off prefetch on; do SPECGRAPH_PDL=\$mode python3 benchmarks/e2e.py \
               --shape qwen1.5b --sections floor plain --prompt 512 --out $out/\$mode || exit; done" ;;
-    policy) run policy bash -c "for b in ${BATCHES:-16 4}; do python3 benchmarks/e2e.py --sections batch --batch-policy \
-              --batches \$b --batch-trees chain --out $out/b\$b || exit; done" ;;
-    dprofile) run dprofile python3 benchmarks/investigations/distill_profile.py ${DATA:+--data "$DATA"} --out "$out" ;;
+    policy) run policy bash -c "for b in ${BATCHES:-16 4}; do python3 benchmarks/e2e.py --sections batch \
+              --batch-policy --batches \$b --batch-trees chain --out $out/b\$b || exit; done" ;;
+    dprofile) run dprofile python3 benchmarks/investigations/distill_profile.py ${DATA:+--data "$DATA"} \
+                --out "$out" ;;
     sdistill) run sdistill bash -c "env WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill \
                 ${DISTILL_MIN:-4}; [ ${SAMPLED_MIN:-2} = 0 ] || env WORK=$WORK/smol TEMPERATURES=0.8 bash \
                 benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; [ -d $WORK/smol/data/greedy ]" ;;

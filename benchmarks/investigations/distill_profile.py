@@ -102,7 +102,8 @@ def main() -> None:
     counts.update(steps=0, refills=0)
     with profile(activities=activities) as prof:
         consume(args.profile_answers)
-    result["profiled"] = {"answers": args.profile_answers, "decode_steps": counts["steps"], "refills": counts["refills"]}
+    result["profiled"] = {"answers": args.profile_answers, "decode_steps": counts["steps"],
+                          "refills": counts["refills"]}
     key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
     (args.out / "profile.txt").write_text(table)
