@@ -3,13 +3,15 @@ row ends) against one continuous stream (``runtime.stream``: finished rows refil
 ``specgraph.train.distill`` answers ShareGPT.
 
     python benchmarks/stream.py [--model qwen-coder-1.5b|PATH.gguf] [--data FILE] --prompts 1024 --batch 256
-        [--max-new-tokens 512] [--temperature 0] [--out FILE]
+        [--max-new-tokens 512] [--temperature 0] [--profile DIR] [--out FILE]
 
 The same prompts (ShareGPT first turns, shortest first, as distill orders them), the same compiled model, one
 process: each way runs a few tokens to compile, then once timed. Prints tok/s of each (answer tokens, eos included),
 their ratio, the mean answer, the share ended at eos and the rows' utilization (answer tokens / row-steps run);
 greedy answers that differ between the two ways are counted (bf16: the batch composition changes the
-products' rounding, so a few near-ties may flip).
+products' rounding, so a few near-ties may flip). The stream also reports its decode steps, refills and ms a step
+(refills included); ``--profile DIR``: one more stream over the first ``2 x batch`` prompts under torch.profiler,
+its kernel table (device time) in DIR/stream-profile.txt (where distill's time goes).
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import argparse
 import json
 import time
 from collections import deque
+from pathlib import Path
 
 from common import load_target, run_settings  # first: sys.path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 import specgraph
@@ -48,11 +52,12 @@ def fixed_batches(spec, prompts, batch, max_new, eos, pad, sample) -> tuple[list
     return answers, row_steps
 
 
-def streamed(spec, prompts, batch, max_new, eos, sampling) -> tuple[list[list[int]], int]:
-    """Answers through one stream of ``batch`` rows, and the row-steps run (batch x decode steps)."""
+def streamed(spec, prompts, batch, max_new, eos, sampling, stats: dict | None = None) -> tuple[list[list[int]], int]:
+    """Answers through one stream of ``batch`` rows, and the row-steps run (batch x decode steps); ``stats``
+    receives the stream's counts (decode steps, refills)."""
     answers: list = [None] * len(prompts)
     draft, _ = spec.mode("tree", batch)
-    queue, stats = deque(enumerate(prompts)), {}
+    queue, stats = deque(enumerate(prompts)), {} if stats is None else stats
     for key, tokens, _ in tqdm(stream_generate(spec.capture, draft, queue, batch, max_new, eos,
                                                spec.config.max_cache_len, sampling, stats=stats),
                                total=len(prompts), desc="stream", leave=False):
@@ -70,6 +75,7 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=1536)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--backend", default="inductor", choices=["eager", "inductor"])
+    parser.add_argument("--profile", default=None, help="a folder for the stream's profile (stream-profile.txt)")
     parser.add_argument("--out", default=None, help="results JSON")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,7 +92,8 @@ def main() -> None:
     sample = dict(do_sample=True, temperature=args.temperature, top_k=0) if args.temperature > 0 else {}
     sampling = Sampling(temperature=args.temperature) if args.temperature > 0 else None
     ways = {"fixed batches": lambda ps, new: fixed_batches(spec, ps, args.batch, new, eos, pad, sample),
-            "stream": lambda ps, new: streamed(spec, ps, args.batch, new, eos, sampling)}
+            "stream": lambda ps, new: streamed(spec, ps, args.batch, new, eos, sampling, counts)}
+    counts: dict = {}  # the last stream's decode steps and refills
     results = {}
     for name, way in ways.items():
         # compiles every bucket the way uses (decode, prefill in 64-token chunks, refill's): a few tokens do
@@ -103,6 +110,8 @@ def main() -> None:
                              ended_at_eos=sum(a[-1] in eos for a in answers) / len(answers),
                              utilization=tokens / row_steps, answers=answers)
     fixed, stream = results["fixed batches"], results["stream"]
+    stream.update(decode_steps=counts["steps"], refills=counts["refills"],
+                  ms_per_step=1e3 * stream["seconds"] / counts["steps"])
     differ = sum(a != b for a, b in zip(fixed.pop("answers"), stream.pop("answers")))
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {args.model or 'smollm2'}, {len(prompts)} ShareGPT first turns, "
@@ -113,6 +122,16 @@ def main() -> None:
               f"{r['ended_at_eos']:>5.2f} {r['utilization']:>12.2f}")
     print(f"stream / fixed batches: {stream['tokens_per_s'] / fixed['tokens_per_s']:.2f}x; "
           f"answers that differ: {differ} of {len(prompts)}")
+    print(f"stream: {stream['decode_steps']} decode steps, {stream['refills']} refills, "
+          f"{stream['ms_per_step']:.2f} ms a step (refills included)")
+    if args.profile:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
+            streamed(spec, prompts[: 2 * args.batch], args.batch, args.max_new_tokens, eos, sampling)
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        (Path(args.profile) / "stream-profile.txt").write_text(table)
+        print(table)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(date=time.strftime("%Y-%m-%d"), gpu=name, torch=torch.__version__, model=args.model,

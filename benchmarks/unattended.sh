@@ -10,7 +10,8 @@
 # smolt1   the same at T = 1
 # policy   the 8B shape under forced acceptance: policy="cost" against every fixed mode, at each of $BATCHES (16 4),
 #          a process each (benchmarks/e2e.py --sections batch --batch-policy)
-# dprofile where self-distillation's time goes (benchmarks/investigations/distill_profile.py: SmolLM2, 256 rows)
+# dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
+#          rows, fixed batches against the stream, the stream's ms a step and its profile
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = 0.8 for
 #          $SAMPLED_MIN (0: none)
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides)
@@ -65,8 +66,8 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               --shape qwen1.5b --sections floor plain --prompt 512 --out $out/\$mode || exit; done" ;;
     policy) run policy bash -c "for b in ${BATCHES:-16 4}; do python3 benchmarks/e2e.py --sections batch \
               --batch-policy --batches \$b --batch-trees chain --out $out/b\$b || exit; done" ;;
-    dprofile) run dprofile python3 benchmarks/investigations/distill_profile.py ${DATA:+--data "$DATA"} \
-                --out "$out" ;;
+    dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
+                --profile "$out" --out "$out/stream.json" ;;
     sdistill) run sdistill bash -c "env WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill \
                 ${DISTILL_MIN:-4}; [ ${SAMPLED_MIN:-2} = 0 ] || env WORK=$WORK/smol TEMPERATURES=0.8 bash \
                 benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; [ -d $WORK/smol/data/greedy ]" ;;
