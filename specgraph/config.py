@@ -87,10 +87,10 @@ class Settings:
     reference_kernels: bool = _setting(False, _flag, "CUDA: plain-torch tree_attention and fused_linear instead "
                                        "of the Triton kernels (bisection)", developer=True)
 
-    pdl: str = _setting("off", _pdl_mode, "CUDA: launch fused_linear and tree attention with programmatic "
-                        "dependent launch, each kernel waiting in-kernel for the one before (on), and with "
-                        "fused_linear asking L2 for its first weight lines before it waits (prefetch); an "
-                        "experiment until timed (benchmarks/fused_linear.py --pdl)", developer=True)
+    pdl: str = _setting("prefetch", _pdl_mode, "CUDA, Hopper and later: launch fused_linear and tree attention "
+                        "with programmatic dependent launch, each kernel waiting in-kernel for the one before (on), "
+                        "and with fused_linear asking L2 for its first weight lines before it waits (prefetch, the "
+                        "fastest measured end to end: docs/benchmarks.md); off: plain launches", developer=True)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:

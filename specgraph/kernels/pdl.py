@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, Hopper and later; ``config.pdl``, an experiment until timed).
+"""Programmatic dependent launch (PDL, Hopper and later; ``config.pdl``, on with the L2 prefetch by default).
 
 A kernel launched with it may start while the kernel ahead of it on the stream still runs. Contract for
 every kernel launched so: it runs ``griddepcontrol.wait`` (``tl.extra.cuda.gdc_wait``) before it reads

@@ -129,7 +129,7 @@ def test_settings_and_launch_arguments(settings):
     from specgraph.errors import SettingError
     from specgraph.kernels.pdl import pdl_kwargs, pdl_launch
 
-    assert config.pdl == "off" and not pdl_launch(torch.device("cpu"))
+    assert config.pdl == "prefetch" and not pdl_launch(torch.device("cpu"))  # the default; CUDA only
     with config.patch(pdl="prefetch"):
         assert not pdl_launch(torch.device("cpu"))  # CUDA only
     assert pdl_kwargs(False, LINE=64) == {}
