@@ -380,7 +380,7 @@ class SpecModel:
             start = time.perf_counter()
             result = speculative_generate(capture, draft, tree, prompts, max_new, eos,
                                           self.config.max_cache_len, sampling, stopping, streamer,
-                                          synthetic_accept=self.config.synthetic_accept,
+                                          synthetic_accept=self.config.synthetic_accept, pad_token_id=pad,
                                           padding=[row[: t - len(p)] for row, p in zip(input_ids.tolist(), prompts)],
                                           penalty=penalty, keep=keep, time_steps=isinstance(self.policy, CostPolicy))
             seconds = time.perf_counter() - start  # every row's tokens were read back: the device work is done

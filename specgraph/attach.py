@@ -13,7 +13,6 @@ never a silently different result.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 
@@ -49,8 +48,8 @@ def attach(model, draft=None, tree=None, backend: str = "auto", max_batch: int =
             if new:
                 warnings.warn(f"specgraph: falling back to the original generate for {', '.join(new)}", stacklevel=2)
                 warned.update(new)
-            # HF's generate runs the model's modules eagerly: not while a background compile traces
-            with TRACE_LOCK if spec.fast_start is not None else contextlib.nullcontext():
+            # HF's generate runs the model's modules eagerly: not while another thread captures or compiles
+            with TRACE_LOCK:
                 return original(input_ids, generation_config=generation_config, **kwargs)
         want_dict = kwargs.pop("return_dict_in_generate", None)
         if want_dict is None:

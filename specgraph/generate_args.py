@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import operator
 
 import torch
@@ -98,7 +99,7 @@ def max_new_tokens(kwargs: dict, generation_config, prompt_width: int, max_posit
     generate is refused (as model.generate refuses it)."""
     max_new = setting(kwargs, generation_config, "max_new_tokens")
     if max_new is not None:
-        whole = _whole(max_new)
+        whole = _whole(max_new) if not _integral_float(max_new) else int(max_new)  # 4.0: as model.generate
         if whole is None or whole < 1:
             raise ValueError(f"max_new_tokens={max_new!r}: a whole number >= 1")
         return whole
@@ -110,13 +111,18 @@ def max_new_tokens(kwargs: dict, generation_config, prompt_width: int, max_posit
             raise ValueError(f"the prompt of {prompt_width} tokens fills the model's max_position_embeddings="
                              f"{max_positions}: pass max_new_tokens (no length was given anywhere)")
         return new
-    if _whole(max_length) is None and not (isinstance(max_length, float) and max_length.is_integer()):
+    if _whole(max_length) is None and not _integral_float(max_length):
         raise ValueError(f"max_length={max_length!r}: a whole number of tokens, prompt included")
     max_length = int(max_length)
     if max_length <= prompt_width:
         raise ValueError(f"max_length={max_length} leaves no room after the prompt of {prompt_width} tokens: "
                          f"pass max_new_tokens, or a max_length above the prompt's length")
     return max_length - prompt_width
+
+
+def _integral_float(value) -> bool:
+    """A Python or numpy float with an integer value (4.0), which model.generate takes as a length."""
+    return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and float(value).is_integer()
 
 
 def _whole(value) -> int | None:
@@ -182,7 +188,7 @@ def repetition_penalty(kwargs: dict, gen) -> float | None:
     penalty = setting(kwargs, gen, "repetition_penalty")
     if penalty is None or (penalty == 1.0 and not isinstance(penalty, bool)):
         return None
-    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < math.inf:
+    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not 0 < penalty < math.inf:
         raise ValueError(f"repetition_penalty={penalty!r}: a finite number > 0 (1.0: no penalty; above 1 "
                          f"discourages repeats, below 1 encourages them)")
     return float(penalty)
@@ -204,17 +210,18 @@ def sampling_settings(kwargs: dict, gen) -> Sampling | None:
 
     temperature, top_k, top_p = pick("temperature", 1.0), pick("top_k", 50), pick("top_p", 1.0)
     min_p = pick("min_p", 0.0)
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731 (numpy floats too)
+    if not real(temperature) or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature={temperature!r} with do_sample=True: a finite number > 0 (do_sample=False "
                          f"for greedy)")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+    if _whole(top_k) is None or top_k < 0:
         raise ValueError(f"top_k={top_k!r}: a whole number >= 0 (0: no top-k filter)")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    if not real(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r}: a number in (0, 1] (1: no top-p filter)")
-    if not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+    if not real(min_p) or not 0 <= min_p <= 1:
         raise ValueError(f"min_p={min_p!r}: a number in [0, 1] (0: no min-p filter)")
     seed = None if kwargs.get("seed") is None else check_seed(kwargs["seed"])
-    return Sampling(float(temperature), top_k, float(top_p), float(min_p), seed=seed)
+    return Sampling(float(temperature), int(top_k), float(top_p), float(min_p), seed=seed)
 
 
 def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

@@ -5,6 +5,7 @@ where model.generate refuses them (a NaN temperature, a length that leaves nothi
 ids that are not token ids); the "auto" backend; calls from two threads on one model. Oracle: the
 tiny model's own ``model.generate``."""
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -167,6 +168,39 @@ def test_two_threads_on_one_model_each_get_their_own_tokens(model):
     assert all(got[k, i] == want[i] for k in range(3) for i in range(len(rows)))
 
 
+def test_attach_falls_back_beside_another_threads_capture():
+    """After attach, a call the speculative path cannot take (num_beams=2) runs HF's generate on the
+    model's own modules: not while another thread's first call captures them (torch.export swaps fake
+    tensors in), so both threads get model.generate's tokens. A new model each round: its first
+    speculative call captures."""
+    errors = []
+    for round_ in range(3):
+        model = tiny_model("llama")
+        ids = torch.tensor([prompts(40 + round_, [8])[0]])
+        want = {beams: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, num_beams=beams,
+                                      do_sample=False, eos_token_id=None) for beams in (1, 2)}
+        specgraph.attach(model, NGram(), tree=specgraph.Chain(3), max_cache_len=128)
+
+        def call(beams, model=model, ids=ids, want=want):
+            try:
+                for _ in range(3):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # the fallback's warning
+                        out = model.generate(ids, max_new_tokens=8, num_beams=beams, eos_token_id=None)
+                    if not torch.equal(out, want[beams]):
+                        errors.append(f"num_beams={beams}: {out.tolist()} != {want[beams].tolist()}")
+            except Exception as err:  # reported below: an assert in a thread would be lost
+                errors.append(err)
+
+        threads = [threading.Thread(target=call, args=(beams,)) for beams in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        specgraph.detach(model)
+    assert not errors, errors
+
+
 def test_a_users_generation_config_takes_what_it_leaves_unset_from_the_models(model):
     """model.generate fills a passed GenerationConfig's unset fields (eos, pad, return_dict_in_generate, ...)
     from model.generation_config; a field the user set wins."""
@@ -205,6 +239,15 @@ def test_hf_argument_forms_stopping_criteria_lists_int32_prompts_numpy_lengths(m
     assert out.dtype == torch.int64 and out[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=5,
                                                                                eos_token_id=None)
     assert torch.equal(spec.generate(ids, max_new_tokens=5, eos_token_id=None, logits_processor=[]), out)
+    for length in (5.0, np.float64(5.0)):  # model.generate takes an integer-valued float length too
+        assert torch.equal(spec.generate(ids, max_new_tokens=length, eos_token_id=None), out)
+    with pytest.raises(ValueError, match="max_new_tokens=4.5"):
+        spec.generate(ids, max_new_tokens=4.5)
+    numpy_settings = dict(do_sample=True, seed=3, top_k=np.int64(8), top_p=np.float32(0.9), min_p=np.float32(0.05),
+                          repetition_penalty=np.float32(1.2))  # model.generate takes numpy numbers here
+    python_settings = {k: v if k == "seed" else v.item() for k, v in numpy_settings.items() if k != "do_sample"}
+    assert torch.equal(spec.generate(ids, max_new_tokens=6, **numpy_settings),
+                       spec.generate(ids, max_new_tokens=6, do_sample=True, **python_settings))
     with pytest.raises(TypeError, match="stopping_criteria=3"):
         spec.generate(ids, max_new_tokens=4, stopping_criteria=3)
     with pytest.raises(TypeError, match="logits_processor"):
@@ -352,6 +395,52 @@ def test_stopping_criteria_see_each_row_with_its_left_padding(model, spec):
     hf = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, do_sample=False,
                         pad_token_id=0, stopping_criteria=stop)
     assert torch.equal(out, hf) and out.shape[1] == ids.shape[1] + 5
+
+
+def test_stopping_criteria_are_asked_on_the_whole_batch_once_a_position(model, spec):
+    """A criterion that answers per row (row i stops after limits[i] new tokens) and one that keeps state
+    (it counts its calls and stops every row at the 7th) give model.generate's output and see the same
+    calls, though the rows run ahead of each other under speculation: with an eos id a stopped row is
+    padded, without one it goes on generating until all have stopped, as in model.generate. The negative
+    control: asked a row at a time (as before), the per-row criterion would stop row 1 at 2 tokens too."""
+    from transformers import StoppingCriteria
+
+    class PerRow(StoppingCriteria):
+        def __init__(self, width, limits):
+            self.width, self.limits = width, torch.tensor(limits)
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids.shape[1] - self.width) >= self.limits
+
+    class Counting(StoppingCriteria):
+        def __init__(self):
+            self.shapes = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.shapes.append(tuple(input_ids.shape))
+            return torch.full((input_ids.shape[0],), len(self.shapes) >= 7)
+
+    rows = [prompts(3, [5])[0] * 3, prompts(23, [8])[0]]  # row 0 repeats itself: its n-gram drafts pay
+    ids, mask = left_pad(rows)
+    t = ids.shape[1]
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, do_sample=False,
+                          pad_token_id=0)
+    unused = next(i for i in range(1, 100) if i not in free[:, t:])  # an eos id never reached: rows get padded
+    for eos in (None, unused):
+        outputs = []
+        for run in (spec.generate, lambda *a, **k: model.generate(*a, do_sample=False, pad_token_id=0, **k)):
+            per_row, counting = PerRow(t, [2, 9]), Counting()
+            first = run(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, stopping_criteria=[per_row])
+            second = run(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, stopping_criteria=[counting])
+            outputs.append((first, second, counting.shapes))
+        (first, second, shapes), (hf_first, hf_second, hf_shapes) = outputs
+        assert torch.equal(first, hf_first) and first.shape[1] == t + 9, eos
+        assert torch.equal(first[1, t:], free[1, t: t + 9])  # row 1 ran its 9 tokens
+        assert first[0, t + 2:].eq(0).all() == (eos is not None), eos  # row 0 stopped at 2: padded with an eos
+        assert torch.equal(second, hf_second) and shapes == hf_shapes == [(2, t + k) for k in range(1, 8)], eos
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True)
+    assert max(n for step in out.accept_lens for n in step) > 1  # speculation ran rows ahead of each other
+    assert all(PerRow(t, [2, 9])(torch.tensor([list(r) + [7] * 2]), None).any() for r in ids)
 
 
 @pytest.mark.model

@@ -26,6 +26,7 @@ from ..trees import chain_mask
 from .graphed import GraphedCall, StaticStep
 from .outputs import per_position
 from .step import CONFIDENCE_SCALE, DecodeStep, features_of
+from .stopping import BatchStopping
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ class _Readback:
 @torch.no_grad()
 def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new_tokens: int,
                          eos_token_ids: set[int], max_length: int, sampling: Sampling | None = None,
-                         stopping_criteria=None, streamer=None,
+                         stopping_criteria=None, streamer=None, pad_token_id: int = 0,
                          synthetic_accept: int | None = None, padding: list[list[int]] | None = None,
                          penalty: float | None = None, keep: tuple[bool, bool] = (False, False),
                          time_steps: bool = False) -> GenerateResult:
@@ -295,9 +296,10 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     is off; see ``decode_step``);
     the host reads the emitted
     tokens and accept lengths, applies eos / ``max_new_tokens`` /
-    ``stopping_criteria`` (transformers' StoppingCriteriaList, asked after
-    every accepted token with scores None) and feeds ``streamer`` each row-0
-    token as it is accepted. On CUDA the next step is launched before this one
+    ``stopping_criteria`` (transformers' StoppingCriteriaList, asked once per
+    generated position on the whole batch with scores None, finished rows
+    filled with ``pad_token_id``, as model.generate asks it: ``BatchStopping``)
+    and feeds ``streamer`` each row-0 token as it is accepted. On CUDA the next step is launched before this one
     is read, while every row has room for it (``config.overlap``), so that
     host work overlaps the device; outputs are the same.
     ``penalty``: transformers' repetition penalty (each row's seen tokens: its prompt without the
@@ -331,6 +333,8 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     room = lambda seq: len(seq) - 1 + tree.max_depth + 1 + n <= max_length  # noqa: E731
     kept: list[tuple] = []  # with keep: each launched step's (scores, logits), copied before the next launch
     where: list[list[tuple[int, int]]] = [[] for _ in range(b)]  # per row, per token: (step, slot)
+    stopper = None if stopping_criteria is None else BatchStopping(
+        stopping_criteria, [lead + p for lead, p in zip(padding, prompts)], pad_token_id, max_new_tokens, streamer)
 
     def launch(tree_now, cache_now):
         out = run(tree_now, cache_now, active)
@@ -361,15 +365,17 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
                 where[row].append((len(result.accept_lens) - 1, slot))
                 generated[row].append(token)
                 sequences[row].append(token)
-                if streamer is not None:
+                if streamer is not None and stopper is None:
                     streamer.put(torch.tensor([token]))
-                stop = token in eos_token_ids or len(generated[row]) >= max_new_tokens
-                if not stop and stopping_criteria is not None:  # the row as model.generate shows it: padding first
-                    stop = bool(stopping_criteria(torch.tensor([padding[row] + sequences[row]]), None).any())
-                if stop:
+                if token in eos_token_ids or len(generated[row]) >= max_new_tokens:
                     done[row] = True
                     active[row] = False  # seen from the next step launched (the one ahead, if any, runs on)
                     break
+        for row in stopper.advance(generated, eos_token_ids) if stopper is not None else ():
+            done[row] = True  # a criterion stopped it (or its eos / length was reached): cut where it stopped
+            active[row] = False
+            del sequences[row][len(prompts[row]) + len(generated[row]):]
+            del where[row][len(generated[row]):]
         if all(done):
             break
         # cache_len = prompt - 1 + generated tokens: checked from host state, without a second device read
