@@ -32,6 +32,7 @@
 # package), WORK (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4),
 # TRAIN_MIN (10), SAMPLED_MIN (2), STEPS (the schedule's length, 3000), INIT (the head strain or qtrain starts from).
 set -uo pipefail
+export PYTHONFAULTHANDLER=1  # `kill -ABRT PID` prints every thread's Python stack into the phase log (a hang)
 cd "$(dirname "$0")/.."
 WORK=${WORK:-$HOME/specgraph-runs}
 LOGS=${LOGS:-$WORK/log}
