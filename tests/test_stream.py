@@ -70,6 +70,23 @@ def test_every_prompt_gets_hf_greedys_answer_through_refilled_slots(target, batc
         assert got[i] == (want, want[-1] == eos), i
 
 
+@pytest.mark.parametrize("batch, refill", [(4, 1), (4, 2), (3, 3)])
+def test_launching_the_next_step_before_the_host_reads_ends_with_the_last_row(target, settings, batch, refill):
+    """With the next step launched before the host reads the last (``config.overlap``, CUDA's default), the
+    stream still gives every answer and stops once every row has ended (it used to launch steps of empty
+    rows forever: a hang on the GPU); at most one step more than without it per refill and at the end."""
+    model, rows, full, eos = target
+    settings(overlap=True)
+    spec = specgraph.compile(model, None, max_batch=batch, max_cache_len=MAX_LENGTH)
+    draft, _ = spec.mode("tree", batch)
+    stats = {}
+    got = dict((key, tokens) for key, tokens, _ in stream_generate(
+        spec.capture, draft, deque(enumerate(rows)), batch, MAX_NEW, {eos}, MAX_LENGTH, None, refill, stats))
+    assert got == {i: expected(f, eos) for i, f in enumerate(full)}
+    least = schedule([len(expected(f, eos)) for f in full], batch, refill)
+    assert least["steps"] <= stats["steps"] <= least["steps"] + least["refills"] + 1
+
+
 def test_prompts_added_while_it_runs_are_answered_too(target):
     """The next turn of a conversation enters the queue when its answer comes back (what distill does)."""
     model, rows, _, eos = target

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from .. import config
 from ..drafts.plain import Plain
 from ..trees import Chain
 from .generate import Sampling, _Readback, decode_step, prefill
@@ -74,7 +75,7 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
         capture.readbacks[batch, 3] = _Readback(device, batch, 3)
     readback = capture.readbacks[batch, 3]
     kv = capture.kv(batch)
-    ahead = device.type == "cuda"
+    ahead = device.type == "cuda" if config.overlap is None else config.overlap
 
     stats = {} if stats is None else stats
     stats.update(steps=0, refills=0)
@@ -86,6 +87,9 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
     def empty() -> list[int]:
         return [s for s, r in enumerate(rows) if r is None]
 
+    def live() -> bool:  # a row still decoding (once none is, a step launched ahead would run forever)
+        return any(r is not None for r in rows)
+
     def room() -> bool:  # a step launched before the last is read writes one slot further
         return all(r is None or len(r[1]) + len(r[2]) + 1 <= max_length for r in rows)
 
@@ -93,7 +97,7 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
     while pending is not None:
         out, ticket = pending
         pending = None
-        if ahead and not (queue and len(empty()) >= refill) and room():
+        if ahead and live() and not (queue and len(empty()) >= refill) and room():
             pending = launch(out.next_tree, out.cache_len)  # overlaps the host's work below
         host = readback.finish(ticket)
         for s, r in enumerate(rows):
@@ -124,5 +128,5 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
             for s, (key, prompt) in zip(slots, new):
                 rows[s] = [key, prompt, []]
             slots = slots[len(new):]
-        if any(r is not None for r in rows):
+        if live():
             pending = launch(tree_now, cache_now)
