@@ -21,12 +21,14 @@ reads), ``{variant}/shard-NNNNN.safetensors`` (``input_ids`` uint16 or int32 con
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+import os
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -42,6 +44,7 @@ from .data import _template, file_digest, load_sharegpt, sharegpt_path, tokenize
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 15 * 2**20  # under the 16 MiB a file that crosses machines may have
+SAVE_EVERY_S = 30.0  # resume granularity of a distill run: a save of ~10k answers takes about a second
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,13 @@ class Progress:
     def finished(self) -> bool:
         return all(self.closed)
 
+    def save(self, path: Path) -> None:
+        """Written whole, then moved into place (a run killed while saving leaves the last state); the lists
+        pickled as they are (dataclasses.asdict would deep-copy millions of token ids first: seconds a save)."""
+        part = path.with_name(path.name + ".part")
+        torch.save({f.name: getattr(self, f.name) for f in fields(self)}, part)
+        os.replace(part, path)
+
 
 def _conversation(messages: list[dict], answers: list[list[int]], tokenizer) -> list[dict]:
     """The user's turns interleaved with the target's answers (decoded), up to the answered turns."""
@@ -99,7 +109,8 @@ def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], tempera
     come back; answers still being generated then are dropped, and made again by a resumed run). Every
     open conversation's next turn is queued, shortest prompt first, and each answer queues its
     conversation's following turn, all through one stream of ``batch_size`` rows (``runtime.stream``: a
-    finished row's slot takes the next prompt). ``save`` is called every 256 answers. returns: finished."""
+    finished row's slot takes the next prompt). ``save`` is called every SAVE_EVERY_S seconds of answers and at the
+    end. returns: finished."""
     gen = spec.model.generation_config
     eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -130,6 +141,7 @@ def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], tempera
         torch.manual_seed(hash((config.seed, variant, sum(map(len, progress.answers)))) % 2**62)
     draft, _ = spec.mode("tree", config.batch_size)
     start, seconds, counts = time.perf_counter(), progress.seconds, {}
+    saved = start
     stream = stream_generate(spec.capture, draft, queue, config.batch_size, config.max_new_tokens, eos_ids,
                              spec.config.max_cache_len, sampling, stats=counts)
 
@@ -156,9 +168,10 @@ def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], tempera
             count()
             save()
             return False
-        if done % 256 == 255:
+        if time.perf_counter() - saved > SAVE_EVERY_S:  # a save holds the stream up: not every few answers
             count()
             save()
+            saved = time.perf_counter()
     bar.close()
     count()
     save()
@@ -343,7 +356,7 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
             raise SettingError(f"{state} was made with other settings ({'; '.join(changed)}): resume with the same "
                                f"ones, or use another --out")
         progress.made_by = made_by
-        save = lambda: torch.save(asdict(progress), state)  # noqa: E731
+        save = functools.partial(progress.save, state)
         finished = progress.finished() or regenerate_variant(spec, tokenizer, conversations, temperature, progress,
                                                              config, v, deadline, save)
         examples = examples_of(tokenizer, conversations, progress, config.max_length, workers)

@@ -210,3 +210,25 @@ def test_first_answers_keep_the_prompt_and_the_first_tokens_of_the_first_answer(
     assert len(out) == 1 and out[0]["conversation"] == 4
     assert out[0]["input_ids"].tolist() == list(range(end))
     assert out[0]["loss_mask"].tolist() == mask[:end].tolist()
+
+
+def test_progress_saves_whole_and_round_trips(tmp_path, monkeypatch):
+    """A save is written beside the state and moved into place: a save that fails half way (here: the
+    pickling raises) leaves the previous state readable; a saved state loads back equal."""
+    progress = Progress.new(3)
+    progress.answers[1].append([5, 6, 7])
+    progress.stats["steps"] = 4
+    state = tmp_path / "state-greedy.pt"
+    progress.save(state)
+    assert Progress(**torch.load(state)) == progress and not list(tmp_path.glob("*.part"))
+    progress.answers[2].append([8])
+    real_save = torch.save
+
+    def dies_half_way(obj, path):
+        real_save({"answers": "half"}, path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        progress.save(state)
+    assert Progress(**torch.load(state)).answers == [[], [[5, 6, 7]], []]
