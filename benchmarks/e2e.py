@@ -51,7 +51,6 @@ synthetic_accept output is NOT the model's (benchmarks only).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 import warnings
@@ -65,6 +64,7 @@ from common import (LLAMA_8B, QWEN_1_5B, SMOLLM2, TINY, copy_bandwidth, run_sett
                     sync)
 import specgraph  # noqa: E402
 from specgraph import config  # noqa: E402
+from specgraph.cli_args import Parser, RawDescriptionDefaultsShown  # noqa: E402
 from specgraph.drafts import Eagle3, NGram  # noqa: E402
 from specgraph.models import load_default_draft  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
@@ -255,7 +255,7 @@ def profile_section(spec, prompt, args, device, label: str, **extra) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=RawDescriptionDefaultsShown)  # defaults in --help
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (random ids)")
     parser.add_argument("--short", type=int, default=16, help="new tokens of the shorter timed generation")

@@ -67,6 +67,7 @@ from transformers import StaticCache
 
 from common import MODELS, copy_bandwidth, load_target, run_settings, set_inductor_options  # first: sys.path
 import specgraph  # noqa: E402
+from specgraph.cli_args import Parser, RawDescriptionDefaultsShown  # noqa: E402
 from specgraph.train.evaluate import PROMPT_SETS, prompt_set as questions  # noqa: E402
 from specgraph.trees import parse_tree  # noqa: E402
 
@@ -284,7 +285,7 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=RawDescriptionDefaultsShown)  # defaults in --help
     parser.add_argument("--prompts", type=int, nargs="+", default=[8],
                         help="the first N of each prompt set (one N for all, or one per --prompt-set)")
     parser.add_argument("--prompt-set", nargs="+", default=["mt-bench"], choices=list(PROMPT_SETS),

@@ -16,7 +16,6 @@ the same run. Trees are random depth-first trees of N nodes.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 from common import LLAMA_8B, QWEN_1_5B, SMOLLM2, attention_shape, copy_bandwidth, graphed_ms, median_ms  # first: sys.path (common.py)
 import specgraph.kernels  # noqa: E402,F401
+from specgraph.cli_args import Parser, RawDescriptionDefaultsShown  # noqa: E402
 from specgraph.kernels.bitmask import ancestor_masks  # noqa: E402
 from specgraph.kernels.compact_kv import compact_kv_reference  # noqa: E402
 from specgraph.trees import random_parents as random_tree_parents  # noqa: E402
@@ -266,7 +266,7 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=RawDescriptionDefaultsShown)  # defaults in --help
     parser.add_argument("--quick", action="store_true", help="only the acceptance configurations (B=32, 4k, 8B shapes)")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
     parser.add_argument("--budget-s", type=float, default=480, help="stop starting new configurations after this")

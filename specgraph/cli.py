@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__
+from . import __version__, cli_args
 from .cli_args import MAX_NODES, Parser, draft_spec, layer_ids, number, row_range, tree as tree_arg, whole_number
-from .cli_io import load_target, run_identity, trained_to, writable_dir
+from .cli_io import check_train_data, check_train_flags, load_target, run_identity, trained_to, writable_dir
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -61,12 +61,13 @@ def _bench_script(name: str, argv: list[str]) -> int:
         return 2
     saved, sys.argv = sys.argv, [str(path), *argv]
     sys.path.insert(0, str(path.parent))  # as `python benchmarks/NAME.py` would: its folder first (common.py)
+    cli_args.SCRIPT_PROG = f"specgraph bench {name}"  # its --help names the command, not NAME.py
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as done:  # the script's own exit
         return done.code if isinstance(done.code, int) else 0
     finally:
-        sys.argv = saved
+        sys.argv, cli_args.SCRIPT_PROG = saved, None
     return 0
 
 
@@ -89,31 +90,41 @@ def _train(args: argparse.Namespace) -> int:
 
     import torch
 
+    from .errors import SettingError
     from .train import TrainConfig, medusa_loss, new_medusa_for, train
     from .train.data import OutOfTime, build
     from .train.eagle3 import eagle3_loss, new_eagle3_for
 
-    if args.init_from is not None and args.draft != "eagle3":
-        raise SystemExit(f"specgraph train {args.draft}: --init-from is for EAGLE-3 heads")
+    check_train_flags(args, args.parser)  # another head's flags, --shards' without --shards: refused, not ignored
     out = writable_dir(args.out, "--out")  # before the model, the data and the first steps: checkpoints go there
     done = trained_to(out)
     if done is not None and done >= min(args.steps, args.stop_at or args.steps):
         print(f"{args.draft}: {out} is trained to step {done} already (--steps {args.steps}"
               f"{f', --stop-at {args.stop_at}' if args.stop_at else ''}): nothing to do")
         return 0
+    check_train_data(args)  # --data, --cache: before the target loads and the answers are regenerated
+    init = None  # the head to start from and the shards, read before the target: a bad path is named at once
+    if args.init_from is not None:
+        from .drafts import Eagle3
+
+        init = Eagle3.from_pretrained(args.init_from)
+    if args.shards:  # made by `python -m specgraph.train.distill`
+        from .train.distill import load_shards, split_held_out
+
+        try:
+            shards = load_shards(args.shards, args.variants)
+        except FileNotFoundError as err:  # no shards there (of those variants): named with its flag
+            raise SettingError(f"--shards {err}") from None
+        examples, held = split_held_out(shards, args.held_out)
+        examples = held + examples  # held-out first, as below
+        held_out = len(held)
     model, tokenizer = load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
-    if args.shards:  # made by `python -m specgraph.train.distill`
-        from .train.distill import load_shards, split_held_out
-
-        examples, held = split_held_out(load_shards(args.shards, args.variants), args.held_out)
-        examples = held + examples  # held-out first, as below
-        held_out = len(held)
-    else:
+    if not args.shards:
         try:
             examples = build(tokenizer, args.cache, model if args.regenerate else None, limit=args.limit,
                              max_length=args.max_length, max_new_tokens=args.max_new_tokens,
@@ -146,9 +157,6 @@ def _train(args: argparse.Namespace) -> int:
         draft = new_medusa_for(model, num_heads=args.heads, own_lm_head=not args.shared_lm_head)
         loss_fn = medusa_loss(model, draft)
     else:
-        from .drafts import Eagle3
-
-        init = None if args.init_from is None else Eagle3.from_pretrained(args.init_from)
         draft = new_eagle3_for(model, unmasked[held_out:], draft_vocab_size=args.draft_vocab, init_from=init)
         loss_fn = eagle3_loss(model, draft, steps=args.ttt_steps)
     history = train(draft, loss_fn, examples[held_out:], config, args.out,
@@ -172,13 +180,13 @@ def _bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"specgraph bench acceptance: --tree {args.tree} verifies the root alone (plain decoding): "
                          f"no draft would be measured; pass a deeper tree, e.g. chain4")
     out = writable_dir(args.out, "--out")  # before the benchmark: its report must have somewhere to go
-    model, tokenizer = load_target(args.target)
-    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    model = model.to(device, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
-    kind, path = args.draft
+    kind, path = args.draft  # the draft before the target: a missing or damaged checkpoint is named at once
     draft = {"ngram": lambda: drafts.NGram(), "eagle": lambda: drafts.Eagle.from_pretrained(path),
              "eagle3": lambda: drafts.Eagle3.from_pretrained(path), "medusa": lambda: drafts.Medusa.from_pretrained(path),
              "mtp": lambda: drafts.MTP.from_target(path)}[kind]()
+    model, tokenizer = load_target(args.target)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    model = model.to(device, dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
     tree = args.tree
     spec = compile(model, draft, tree=tree, backend=args.backend, max_cache_len=args.max_new_tokens + 1024,
                    max_batch=args.batch_size)
@@ -195,7 +203,10 @@ def _bench(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from . import Chain, compile
     from .drafts import NGram
+    from .export import check_export
 
+    _cache_above_nodes(args)
+    check_export(args.out, args.format)  # spec.export's own checks (path, format, its extra), before the target loads
     model, _ = load_target(args.target, tokenizer=False)
     # the exported step holds no draft and takes the tree as input: a chain as long as the bucket
     # bounds every tree of that many nodes
@@ -236,6 +247,14 @@ def inspect_model(model, batch: int = 1, nodes: int = 8, max_length: int = 256, 
     return lines + ["supported: specgraph.compile accepts this model"], True
 
 
+def _cache_above_nodes(args: argparse.Namespace) -> None:
+    """compile's own rule, before the target loads: the cache holds the tree and more."""
+    from .errors import SettingError
+
+    if args.max_cache_len <= args.nodes:
+        raise SettingError(f"--max-cache-len {args.max_cache_len} must be larger than --nodes {args.nodes}")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .passes import HiddenTaps
 
@@ -243,10 +262,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"specgraph inspect: --logits-rows {args.logits_rows[0]}:{args.logits_rows[1]} lies past the "
               f"{args.nodes} nodes of --nodes", file=sys.stderr)
         return 2
-    if args.max_cache_len <= args.nodes:  # compile's own rule: the cache holds the tree and more
-        print(f"specgraph inspect: --max-cache-len {args.max_cache_len} must be larger than --nodes {args.nodes}",
-              file=sys.stderr)
-        return 2
+    _cache_above_nodes(args)
     model, _ = load_target(args.model, tokenizer=False)  # inspect reads no text
     taps = HiddenTaps(args.taps, args.convention, args.final) if args.taps or args.final else None
     lines, supported = inspect_model(model, args.batch, args.nodes, args.max_cache_len, taps, args.logits_rows)
@@ -403,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop after this many evaluations without a new best")
     train.add_argument("--seed", type=int, default=0, help="the new head's initial weights and the data order")
     train.add_argument("--cpu", action="store_true")
-    train.set_defaults(func=_train)
+    train.set_defaults(func=_train, parser=train)  # (its defaults: which flags a command line set)
     export = sub.add_parser("export", help="write the verify step (explicit KV caches) as ONNX, or a TensorRT engine")
     export.add_argument("out", help="output path, e.g. step.onnx")
     export.add_argument("--target", default=None, help="a .gguf file, HF directory or hub id (default: embedded SmolLM2)")
@@ -450,14 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from .errors import CompileError, SettingError
+    from .errors import CheckpointError, CompileError, SettingError
 
     try:
         return args.func(args)
     except BrokenPipeError:  # `specgraph tree medusa | head`: the reader left; that is not an error
         sys.stderr.close()
         return 0
-    except (CompileError, SettingError, OSError, ImportError) as err:  # refused, a path, a missing extra: the reason
+    except (CompileError, SettingError, CheckpointError, OSError, ImportError) as err:  # the reason, one line
+        # (refused; a path, a checkpoint, a missing extra). Any other ValueError is a bug: its traceback stays
         print(f"specgraph {args.command}: {err}", file=sys.stderr)
         return 2
     except SystemExit as err:  # a refusal raised with its message (a target, an --out): bad input, as above

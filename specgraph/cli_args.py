@@ -98,11 +98,21 @@ class DefaultsShown(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
+class RawDescriptionDefaultsShown(argparse.RawDescriptionHelpFormatter, DefaultsShown):
+    """DefaultsShown with the description printed as written (the benchmark scripts' docstrings)."""
+
+
+SCRIPT_PROG: str | None = None  # "specgraph bench NAME" while the command runs benchmarks/NAME.py (runpy sets argv[0])
+
+
 class Parser(argparse.ArgumentParser):
-    """Every --help shows the defaults (subcommands' parsers are of the parent's class)."""
+    """Every --help shows the defaults (subcommands' parsers are of the parent's class); a benchmark script's parser
+    is named as the command that runs it (``SCRIPT_PROG``)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsShown)
+        if SCRIPT_PROG is not None:
+            kwargs.setdefault("prog", SCRIPT_PROG)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args, **kwargs):

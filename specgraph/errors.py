@@ -15,6 +15,11 @@ class CompileError(Exception):
         super().__init__(f"{what}: {len(self.blockers)} blocker(s)\n{lines}")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint (a draft's weights or config, a target's files) that cannot be loaded as what it was passed
+    for: damaged, of another layout or model, or wrongly typed. The message names the file or directory and, where
+    it can, the key. (A ValueError, as loaders raised before it existed; the CLI prints it without a traceback.)"""
+
 
 class SettingError(ValueError):
     """A setting refused before any work is done, the message naming it and the fix (the CLI prints

@@ -113,14 +113,34 @@ def decomposed_program(capture, tree, batch: int):
     return module, program, inputs
 
 
+EXTRAS = {  # format -> (the module it needs, what to do without it)
+    "onnx": ("onnxscript", "spec.export(format='onnx') needs onnx and onnxscript: pip install 'specgraph[export]'"),
+    "tensorrt": ("torch_tensorrt", "format='tensorrt' needs torch-tensorrt (and TensorRT), which is not installed "
+                 "here. Export ONNX instead (spec.export(path, format='onnx')): it uses standard ops only, and "
+                 "TensorRT's ONNX parser (trtexec --onnx=...) builds an engine from it."),
+}
+
+
+def check_export(path: str | Path, format: str) -> Path:
+    """What ``spec.export`` checks before any work (the ``specgraph export`` command too, before it loads the
+    target): ``format``, the extra it needs installed (torch.onnx's exporter needs onnxscript: said before seconds of
+    tracing), then ``path`` a file name (not a directory) in a folder that can be written (made if missing: only once
+    the rest holds, so a refusal leaves no folders behind)."""
+    import importlib
+
+    if format not in EXTRAS:
+        raise ValueError(f"format={format!r}: one of {sorted(EXTRAS)}")
+    module, missing = EXTRAS[format]
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ModuleNotFoundError(missing) from None
+    return _writable(Path(path))
+
+
 def export_onnx(capture, tree, path: str | Path, batch: int = 1) -> Path:
     """Write the (batch, tree.num_nodes) verify step of ``capture``'s target to ``path`` (.onnx)."""
-    path = _writable(Path(path))
-    try:
-        import onnxscript  # noqa: F401  (torch.onnx's exporter needs it; say so before seconds of work)
-    except ImportError:
-        raise ModuleNotFoundError("spec.export(format='onnx') needs onnx and onnxscript: "
-                                  "pip install 'specgraph[export]'") from None
+    path = check_export(path, "onnx")
     log.info("exporting the verify step (batch %d, %d nodes) to %s ...", batch, tree.num_nodes, path)
     module, program, _ = decomposed_program(capture, tree, batch)
     with torch.no_grad():
@@ -131,18 +151,14 @@ def export_onnx(capture, tree, path: str | Path, batch: int = 1) -> Path:
 
 def export_tensorrt(capture, tree, path: str | Path, batch: int = 1) -> Path:
     """A TensorRT engine through torch-tensorrt, when it is installed."""
-    try:
-        import torch_tensorrt
-    except ImportError:
-        raise ModuleNotFoundError(
-            "format='tensorrt' needs torch-tensorrt (and TensorRT), which is not installed here. Export ONNX "
-            "instead (spec.export(path, format='onnx')): it uses standard ops only, and TensorRT's ONNX parser "
-            "(trtexec --onnx=...) builds an engine from it.") from None
+    path = check_export(path, "tensorrt")
+    import torch_tensorrt
+
     _, program, inputs = decomposed_program(capture, tree, batch)
     with torch.no_grad():
         engine = torch_tensorrt.dynamo.compile(program, inputs=list(inputs))
     torch_tensorrt.save(engine, str(path), inputs=list(inputs))
-    return Path(path)
+    return path
 
 
 def _writable(path: Path) -> Path:

@@ -190,6 +190,13 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = T
     if not path.is_file():
         what = "is a directory: pass the .gguf file in it" if path.is_dir() else "does not exist"
         raise FileNotFoundError(f"GGUF file {str(path)!r} {what}")
+    with open(path, "rb") as file:
+        magic = file.read(4)
+    if magic != b"GGUF":  # before transformers' three parses: random bytes, an HTML error page, a weights file
+        from .errors import CheckpointError
+
+        raise CheckpointError(f"GGUF file {str(path)!r} does not start with b'GGUF' (it starts with {magic!r}): not a "
+                              f"GGUF model; download it again, or pass a HF model directory")
     converted = _converted_dir(path) if cache else None
     if converted is not None and (converted / "model.safetensors").is_file():
         tokenizer = AutoTokenizer.from_pretrained(converted)

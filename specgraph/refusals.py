@@ -10,7 +10,7 @@ import torch
 from .capture import TargetInfo
 from .drafts.ngram import NGram
 from .errors import CompileError
-from .trees import Chain, WithLookup
+from .trees import Chain, DynamicTree, StaticTree, WithLookup
 
 BACKENDS = ("auto", "eager", "inductor", "cudagraphs")  # "tensorrt" arrives with the compiled-backends issue
 VERIFY = ("exact", "typical")  # "typical": Medusa's typical acceptance, LOSSY when sampling
@@ -99,10 +99,16 @@ def tree_blockers(model, draft, tree, max_cache_len) -> list[str]:
     if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
         blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
     try:
-        blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
-                     for i, w in TargetInfo.from_model(model).narrow_windows(tree.num_nodes)]
+        info = TargetInfo.from_model(model)
     except CompileError as err:
-        blockers += err.blockers
+        return blockers + err.blockers
+    blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
+                 for i, w in info.narrow_windows(tree.num_nodes)]
+    widest = draft_tree(tree).topk if isinstance(draft_tree(tree), (StaticTree, DynamicTree)) else 1
+    ranked = draft.ranked_vocab_size(info.vocab_size)
+    if widest > ranked:
+        blockers.append(f"tree={tree}: a node's children are the draft's top {widest}, more than the {ranked} tokens "
+                        f"it ranks among (its vocabulary); lower topk (a StaticTree's sibling ranks)")
     return blockers
 
 

@@ -29,7 +29,8 @@ def test_every_command_has_help(capsys):
 def test_bench_runs_the_benchmark_scripts_with_their_own_flags(script):
     done = subprocess.run([sys.executable, "-m", "specgraph", "bench", script, "--help"], capture_output=True,
                           text=True)
-    assert done.returncode == 0 and f"usage: {script}.py" in done.stdout
+    assert done.returncode == 0 and f"usage: specgraph bench {script}" in done.stdout  # named as it was run
+    assert "(default: " in done.stdout  # (every option's: the parser is cli_args.Parser)
     if script == "e2e":
         bad = subprocess.run([sys.executable, "-m", "specgraph", "bench", script, "--no-such-flag"],
                              capture_output=True, text=True)
@@ -180,3 +181,133 @@ def test_an_unreachable_hub_id_is_one_line_at_once(monkeypatch, capsys):
     assert main(["inspect", "some-org/no-such-model"]) == 2
     assert re.search("'some-org/no-such-model' is not a local path, and the hub .* cannot be reached",
                      capsys.readouterr().err)
+
+
+class Loaded(Exception):
+    """Raised by a stand-in for load_target: the command got as far as loading the target."""
+
+
+@pytest.fixture
+def no_target(monkeypatch):
+    """``specgraph``'s load_target replaced: a command that reaches it raises Loaded."""
+    import specgraph.cli as cli
+
+    def load(*args, **kwargs):
+        raise Loaded()
+
+    monkeypatch.setattr(cli, "load_target", load)
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_one_line_before_the_target(tmp_path, capsys, monkeypatch, no_target):
+    """A draft path that does not exist, a damaged weights file, a directory of another head kind, a file that is
+    not GGUF: one line on stderr, exit status 2, the draft read before the target. A ValueError that is not a
+    CheckpointError (a bug) keeps its traceback."""
+    import specgraph.cli as cli
+    from specgraph.cli_io import load_target
+    from specgraph.drafts import Eagle3
+
+    Eagle3.for_target(tiny_model("llama"), aux_layer_ids=(0, 1, 1)).save_pretrained(tmp_path / "eagle3")
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "config.json").write_text((tmp_path / "eagle3" / "config.json").read_text())
+    (tmp_path / "damaged" / "model.safetensors").write_bytes(b"\xff" * 4096)
+    for draft, says in ((f"eagle3={tmp_path}/nowhere", "EAGLE-3 checkpoint '.*nowhere' does not exist"),
+                        (f"eagle3={tmp_path}/damaged", "damaged/model.safetensors: cannot read EAGLE-3 weights"),
+                        (f"medusa={tmp_path}/eagle3", "eagle3: no Medusa heads found")):
+        assert main(["bench", "acceptance", "--draft", draft, "--out", str(tmp_path / "bench")]) == 2
+        err = capsys.readouterr().err
+        assert re.search(says, err) and len(err.strip().splitlines()) == 1, err
+    (tmp_path / "rand.gguf").write_bytes(b"\x00" * 64)
+    monkeypatch.setattr(cli, "load_target", load_target)  # the real one
+    assert main(["inspect", str(tmp_path / "rand.gguf")]) == 2
+    assert "rand.gguf' does not start with b'GGUF'" in capsys.readouterr().err
+
+    def bug(*args, **kwargs):
+        raise ValueError("an internal error")
+
+    monkeypatch.setattr(cli, "load_target", bug)
+    with pytest.raises(ValueError, match="an internal error"):
+        main(["inspect", str(tmp_path / "rand.gguf")])
+
+
+def test_a_target_directory_without_its_weights_is_refused(tmp_path, capsys):
+    """A directory whose weights do not fill its config (a draft head's, another model's) used to load as a random
+    model; a plain save_pretrained round trip loads, tied embeddings too (transformers ties, not reports, them)."""
+    import transformers
+
+    from specgraph.cli_io import load_target
+    from specgraph.drafts import Eagle3
+    from specgraph.errors import CheckpointError
+
+    tiny_model("llama").save_pretrained(tmp_path / "plain")
+    tied = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=1, vocab_size=101, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(tied).save_pretrained(tmp_path / "tied")
+    for name in ("plain", "tied"):
+        model, _ = load_target(str(tmp_path / name), tokenizer=False)
+        assert type(model).__name__ == "LlamaForCausalLM"
+    Eagle3.for_target(tiny_model("llama"), aux_layer_ids=(0, 1, 1)).save_pretrained(tmp_path / "head")
+    with pytest.raises(CheckpointError, match=r"head' does not hold the weights its config.json describes: \d+ "
+                                              r"weights missing \(model.embed_tokens.weight"):
+        load_target(str(tmp_path / "head"), tokenizer=False)
+    (tmp_path / "wider").mkdir()
+    (tmp_path / "wider" / "config.json").write_text((tmp_path / "tied" / "config.json").read_text())
+    (tmp_path / "wider" / "model.safetensors").write_bytes((tmp_path / "plain" / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match=r"wider' does not hold the weights its config.json describes: weights "
+                                              r"of other shapes"):
+        load_target(str(tmp_path / "wider"), tokenizer=False)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "h.onnx"), "--target", str(tmp_path / "head"), "--nodes", "2",
+                 "--max-cache-len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("specgraph export: the target"), err
+    assert not (tmp_path / "h.onnx").exists()
+
+
+def test_export_checks_its_arguments_before_loading_the_target(tmp_path, capsys, monkeypatch, no_target):
+    """spec.export's own checks (check_export) and --max-cache-len above --nodes, before the target loads; a missing
+    extra leaves no folders behind."""
+    import sys
+
+    (tmp_path / "a-file").write_text("")
+    for argv, says in (([str(tmp_path)], "is a directory: name the .onnx file"),
+                       ([str(tmp_path / "a-file" / "step.onnx")], "cannot be written"),
+                       ([str(tmp_path / "x.onnx"), "--nodes", "8", "--max-cache-len", "8"],
+                        "--max-cache-len 8 must be larger than --nodes 8")):
+        assert main(["export", *argv]) == 2
+        assert says in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "onnxscript", None)
+    assert main(["export", str(tmp_path / "new" / "step.onnx")]) == 2
+    assert "pip install 'specgraph[export]'" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    monkeypatch.delitem(sys.modules, "onnxscript")
+    with pytest.raises(Loaded):  # all checks pass: the next step is the target
+        main(["export", str(tmp_path / "new" / "step.onnx")])
+
+
+def test_train_checks_its_inputs_and_flags_before_loading_the_target(tmp_path, capsys, no_target):
+    """--data (missing, not ShareGPT), --shards, --init-from, --cache, --patience without --select, and flags the
+    run would ignore (the other head's, --shards' without --shards): one line each, before the target loads."""
+    good = tmp_path / "good.json"
+    good.write_text('[{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]')
+    (tmp_path / "bad.csv").write_text("prompt,answer\n")
+    (tmp_path / "a-file").write_text("")
+    out = ["--out", str(tmp_path / "run"), "--cache", str(tmp_path / "cache")]
+    for argv, says in (
+            (["eagle3", "--data", str(tmp_path / "none.json")], "--data '.*none.json' does not exist"),
+            (["eagle3", "--data", str(tmp_path / "bad.csv")], "--data .*bad.csv: a ShareGPT file is a JSON array"),
+            (["eagle3", "--shards", str(tmp_path / "no-shards")], "--shards .*no-shards: no \\*/shard-\\*"),
+            (["eagle3", "--data", str(good), "--init-from", str(tmp_path / "no-head")],
+             "EAGLE-3 checkpoint '.*no-head' does not exist"),
+            (["eagle3", "--data", str(good), "--cache", str(tmp_path / "a-file" / "c")],
+             "--cache .* cannot be written"),
+            (["eagle3", "--data", str(good), "--patience", "2"], "--patience needs --select"),
+            (["medusa", "--data", str(good), "--ttt-steps", "3", "--draft-vocab", "5"],
+             "--draft-vocab, --ttt-steps: for EAGLE-3 heads; `specgraph train medusa` would ignore them"),
+            (["medusa", "--data", str(good), "--init-from", str(tmp_path)], "--init-from: for EAGLE-3 heads"),
+            (["eagle3", "--data", str(good), "--heads", "2"], "--heads: for Medusa heads"),
+            (["eagle3", "--data", str(good), "--variants", "greedy", "--held-out", "3"],
+             "--variants, --held-out: only with --shards")):
+        assert main(["train", *out, *argv]) == 2, argv  # (argv last: its --cache wins)
+        err = capsys.readouterr().err
+        assert re.search(says, err) and len(err.strip().splitlines()) == 1, (argv, err)
+    with pytest.raises(Loaded):  # a head's own flags (their defaults too) pass
+        main(["train", "medusa", "--data", str(good), "--heads", "2", "--shared-lm-head", "--ttt-steps", "7", *out])

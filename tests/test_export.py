@@ -64,7 +64,9 @@ def test_export_refuses_what_it_cannot_do(tmp_path):
 
 
 def test_export_checks_its_path_and_its_extra_before_any_work(tmp_path, monkeypatch):
-    import builtins
+    """A directory, an unwritable folder, a missing extra: refused before the step is traced; the missing extra
+    before the output's folders are made (none left behind)."""
+    import sys
 
     import specgraph.export
 
@@ -75,18 +77,27 @@ def test_export_checks_its_path_and_its_extra_before_any_work(tmp_path, monkeypa
     blocker.write_text("")
     with pytest.raises(PermissionError, match="cannot be written"):
         spec.export(blocker / "step.onnx")  # its folder is a file
-    real_import = builtins.__import__
-
-    def no_onnxscript(name, *args, **kwargs):
-        if name == "onnxscript":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
     def no_work(*args, **kwargs):
         raise AssertionError("the step was captured before the checks")
 
     monkeypatch.setattr(specgraph.export, "decomposed_program", no_work)
-    monkeypatch.setattr(builtins, "__import__", no_onnxscript)
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # as if not installed: importing it raises ImportError
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'specgraph\[export\]'"):
-        spec.export(tmp_path / "step.onnx")
-    assert not (tmp_path / "step.onnx").exists()
+        spec.export(tmp_path / "new" / "deeper" / "step.onnx")
+    assert not (tmp_path / "new").exists()
+
+
+def test_check_export_is_what_the_command_runs_before_loading(tmp_path, monkeypatch):
+    """specgraph.export.check_export, shared by spec.export and `specgraph export`: format, extra, then path."""
+    import sys
+
+    from specgraph.export import check_export
+
+    with pytest.raises(ValueError, match="format='gguf': one of"):
+        check_export(tmp_path / "x", "gguf")
+    assert check_export(tmp_path / "a" / "step.onnx", "onnx") == tmp_path / "a" / "step.onnx"
+    assert (tmp_path / "a").is_dir() and not (tmp_path / "a" / "step.onnx").exists()
+    monkeypatch.setitem(sys.modules, "torch_tensorrt", None)
+    with pytest.raises(ModuleNotFoundError, match="torch-tensorrt"):
+        check_export(tmp_path / "b" / "step.engine", "tensorrt")
+    assert not (tmp_path / "b").exists()

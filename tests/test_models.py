@@ -114,6 +114,15 @@ def test_gemma3_file_is_rebuilt_when_corrupt_and_placed_without_hard_links(tmp_p
         assert hashlib.sha256(path.read_bytes()).hexdigest() == gemma3_parts.EXPECTED_SHA256
 
 
+def test_a_file_that_is_not_gguf_is_named_before_transformers_reads_it(tmp_path):
+    from specgraph.errors import CheckpointError
+
+    (tmp_path / "rand.gguf").write_bytes(b"<html>not a model</html>")
+    with pytest.raises(CheckpointError, match=r"GGUF file '.*rand.gguf' does not start with b'GGUF' \(it starts with "
+                                              r"b'<htm'\)"):
+        load_gguf(tmp_path / "rand.gguf", cache=False)
+
+
 def test_one_gguf_parse_serves_every_read():
     """load_gguf hands transformers one GGUFReader per file instead of three parses: a reused reader
     gives what a fresh one gave (the first read below is a fresh reader's, the second reuses it; the

@@ -219,3 +219,24 @@ def test_weights_compile_cannot_trace_or_a_cache_beyond_memory_are_refused_at_co
     with pytest.raises(CompileError, match=r"max_cache_len=1000000000000 with max_batch=1: the KV cache alone needs"):
         specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_cache_len=10**12)
     specgraph.compile(tiny_model("llama"), NGram(), tree=specgraph.Chain(3), max_cache_len=4096)  # a sane one
+
+
+def test_a_tree_wider_than_the_drafts_vocabulary_is_refused_at_compile():
+    """A node's children are the draft's top k: k above the tokens it ranks among (an EAGLE-3 draft
+    vocabulary, the target's vocabulary for the others) is refused at compile, naming the tree; as
+    wide as the vocabulary still compiles and generates."""
+    import specgraph
+    from specgraph.drafts import Eagle3, Medusa
+    from test_capture import tiny_model
+
+    model = tiny_model("llama")
+    vocab = model.config.vocab_size
+    small = Eagle3.for_target(model, draft_vocab=torch.arange(16), aux_layer_ids=(0, 1, 1))
+    medusa = Medusa(model.config.hidden_size, vocab, 1)
+    for draft, tree, ranked in ((small, specgraph.DynamicTree(2, 20, 8), 16),
+                                (small, specgraph.DynamicTree(1, 300, 8), 16),
+                                (medusa, specgraph.StaticTree([[0], [vocab]]), vocab)):
+        with pytest.raises(CompileError, match=rf"top {tree.topk}, more than the {ranked} tokens"):
+            specgraph.compile(model, draft, tree=tree, max_cache_len=64)
+    spec = specgraph.compile(model, small, tree=specgraph.DynamicTree(2, 16, 8), max_cache_len=64)
+    assert spec.generate(torch.tensor([[10, 11, 12, 13]]), max_new_tokens=4).shape == (1, 8)

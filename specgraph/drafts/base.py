@@ -65,6 +65,10 @@ class Draft(ABC):
         """Why this draft cannot fill ``tree`` (empty: it can)."""
         return []
 
+    def ranked_vocab_size(self, target_vocab_size: int) -> int:
+        """How many tokens the draft ranks a node's children among: a tree's sibling ranks must stay below it."""
+        return target_vocab_size
+
     def default_tree(self, device: torch.device, max_batch: int):
         """The tree ``compile(tree=None)`` takes for this draft on ``device`` up to ``max_batch`` rows: the
         measured best where one was measured (docs/benchmarks.md), else a 4-deep chain."""

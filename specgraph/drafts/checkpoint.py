@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
+
 
 def read_checkpoint(path: str | Path, weight_files: tuple[str, ...], what: str) -> tuple[dict, dict]:
     """(state dict, config dict) of a checkpoint directory (or one weight file).
@@ -34,16 +36,50 @@ def read_checkpoint(path: str | Path, weight_files: tuple[str, ...], what: str) 
             else:
                 state.update(torch.load(file, map_location="cpu", weights_only=True))
         except Exception as err:  # a truncated or corrupted file: say which
-            raise ValueError(f"{file}: cannot read {what} weights ({type(err).__name__}: {err}); the file is "
-                             f"damaged or not a weights file: download or save it again") from err
+            raise unreadable(file, what, err) from err
     config_file = (path if path.is_dir() else path.parent) / "config.json"
+    return state, read_config(config_file) if config_file.is_file() else {}
+
+
+def unreadable(file, what: str, err: Exception) -> CheckpointError:
+    """The error for a weights file that cannot be read (truncated, corrupted, not a weights file)."""
+    return CheckpointError(f"{file}: cannot read {what} weights ({type(err).__name__}: {err}); the file is "
+                           f"damaged or not a weights file: download or save it again")
+
+
+def read_config(config_file: Path) -> dict:
+    """A config.json as a dict; one that is not a JSON object is refused, naming the file."""
     try:
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_file}: not valid JSON ({err})") from err
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from err
     if not isinstance(config, dict):
-        raise ValueError(f"{config_file}: a JSON object of settings expected, not a {type(config).__name__}")
-    return state, config
+        raise CheckpointError(f"{config_file}: a JSON object of settings expected, not a {type(config).__name__}")
+    return config
+
+
+INT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+              "draft_vocab_size", "target_hidden_size", "head_dim")
+
+
+def check_fields(config: dict, path, required: tuple[str, ...] = ("hidden_size",)) -> None:
+    """The config's sizes and EAGLE-3 aux layer ids as integers, each bad one named with its file (a head's shapes
+    come from them: a missing ``hidden_size`` would silently be LlamaConfig's 4096; a string one fails deep in
+    transformers)."""
+    bad = [f"{k}={config[k]!r}" for k in INT_FIELDS if config.get(k) is not None and
+           (isinstance(config[k], bool) or not isinstance(config[k], int))]
+    nested = config.get("eagle_config")
+    for key, ids in (("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")),
+                     ("eagle_config.eagle_aux_hidden_state_layer_ids",
+                      nested.get("eagle_aux_hidden_state_layer_ids") if isinstance(nested, dict) else None)):
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+            bad.append(f"{key}={ids!r}")
+    if nested is not None and not isinstance(nested, dict):
+        bad.append(f"eagle_config={nested!r} (an object)")
+    missing = [f"{k} missing" for k in required if k not in config]
+    if bad or missing:
+        ids = " (aux layer ids a list of integers)" if any(x.startswith("eagle") for x in bad) else ""
+        raise CheckpointError(f"{path}/config.json: {', '.join(bad + missing)}: sizes are whole numbers{ids}")
 
 
 def _from_hub(name: str, what: str) -> Path:
@@ -103,6 +139,17 @@ def write_checkpoint(path: str | Path, state: dict, config: dict, weights: str =
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def llama_config(fields: dict, path):
+    """A head's ``LlamaConfig`` from its config.json fields; a value transformers refuses is named with the file."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import LlamaConfig
+
+    try:
+        return LlamaConfig(**fields)
+    except (StrictDataclassError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}/config.json: {type(err).__name__}: {' '.join(str(err).split())[:300]}") from err
+
+
 def check_keys(state: dict, module_state: dict, optional: set[str], what: str, path) -> None:
     """Every weight the module needs is in ``state`` with its shape; nothing unknown is left over."""
     problems = []
@@ -117,4 +164,4 @@ def check_keys(state: dict, module_state: dict, optional: set[str], what: str, p
               for k, v in module_state.items() if k in state and tuple(state[k].shape) != tuple(v.shape)]
     problems += shapes
     if problems:
-        raise ValueError(f"{path}: not a loadable {what} checkpoint: " + "; ".join(problems))
+        raise CheckpointError(f"{path}: not a loadable {what} checkpoint: " + "; ".join(problems))

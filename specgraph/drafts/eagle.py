@@ -23,9 +23,10 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from ..errors import CheckpointError
 from ..passes import HiddenTaps
 from .autoregressive import AutoregressiveDraft
-from .checkpoint import check_keys, read_checkpoint, write_checkpoint
+from .checkpoint import check_fields, check_keys, llama_config, read_checkpoint, write_checkpoint
 from .layer import DraftLayer
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -152,12 +153,13 @@ class Eagle(FeatureDraft):
         state, config = read_checkpoint(path, WEIGHT_FILES, "EAGLE")
         if not config:
             raise FileNotFoundError(f"{path}: EAGLE checkpoints carry a config.json (a one-layer LlamaConfig)")
+        check_fields(config, path)
         state = {k.removeprefix("model."): v for k, v in state.items()}
         if config.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"{path}: config.num_hidden_layers={config['num_hidden_layers']}: EAGLE-1/2 heads "
-                             f"have one layer")
+            raise CheckpointError(f"{path}: config.num_hidden_layers={config['num_hidden_layers']}: EAGLE-1/2 heads "
+                                  f"have one layer")
         bias = bool(config.get("bias", True))  # SafeAILab: absent means True
-        llama = LlamaConfig(**{k: v for k, v in config.items() if k not in ("bias", "architectures")})
+        llama = llama_config({k: v for k, v in config.items() if k not in ("bias", "architectures")}, path)
         return cls(llama, bias=bias)._load(state, "EAGLE-1/2", path)
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None,

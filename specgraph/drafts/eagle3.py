@@ -43,9 +43,10 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from ..errors import CheckpointError
 from ..passes import HiddenTaps
 from ..trees import Chain, DynamicTree, WithLookup
-from .checkpoint import read_checkpoint, write_checkpoint
+from .checkpoint import check_fields, llama_config, read_checkpoint, write_checkpoint
 from .eagle import WEIGHT_FILES, FeatureDraft, draft_config_for
 from .layer import DraftLayer
 
@@ -166,6 +167,9 @@ class Eagle3(FeatureDraft):
     def draft_logits(self, hidden):
         return self.head(self.head_input(hidden))
 
+    def ranked_vocab_size(self, target_vocab_size: int) -> int:
+        return self.draft_vocab_size
+
     def to_target(self, draft_ids):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
@@ -214,23 +218,23 @@ class Eagle3(FeatureDraft):
         state, config = read_checkpoint(path, WEIGHT_FILES, "EAGLE-3")
         if not config:
             raise FileNotFoundError(f"{path}: EAGLE-3 checkpoints carry a config.json")
+        check_fields(config, path)
         eagle_config = config.get("eagle_config") or {}
         architectures = config.get("architectures") or []
         if config.get("num_hidden_layers", 1) != 1 and not eagle_config and "draft_vocab_size" not in config and \
                 not any("eagle" in str(a).lower() for a in architectures):  # no mark of a head at all
-            raise ValueError(f"{path}: a {', '.join(map(str, architectures)) or 'model'} directory with "
-                             f"{config['num_hidden_layers']} layers, not an EAGLE-3 head (a head's config has one "
-                             f"layer, and draft_vocab_size or eagle_config): pass the head's directory")
+            raise CheckpointError(f"{path}: a {', '.join(map(str, architectures)) or 'model'} directory with "
+                                  f"{config['num_hidden_layers']} layers, not an EAGLE-3 head (a head's config has "
+                                  f"one layer, and draft_vocab_size or eagle_config): pass the head's directory")
         flags = {**config, **eagle_config}
         refused = [f"{f}={flags[f]!r}" for f in REFUSED_FLAGS if flags.get(f)]
         if config.get("num_hidden_layers", 1) != 1:
             refused.append(f"num_hidden_layers={config['num_hidden_layers']} (multi-layer EAGLE-3 heads)")
         if refused:
-            raise ValueError(f"{path}: EAGLE-3 variant not supported yet: {', '.join(refused)}")
-        _check_fields(config, path)
+            raise CheckpointError(f"{path}: EAGLE-3 variant not supported yet: {', '.join(refused)}")
         ids, convention = aux_ids_of(config, aux_convention, path)
         state = {_rename(k): v for k, v in state.items()}
-        llama = LlamaConfig(**{k: v for k, v in config.items() if k not in _NOT_LLAMA})
+        llama = llama_config({k: v for k, v in config.items() if k not in _NOT_LLAMA}, path)
         llama.draft_vocab_size = config.get("draft_vocab_size")
         llama.target_hidden_size = config.get("target_hidden_size")
         llama.bias = bool(config.get("bias", False))
@@ -263,26 +267,6 @@ def layer_inputs(ids, convention: str) -> tuple[int, ...]:
     return tuple(int(i) + (convention == "layer_output") for i in ids)
 
 
-_INT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-               "draft_vocab_size", "target_hidden_size", "head_dim")
-
-
-def _check_fields(config: dict, path) -> None:
-    """The config's sizes and aux layer ids as integers, each bad one named with its file (a head's shapes come
-    from them: a missing ``hidden_size`` would silently be LlamaConfig's 4096)."""
-    bad = [f"{k}={config[k]!r}" for k in _INT_FIELDS if config.get(k) is not None and
-           (isinstance(config[k], bool) or not isinstance(config[k], int))]
-    for key, ids in (("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")),
-                     ("eagle_config.eagle_aux_hidden_state_layer_ids",
-                      (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))):
-        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
-            bad.append(f"{key}={ids!r}")
-    if bad or "hidden_size" not in config:
-        missing = [] if "hidden_size" in config else ["hidden_size missing"]
-        raise ValueError(f"{path}/config.json: {', '.join(bad + missing)}: sizes are integers, aux layer ids a list of "
-                         f"integers")
-
-
 def aux_ids_of(config: dict, aux_convention: str | None, path) -> tuple[tuple[int, ...] | None, str]:
     """(ids, convention) from a config, each key read as the engine that owns it reads it: SGLang's
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` (layer outputs, unless ``specgraph_aux_convention``
@@ -296,10 +280,11 @@ def aux_ids_of(config: dict, aux_convention: str | None, path) -> tuple[tuple[in
         return None, aux_convention or "layer_output"
     convention = aux_convention or config.get("specgraph_aux_convention") or "layer_output"
     if top and layer_inputs(nested, convention) != tuple(top):
-        raise ValueError(f"{path}: eagle_config.eagle_aux_hidden_state_layer_ids={list(nested)} ({convention}: SGLang "
-                         f"taps the inputs of layers {list(layer_inputs(nested, convention))}) and the top-level "
-                         f"eagle_aux_hidden_state_layer_ids={list(top)} (vLLM taps the inputs of those layers) "
-                         f"disagree; keep the key of the engine that trained the head, or pass aux_convention")
+        raise CheckpointError(f"{path}: eagle_config.eagle_aux_hidden_state_layer_ids={list(nested)} ({convention}: "
+                              f"SGLang taps the inputs of layers {list(layer_inputs(nested, convention))}) and the "
+                              f"top-level eagle_aux_hidden_state_layer_ids={list(top)} (vLLM taps the inputs of those "
+                              f"layers) disagree; keep the key of the engine that trained the head, or pass "
+                              f"aux_convention")
     return tuple(nested), convention
 
 

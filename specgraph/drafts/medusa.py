@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
 from ..kernels.gumbel import coupled_scores
 from ..passes import HiddenTaps
-from .checkpoint import read_checkpoint, write_checkpoint
+from .checkpoint import check_fields, read_checkpoint, write_checkpoint
 from .base import Draft, DraftSession
 from .eagle import _Borrowed
 from ..selection import top_k
@@ -118,50 +119,58 @@ class Medusa(nn.Module, Draft):
     # ------------------------------------------------------------------ formats
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Medusa":
+        """Any layout of the module docstring; head count and depth from the keys (a config.json that claims more
+        heads than the weights hold is logged and the weights decide). A bad key or shape is named."""
         state, config = read_checkpoint(path, WEIGHT_FILES, "Medusa")
+        check_fields(config, path, required=())
         truncated = config.get("truncated_vocab_size")
         if "token_map" in state or (truncated and truncated != config.get("vocab_size", truncated)):
-            raise ValueError(f"{path}: a vLLM Medusa with a truncated vocabulary (token_map, truncated_vocab_size="
-                             f"{truncated}) is not supported yet: drafts cover the target's whole vocabulary")
+            raise CheckpointError(f"{path}: a vLLM Medusa with a truncated vocabulary (token_map, "
+                                  f"truncated_vocab_size={truncated}) is not supported yet: drafts cover the target's "
+                                  f"whole vocabulary")
         layout = _normalise(state)
         if config.get("original_lm_head") and 0 in layout:  # vLLM: lm_heads.0 is every head's LM head
             for entry in layout.values():
                 entry["lm_head"] = layout[0]["lm_head"]
         heads = sorted(layout)
         if not heads:
-            raise ValueError(f"{path}: no Medusa heads found (looked for FasterDecoding, Medusa-2, ModelOpt and vLLM "
-                             f"key layouts)")
+            raise CheckpointError(f"{path}: no Medusa heads found (looked for FasterDecoding, Medusa-2, ModelOpt and "
+                                  f"vLLM key layouts)")
         if heads != list(range(len(heads))):
             missing = sorted(set(range(max(heads) + 1)) - set(heads))
-            raise ValueError(f"{path}: Medusa heads {missing} are missing (found heads {heads}); heads are numbered "
-                             f"from 0 without gaps: the file is incomplete")
-        layers = {len(layout[h]["blocks"]) for h in heads}
-        own = {layout[h]["lm_head"] is not None for h in heads}
-        biases = {b is not None for h in heads for _, b in layout[h]["blocks"]}
-        if len(layers) != 1 or len(own) != 1 or len(biases) > 1:
-            raise ValueError(f"{path}: heads disagree in depth or LM head / bias presence")
+            raise CheckpointError(f"{path}: Medusa heads {missing} are missing (found heads {heads}); heads are "
+                                  f"numbered from 0 without gaps: the file is incomplete")
+        _check_alike(layout, path)
         first = layout[0]
-        hidden = first["blocks"][0][0].shape[1] if first["blocks"] else first["lm_head"].shape[1]
-        vocab = first["lm_head"].shape[0] if own == {True} else int(config.get("vocab_size", 0))
+        hidden = (first["blocks"][0][0] if first["blocks"] else first["lm_head"])[1].shape[-1]
+        own = first["lm_head"] is not None
+        vocab = first["lm_head"][1].shape[0] if own else config.get("vocab_size") or 0
         if vocab == 0:
-            raise ValueError(f"{path}: heads share the target's LM head (legacy layout) and config.json has no vocab_size")
+            raise CheckpointError(f"{path}: heads share the target's LM head (legacy layout) and config.json has no "
+                                  f"vocab_size")
+        layers = len(first["blocks"])
         vllm = config.get("model_type") == "medusa"  # its num_* fields are the heads'; elsewhere, the base model's
         declared_heads = config.get("medusa_num_heads", config.get("num_heads") if vllm else None)
         declared_layers = config.get("medusa_num_layers", config.get("num_hidden_layers") if vllm else None)
         for what, found, declared in (("heads", len(heads), declared_heads),
-                                      ("layers a head", next(iter(layers)), declared_layers)):
+                                      ("layers a head", layers, declared_layers)):
             if declared is not None and declared != found:  # FasterDecoding's uploaded configs claim 5 heads
                 log.warning("%s: config.json says %s %s, the weights hold %s: the weights decide", path, declared,
                             what, found)
-        module = cls(hidden, vocab, len(heads), layers.pop(), own_lm_head=own.pop(), bias=biases != {False})
+        wrong = [f"{key}: checkpoint {tuple(w.shape)} != expected {shape}" for h in heads
+                 for (key, w), shape in _with_shapes(layout[h], hidden, vocab) if tuple(w.shape) != shape]
+        if wrong:
+            raise CheckpointError(f"{path}: not a loadable Medusa checkpoint: {'; '.join(wrong)}")
+        bias = first["blocks"][0][1] is not None if first["blocks"] else True
+        module = cls(hidden, vocab, len(heads), layers, own_lm_head=own, bias=bias)
         with torch.no_grad():
             for h in heads:
                 for block, (w, b) in zip(module.blocks[h], layout[h]["blocks"]):
-                    block.linear.weight.copy_(w)
+                    block.linear.weight.copy_(w[1])
                     if b is not None:
-                        block.linear.bias.copy_(b)
+                        block.linear.bias.copy_(b[1])
                 if module.lm_heads is not None:
-                    module.lm_heads[h].weight.copy_(layout[h]["lm_head"])
+                    module.lm_heads[h].weight.copy_(layout[h]["lm_head"][1])
         return module.eval()
 
     def save_pretrained(self, path: str | Path, base_model_name_or_path: str = "", dtype: torch.dtype | None = None,
@@ -216,23 +225,66 @@ _VLLM_HEAD = re.compile(r"^(?:medusa_heads\.)?lm_heads\.(\d+)\.weight$")
 
 
 def _normalise(state: dict) -> dict[int, dict]:
-    """Any supported layout -> {head: {"blocks": [(W, b|None), ...], "lm_head": W|None}}."""
+    """Any supported layout -> {head: {"blocks": [((key, W), (key, b) | None), ...], "lm_head": (key, W) | None}}
+    (each tensor with its checkpoint key, for messages)."""
     raw: dict[int, dict] = {}
     for key, value in state.items():
         if m := _FASTER.match(key):
             h, l, is_block, kind = int(m[1]), int(m[2]), bool(m[3]), m[4]
             entry = raw.setdefault(h, {"blocks": {}, "lm": {}})
-            (entry["blocks"] if is_block else entry["lm"]).setdefault(l, {})[kind] = value
+            (entry["blocks"] if is_block else entry["lm"]).setdefault(l, {})[kind] = (key, value)
         elif m := _VLLM_BLOCK.match(key):
-            raw.setdefault(int(m[1]), {"blocks": {}, "lm": {}})["blocks"].setdefault(int(m[2]), {})[m[3]] = value
+            raw.setdefault(int(m[1]), {"blocks": {}, "lm": {}})["blocks"].setdefault(int(m[2]), {})[m[3]] = (key, value)
         elif m := _VLLM_HEAD.match(key):
-            raw.setdefault(int(m[1]), {"blocks": {}, "lm": {}})["lm"][-1] = {"weight": value}
+            raw.setdefault(int(m[1]), {"blocks": {}, "lm": {}})["lm"][-1] = {"weight": (key, value)}
     out = {}
     for h, entry in raw.items():
-        blocks = [(entry["blocks"][l]["weight"], entry["blocks"][l].get("bias")) for l in sorted(entry["blocks"])]
-        heads = list(entry["lm"].values())
-        out[h] = {"blocks": blocks, "lm_head": heads[0]["weight"] if heads else None}
+        blocks = [(entry["blocks"][l].get("weight"), entry["blocks"][l].get("bias")) for l in sorted(entry["blocks"])]
+        heads = [x["weight"] for x in entry["lm"].values() if "weight" in x]
+        out[h] = {"blocks": blocks, "lm_head": heads[0] if heads else None}
     return out
+
+
+def _as_head(key: str, head: int) -> str:
+    """Head 0's checkpoint key as head ``head`` would spell it (the first number in a key is its head)."""
+    parts = key.split(".")
+    first = next(i for i, part in enumerate(parts) if part.isdigit())
+    return ".".join(parts[:first] + [str(head)] + parts[first + 1:])
+
+
+def _check_alike(layout: dict[int, dict], path) -> None:
+    """Every head built like head 0 (its depth, LM head, biases): what differs is named by head and key."""
+    first, problems = layout[0], []
+    for h in sorted(layout)[1:]:
+        entry = layout[h]
+        if len(entry["blocks"]) != len(first["blocks"]):
+            problems.append(f"head {h} has {len(entry['blocks'])} residual blocks, head 0 {len(first['blocks'])}")
+        if entry["lm_head"] is None and first["lm_head"] is not None:
+            problems.append(f"head {h} has no LM head weight {_as_head(first['lm_head'][0], h)}")
+        elif entry["lm_head"] is not None and first["lm_head"] is None:
+            problems.append(f"head {h} has an LM head weight {entry['lm_head'][0]}, head 0 none")
+    for h in sorted(layout):
+        for l, (w, b) in enumerate(layout[h]["blocks"]):
+            like = first["blocks"][0] if first["blocks"] else (w, b)
+            if w is None:
+                problems.append(f"head {h} block {l} has a bias {b[0]} but no weight")
+            elif b is None and like[1] is not None:
+                problems.append(f"head {h} block {l} has no bias {w[0].rsplit('.', 1)[0]}.bias (head 0 has)")
+            elif b is not None and like[1] is None:
+                problems.append(f"head {h} block {l} has a bias {b[0]}, head 0 block 0 none")
+    if problems:
+        raise CheckpointError(f"{path}: Medusa heads differ: {'; '.join(problems)}; every head has the same blocks, "
+                              f"LM head and biases: the file is incomplete or of another layout")
+
+
+def _with_shapes(entry: dict, hidden: int, vocab: int):
+    """((key, tensor), expected shape) of one head's tensors."""
+    for w, b in entry["blocks"]:
+        yield w, (hidden, hidden)
+        if b is not None:
+            yield b, (hidden,)
+    if entry["lm_head"] is not None:
+        yield entry["lm_head"], (vocab, hidden)
 
 
 def _paths(tree) -> tuple[tuple[int, ...], ...]:

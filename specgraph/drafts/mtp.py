@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +35,10 @@ import torch
 from torch import nn
 
 from .. import kernels  # noqa: F401  (registers specgraph::tree_attention_mask)
+from ..errors import CheckpointError
 from ..passes import HiddenTaps
 from .autoregressive import AutoregressiveDraft
-from .checkpoint import check_keys, write_checkpoint
+from .checkpoint import check_keys, read_config, unreadable, write_checkpoint
 from .eagle import _Borrowed
 
 REMOTE_BASES = {"mimo": "qwen2"}  # remote-code targets whose decoder layer is a transformers one (vLLM mimo_mtp)
@@ -220,19 +220,19 @@ class MTP(AutoregressiveDraft):
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json (MTP.from_target takes the target's model directory)")
-        raw = json.loads((path / "config.json").read_text())
-        config = _text_config(raw)
+        raw = read_config(path / "config.json")
+        config = _text_config(raw, path / "config.json")
         files = _tensor_files(path)
         layers = config.num_hidden_layers
         layout, found = _detect(files, layers)
         if layout is None:
-            raise ValueError(f"{path}: no MTP weights: looked for DeepSeek-V3 / GLM 'model.layers.{{>= {layers}}}.*' "
-                             f"(num_hidden_layers={layers}), MiMo 'model.mtp_layers.{{i}}.*' and Qwen3-Next "
-                             f"'mtp.*' keys")
+            raise CheckpointError(f"{path}: no MTP weights: looked for DeepSeek-V3 / GLM 'model.layers.{{>= "
+                                  f"{layers}}}.*' (num_hidden_layers={layers}), MiMo 'model.mtp_layers.{{i}}.*' and "
+                                  f"Qwen3-Next 'mtp.*' keys")
         count = max(int(raw.get("num_nextn_predict_layers") or 0), max(found) + 1)
         if module is None and count > 1:
-            raise ValueError(f"{path}: {count} MTP modules (num_nextn_predict_layers); pass module=i to draft every "
-                             f"step with module i (multi-module MTP, module step % k, is not supported yet)")
+            raise CheckpointError(f"{path}: {count} MTP modules (num_nextn_predict_layers); pass module=i to draft "
+                                  f"every step with module i (multi-module MTP, module step % k, is not supported yet)")
         module = module or 0
         if not 0 <= module < count:
             raise ValueError(f"module={module}: the checkpoint has MTP modules 0 .. {count - 1}")
@@ -242,7 +242,7 @@ class MTP(AutoregressiveDraft):
                  if k.startswith(prefix) and not other.match(k)}  # checkpoint key -> internal key
         quantized = sorted(k for k in names if k.endswith(("_scale_inv", "weight_scale", ".qweight")))
         if quantized:
-            raise ValueError(f"{path}: quantized MTP weights {quantized[:4]}: dequantize the checkpoint first")
+            raise CheckpointError(f"{path}: quantized MTP weights {quantized[:4]}: dequantize the checkpoint first")
         state = _load(files, list(names))
         variant = VARIANTS[layout]
         if raw.get("specgraph_mtp"):  # a save_pretrained directory: the family's wiring in DeepSeek names
@@ -258,7 +258,7 @@ class MTP(AutoregressiveDraft):
         draft.load_state_dict({back[k]: v for k, v in state.items()}, assign=True)
         empty = [n for n, t in [*draft.named_parameters(), *draft.named_buffers()] if t.is_meta]
         if empty:
-            raise ValueError(f"{path}: MTP tensors {empty} were neither in the checkpoint nor computed")
+            raise CheckpointError(f"{path}: MTP tensors {empty} were neither in the checkpoint nor computed")
         return draft.eval()
 
     def save_pretrained(self, path: str | Path) -> None:
@@ -276,14 +276,20 @@ class MTP(AutoregressiveDraft):
 
 
 # ---------------------------------------------------------------------- helpers
-def _text_config(raw: dict):
+def _text_config(raw: dict, file: Path):
+    """The target's text config from its config.json (``file``, named when transformers cannot build it)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "specgraph_mtp")}
     model_type = REMOTE_BASES.get(raw.get("model_type"), raw.get("model_type"))
     if model_type is None:
-        raise ValueError("config.json has no model_type")
-    return AutoConfig.for_model(model_type, **fields).get_text_config()
+        raise CheckpointError(f"{file.parent}: its config.json has no model_type (MTP.from_target takes the target's "
+                              f"model directory, whose config names its architecture)")
+    try:
+        return AutoConfig.for_model(model_type, **fields).get_text_config()
+    except (StrictDataclassError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{file}: {type(err).__name__}: {' '.join(str(err).split())[:300]}") from err
 
 
 def _target_classes(config) -> tuple[type, type]:
@@ -301,14 +307,20 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        weight_map = read_config(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map (an object of tensor name -> file): save the model again")
+        return {k: path / f for k, f in weight_map.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors (MTP.from_target reads safetensors checkpoints)")
     where = {}
     for file in files:
-        with safe_open(str(file), "pt") as handle:
-            where.update(dict.fromkeys(handle.keys(), file))
+        try:
+            with safe_open(str(file), "pt") as handle:
+                where.update(dict.fromkeys(handle.keys(), file))
+        except Exception as err:  # a truncated or corrupted file: say which
+            raise unreadable(file, "MTP", err) from err
     return where
 
 
@@ -319,8 +331,11 @@ def _load(files: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
     for key in keys:
         by_file.setdefault(files[key], []).append(key)
     for file, wanted in by_file.items():
-        with safe_open(str(file), "pt") as handle:
-            state.update({k: handle.get_tensor(k) for k in wanted})
+        try:
+            with safe_open(str(file), "pt") as handle:
+                state.update({k: handle.get_tensor(k) for k in wanted})
+        except Exception as err:  # a missing shard, a truncated or corrupted file: say which
+            raise unreadable(file, "MTP", err) from err
     return state
 
 

@@ -107,24 +107,24 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
     """Optimise ``draft``'s trainable parameters; returns the logged history. Resumes from ``out``;
     ``stop_at`` (a step) or ``deadline`` (a ``time.time()``) ends this run early, checkpointed, e.g. to
     split a run into time slots."""
+    from ..cli_io import writable_dir
+
     out = Path(out)
     device = device or next(draft.parameters()).device
-    if not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr) and config.lr > 0):
-        raise SettingError(f"TrainConfig.lr={config.lr!r}: a finite number > 0")
-    if config.select is not None:
-        _check_select(draft, loss_fn, eval_examples, config.select, device)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    if config.patience is not None and config.select is None:
-        raise SettingError("TrainConfig.patience needs select (the held-out metric to watch)")
-    if out.exists() and not out.is_dir():
-        raise SettingError(f"out={str(out)!r} is a file: the checkpoint is a directory; pass another path")
+    check_config(config)
     if not examples:
         raise SettingError("no training examples (after the held-out ones were taken): give more data")
     if "loss_mask" in examples[0] and not any(bool(e["loss_mask"].any()) for e in examples):
         raise SettingError("no training example keeps a token with loss (an answer token) within its length: the "
                            "prompts fill it (a longer max_length / --max-length, or shorter conversations)")
+    if out.exists() and not out.is_dir():
+        raise SettingError(f"out={str(out)!r} is a file: the checkpoint is a directory; pass another path")
+    writable_dir(out, "out")  # checkpoints go there: said before the first step, not at the first save
+    if config.select is not None:
+        _check_select(draft, loss_fn, eval_examples, config.select, device)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     lengths = [len(e["input_ids"]) for e in examples]
     state = {"step": 0, "history": [], "epoch": 0, "batch": 0, "best": None, "since_best": 0}
     state_file = out / "trainer.pt"
@@ -186,6 +186,37 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         save(draft, optimizer, scheduler, state, config, out)
     bar.close()
     return history
+
+
+def check_config(config: TrainConfig) -> None:
+    """Every number of ``config`` in its range, refused naming the field (steps=0 used to train nothing and
+    return [], batch_size=0 to fail inside range())."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def finite(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    for name, least in (("steps", 1), ("batch_size", 1), ("warmup_steps", 0), ("eval_every", 1), ("save_every", 1)):
+        value = getattr(config, name)
+        if not whole(value) or value < least:
+            raise SettingError(f"TrainConfig.{name}={value!r}: a whole number >= {least}")
+    for name, above in (("lr", True), ("grad_clip", True), ("weight_decay", False)):
+        value = getattr(config, name)
+        if not finite(value) or value < 0 or (above and value == 0):
+            raise SettingError(f"TrainConfig.{name}={value!r}: a finite number {'>' if above else '>='} 0")
+    if not whole(config.seed):
+        raise SettingError(f"TrainConfig.seed={config.seed!r}: a whole number")
+    if config.patience is not None and (not whole(config.patience) or config.patience < 1):
+        raise SettingError(f"TrainConfig.patience={config.patience!r}: a whole number >= 1, or None")
+    if config.patience is not None and config.select is None:
+        raise SettingError("TrainConfig.patience needs select (the held-out metric to watch)")
+    dtype = getattr(torch, config.save_dtype, None) if isinstance(config.save_dtype, str) else None
+    if config.save_dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise SettingError(f"TrainConfig.save_dtype={config.save_dtype!r}: a floating torch dtype's name, e.g. "
+                           f"'bfloat16', or None")
+    if config.max_shard_bytes is not None and (not whole(config.max_shard_bytes) or config.max_shard_bytes < 1):
+        raise SettingError(f"TrainConfig.max_shard_bytes={config.max_shard_bytes!r}: a whole number >= 1, or None")
 
 
 RUN_FIELDS = ("steps", "batch_size", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed")  # shape the run

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 import specgraph
 from specgraph.drafts import Eagle, Eagle3
+from specgraph.errors import CheckpointError
 from specgraph.drafts.autoregressive import chain_mask
 from test_capture import tiny_model
 
@@ -83,6 +84,10 @@ def test_eagle_round_trip_and_errors(tmp_path):
         Eagle.from_pretrained(tmp_path / "deep")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Eagle.from_pretrained(tmp_path / "nowhere")
+    for field, value in (("hidden_size", "64"), ("rms_norm_eps", "tiny")):  # checked as EAGLE-3's, file named
+        _write(tmp_path / "typed", state, _llama_fields() | {field: value})
+        with pytest.raises(CheckpointError, match=rf"typed/config.json: .*{field}"):
+            Eagle.from_pretrained(tmp_path / "typed")
 
 
 def test_eagle_bind_names_every_mismatch():

@@ -106,6 +106,33 @@ def test_missing_and_empty_checkpoints_are_errors(tmp_path):
         Medusa.from_pretrained(tmp_path)
 
 
+def test_a_bad_head_is_named_by_key_and_file(tmp_path):
+    """A block of another shape, a config vocab_size that is not a number, one head without its LM head: a
+    CheckpointError (a ValueError) naming the directory, the key and what is wrong. A checkpoint holding fewer
+    heads than its config claims loads (published configs over-count): tested above."""
+    from specgraph.errors import CheckpointError
+
+    def write(name, state, config=None):
+        (tmp_path / name).mkdir()
+        save_file(state, str(tmp_path / name / "medusa_lm_head.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps(config or {"medusa_num_heads": K}))
+        return tmp_path / name
+
+    state = layout("fasterdecoding", head_tensors())
+    wrong = write("shape", {**state, "1.0.linear.weight": torch.zeros(H // 2, H // 2)})
+    with pytest.raises(CheckpointError, match=rf"{wrong}: .*1.0.linear.weight: checkpoint \(32, 32\) != expected "
+                                              rf"\(64, 64\)"):
+        Medusa.from_pretrained(wrong)
+    legacy = layout("legacy", head_tensors(own_head=False))
+    lots = write("vocab", legacy, {"medusa_num_heads": K, "vocab_size": "lots"})
+    with pytest.raises(CheckpointError, match=rf"{lots}/config.json: vocab_size='lots'"):
+        Medusa.from_pretrained(lots)
+    no_head = write("no-head", {k: v for k, v in state.items() if k != "1.1.weight"})
+    with pytest.raises(CheckpointError, match=rf"{no_head}: Medusa heads differ: head 1 has no LM head weight "
+                                              rf"1.1.weight"):
+        Medusa.from_pretrained(no_head)
+
+
 def test_compile_names_every_mismatch_with_the_target():
     model = tiny_model("llama")  # hidden 64, vocab 101
     wrong = Medusa(32, 50, num_heads=2)

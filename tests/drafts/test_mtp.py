@@ -316,6 +316,26 @@ def test_a_checkpoint_without_mtp_weights_is_refused_naming_the_layouts(tmp_path
         MTP.from_target(tmp_path)
 
 
+def test_a_damaged_target_directory_is_named_file_by_file(tmp_path):
+    """config.json that is not JSON or has no model_type, weights that are not safetensors: a CheckpointError (a
+    ValueError) naming the file or directory, not json's or safetensors' own error."""
+    from specgraph.errors import CheckpointError
+
+    model = tiny_model("llama")
+    target = write_target(model, tmp_path / "t", mtp_weights(model, "deepseek"))
+    config = (target / "config.json").read_text()
+    (target / "config.json").write_text("{'hidden_size': 64}")
+    with pytest.raises(CheckpointError, match=rf"{target}/config.json: not valid JSON"):
+        MTP.from_target(target)
+    (target / "config.json").write_text(json.dumps({k: v for k, v in json.loads(config).items() if k != "model_type"}))
+    with pytest.raises(CheckpointError, match=rf"{target}: its config.json has no model_type"):
+        MTP.from_target(target)
+    (target / "config.json").write_text(config)
+    (target / "model.safetensors").write_bytes(b"\xff" * 4096)  # a header length past the file: not safetensors
+    with pytest.raises(CheckpointError, match=rf"{target}/model.safetensors: cannot read MTP weights"):
+        MTP.from_target(target)
+
+
 def test_several_modules_need_a_choice(tmp_path):
     model = tiny_model("llama")
     first, second = mtp_weights(model, "deepseek", seed=1), mtp_weights(model, "deepseek", seed=2)

@@ -3,6 +3,7 @@ epoch) and grouped by length; the best checkpoint by a held-out metric is kept a
 ends the run; a resumed run continues from its data position."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -86,6 +87,29 @@ def test_settings_the_run_cannot_use_are_refused_before_a_step(tmp_path):
     no_loss = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.zeros(3, dtype=torch.bool)}] * 5
     with pytest.raises(SettingError, match="no training example keeps a token with loss"):  # prompts fill max_length
         train(draft, scripted(draft, {}, steps), no_loss, TrainConfig(steps=2), tmp_path / "no-loss")
+
+
+@pytest.mark.parametrize("field, value", [("steps", 0), ("steps", -1), ("batch_size", 0), ("warmup_steps", -1),
+                                          ("eval_every", 0), ("save_every", 2.5), ("grad_clip", 0.0),
+                                          ("weight_decay", float("inf")), ("patience", 0), ("save_dtype", "int8"),
+                                          ("max_shard_bytes", 0), ("seed", "0")])
+def test_every_config_number_out_of_range_is_named(tmp_path, field, value):
+    """steps <= 0 used to train nothing and return [], batch_size=0 to fail inside range(): each field is named."""
+    examples = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.ones(3, dtype=torch.bool)}] * 5
+    draft, steps = Scalar(), [0]
+    config = TrainConfig(**{"steps": 2, "select": "eval_tau" if field == "patience" else None, field: value})
+    with pytest.raises(SettingError, match=re.escape(f"TrainConfig.{field}={value!r}")):
+        train(draft, scripted(draft, {}, steps), examples, config, tmp_path / "run", eval_examples=examples[:1])
+    assert steps == [0] and not (tmp_path / "run").exists()
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_a_step(tmp_path):
+    examples = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.ones(3, dtype=torch.bool)}] * 5
+    draft, steps = Scalar(), [0]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SettingError, match=r"out '.*file/run' cannot be written"):  # its folder is a file
+        train(draft, scripted(draft, {}, steps), examples, TrainConfig(steps=2), tmp_path / "file" / "run")
+    assert steps == [0]
 
 
 def test_a_checkpoint_resumes_only_its_own_run(tmp_path):
