@@ -5,7 +5,8 @@ import argparse
 import sys
 
 from . import __version__, cli_args
-from .cli_args import MAX_NODES, Parser, draft_spec, layer_ids, number, row_range, tree as tree_arg, whole_number
+from .cli_args import (MAX_NODES, OldSpelling, Parser, draft_spec, layer_ids, number, row_range, tree as tree_arg,
+                       whole_number)
 from .cli_io import check_train_data, check_train_flags, load_target, run_identity, trained_to, writable_dir
 
 
@@ -352,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a .gguf file, a HF model directory or hub id (default: the embedded SmolLM2)")
     inspect.add_argument("--batch", type=whole_number(1), default=1)
     inspect.add_argument("--nodes", type=whole_number(1, MAX_NODES), default=8, help="tree nodes per step")
-    inspect.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", type=whole_number(1), default=256,
+    inspect.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", action=OldSpelling,
+                         type=whole_number(1), default=256,
                          help="KV cache slots (--max-length: the old spelling)")
     inspect.add_argument("--taps", type=layer_ids, default=(),
                          help="hidden states to return, e.g. 2,15,26 (EAGLE-3's low/mid/high)")
@@ -427,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--batch", type=whole_number(1), default=1)
     export.add_argument("--nodes", type=whole_number(1, MAX_NODES), default=8,
                         help="tree nodes per step (1 = plain decoding)")
-    export.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", type=whole_number(1), default=1024,
+    export.add_argument("--max-cache-len", "--max-length", dest="max_cache_len", action=OldSpelling,
+                        type=whole_number(1), default=1024,
                         help="KV cache slots (--max-length: the old spelling)")
     export.set_defaults(func=_export)
     benches = sub.add_parser("bench", help="acceptance of a draft on MT-bench; e2e, generate and kernel benchmarks")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 
 MAX_NODES = 64  # trees.MAX_NODES, spelled out: the parser is built without importing torch (a test ties the two)
 DRAFT_KINDS = {"ngram": False, "eagle": True, "eagle3": True, "medusa": True, "mtp": True}  # kind -> needs =PATH
@@ -84,6 +85,17 @@ def tree(text: str):
         return parse_tree(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+class OldSpelling(argparse.Action):
+    """An option with an old spelling (its last option string) kept for one release: it still works, with a
+    FutureWarning naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == self.option_strings[-1]:
+            warnings.warn(f"{option_string} is the old spelling of {self.option_strings[0]}; it goes in the next "
+                          f"release", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 class DefaultsShown(argparse.HelpFormatter):

@@ -151,6 +151,9 @@ def test_user_mistakes_are_one_line_errors_before_any_work(tmp_path, capsys):
     tiny_model("llama").save_pretrained(model_dir)  # no tokenizer files
     assert main(["inspect", str(model_dir), "--nodes", "4", "--max-cache-len", "64"]) == 0
     assert "supported" in capsys.readouterr().out
+    with pytest.warns(FutureWarning, match="--max-length is the old spelling of --max-cache-len"):
+        assert main(["inspect", str(model_dir), "--nodes", "4", "--max-length", "64"]) == 0  # still works
+    assert "max_cache_len 64" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     assert main(["inspect", str(tmp_path / "empty")]) == 2
     assert "cannot load the target" in capsys.readouterr().err
