@@ -304,7 +304,8 @@ def test_drain_drops_the_queued_warmups_and_waits_for_the_running_one():
 
 def test_an_attached_fallback_waits_out_a_background_trace(aot_eager_compile):
     """HF's own generate (a fallback: beam search) runs the model's modules eagerly, which a trace in another
-    thread would hook: it waits for TRACE_LOCK. Negative control: the same call is not held without fast start."""
+    thread would hook: it waits for TRACE_LOCK, with a fast start (a background compile) and without (another
+    thread's capture; test_generate_args.py's thread test fails without the wait), then runs."""
     model = tiny_model("llama")
     ids = torch.tensor([prompts(7, [10])[0]])
     kwargs = dict(attention_mask=torch.ones_like(ids), num_beams=2, do_sample=False, max_new_tokens=4,
@@ -320,7 +321,7 @@ def test_an_attached_fallback_waits_out_a_background_trace(aot_eager_compile):
                 with pytest.warns(UserWarning, match="falling back"):
                     caller.start()
                     caller.join(timeout=5)
-                assert bool(got) is not fast_start  # held while the "trace" runs, only with a fast start
+                assert not got  # held while the "trace" runs
         finally:
             caller.join(timeout=60)
             specgraph.detach(model)
