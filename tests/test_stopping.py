@@ -6,18 +6,8 @@ import torch
 
 import specgraph
 from specgraph.drafts import NGram
-from test_capture import tiny_model
 from test_generate import left_pad, prompts
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def spec(model):
-    return specgraph.compile(model, NGram(), tree=specgraph.Chain(3), max_batch=2, max_cache_len=128)
+from test_generate_args import model, spec  # noqa: F401  (the tiny model and its SpecModel, as fixtures)
 
 
 def test_stopping_criteria_see_each_row_with_its_left_padding(model, spec):
