@@ -95,7 +95,8 @@ def tree_blockers(model, draft, tree, max_cache_len) -> list[str]:
     blockers = []
     if isinstance(draft, NGram) and not isinstance(tree, Chain):
         blockers.append(f"tree={tree}: an NGram draft proposes one continuation; use tree=specgraph.Chain(k)")
-    blockers += draft.tree_problems(draft_tree(tree))
+    drafted = draft_tree(tree)
+    blockers += draft.tree_problems(drafted)
     if not isinstance(max_cache_len, int) or max_cache_len <= tree.num_nodes:
         blockers.append(f"max_cache_len={max_cache_len!r}: an int larger than the tree ({tree.num_nodes} nodes)")
     try:
@@ -104,7 +105,7 @@ def tree_blockers(model, draft, tree, max_cache_len) -> list[str]:
         return blockers + err.blockers
     blockers += [f"layer {i}: sliding window {w} <= tree of {tree.num_nodes} nodes; use a smaller tree"
                  for i, w in info.narrow_windows(tree.num_nodes)]
-    widest = draft_tree(tree).topk if isinstance(draft_tree(tree), (StaticTree, DynamicTree)) else 1
+    widest = drafted.topk if isinstance(drafted, (StaticTree, DynamicTree)) else 1
     ranked = draft.ranked_vocab_size(info.vocab_size)
     if widest > ranked:
         blockers.append(f"tree={tree}: a node's children are the draft's top {widest}, more than the {ranked} tokens "
