@@ -10,13 +10,16 @@
 # smolt1   the same at T = 1
 # policy   the 8B shape under forced acceptance: policy="cost" against every fixed mode, at each of $BATCHES (16 4),
 #          a process each (benchmarks/e2e.py --sections batch --batch-policy)
+# sprofile where a step of compile's default on SmolLM2's shape goes (random weights, the shipped head's draft
+#          vocabulary, a 512-token prompt): plain, a 16-node verify, the default tree's whole step (e2e.py profiles)
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
 #          rows, fixed batches against the stream, the stream's ms a step and its profile
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = 0.8 for
 #          $SAMPLED_MIN (0: none)
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
-# gtests   the GPU tests of programmatic dependent launch and of the continuous-batching stream
+# gtests   the GPU tests of programmatic dependent launch, of the continuous-batching stream and of the user's own
+#          generate beside the default background compile
 # pdl      benchmarks/fused_linear.py --pdl: layer chains of products, PDL off / on / prefetch
 # smolpdl  SmolLM2 + the shipped head, plain decoding and compile's default per SPECGRAPH_PDL mode ($PDL_MODES: off,
 #          prefetch, on, off again for the drift), 20 MT-bench + 20 HumanEval prompts, 256 tokens, a process each
@@ -58,7 +61,8 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     smolt1) run smolt1 smol --temperature 1 --out "$out" ;;
     gtests) run gtests python3 -m pytest -q -p no:cacheprovider \
               tests/kernels/test_kernels_gpu.py::test_pdl_chain_replayed_in_a_cuda_graph_equals_plain_launches \
-              tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers ;;
+              tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers \
+              tests/test_generate_gpu.py::test_the_users_own_generate_beside_the_default_background_compile ;;
     pdl) run pdl python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b --rows 1 8 --out "$out" ;;
     smolpdl) run smolpdl bash -c "for mode in ${PDL_MODES:-off prefetch on off}; do SPECGRAPH_PDL=\$mode python3 \
                benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 20 20 --max-new-tokens 256 \
@@ -67,6 +71,8 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               --shape qwen1.5b --sections floor plain --prompt 512 --out $out/\$mode || exit; done" ;;
     policy) run policy bash -c "for b in ${BATCHES:-16 4}; do python3 benchmarks/e2e.py --sections batch \
               --batch-policy --batches \$b --batch-trees chain --out $out/b\$b || exit; done" ;;
+    sprofile) run sprofile python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile profile_verify \
+                profile_draft --profile-verify-n 16 --profile-draft-trees dynamic:2,8,16+lookup12:shared --out "$out" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;
     sdistill) run sdistill bash -c "env WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill \

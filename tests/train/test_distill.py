@@ -90,6 +90,12 @@ def test_a_run_stopped_by_its_deadline_resumes_to_the_same_answers(target, tmp_p
         b = torch.load(tmp_path / "straight" / f"state-{name}.pt")["answers"]
         assert a == b, name  # greedy, and sampling seeded per (seed, variant, answers so far)
         assert resumed["variants"][name]["finished"] and straight["variants"][name]["finished"]
+    # a run of another variant into the same folder keeps the summary of the variants made before it
+    again = distill(model, tokenizer, tmp_path / "straight", DistillConfig(**{**CONFIG.__dict__,
+                                                                              "temperatures": (0.5,)}),
+                    source, workers=1)
+    assert set(again["variants"]) == {"greedy", "t1", "t0.5"} and again["variants"]["t1"] == straight["variants"]["t1"]
+    assert json.loads((tmp_path / "straight" / "summary.json").read_text())["variants"] == again["variants"]
     greedy = torch.load(tmp_path / "straight" / "state-greedy.pt")["answers"]
     sampled = torch.load(tmp_path / "straight" / "state-t1.pt")["answers"]
     assert greedy != sampled  # T = 1 does sample
