@@ -374,6 +374,30 @@ def test_the_users_own_eager_calls_run_beside_the_background_compile(aot_eager_c
     assert beside > 0  # some calls ran while the worker traced and compiled
 
 
+def test_inductors_own_first_trace_is_made_in_the_calling_thread(aot_eager_compile, monkeypatch):
+    """Inductor traces a tiny function of its own with fx's plain tracer the first time a process lowers a
+    graph; that tracer patches nn.Module.__call__ for every thread while it traces (on an H100 the user's
+    own HF generate beside the worker failed so), so the call that queues the first background compile makes
+    that trace in its own thread, and the worker never does."""
+    loop_body = pytest.importorskip("torch._inductor.loop_body")
+    made = loop_body.InterpreterShim._dummy_gm
+    made.cache_clear()
+    traced_in, real = [], torch.fx.Tracer.trace
+
+    def spy(self, *args, **kwargs):
+        if type(self) is torch.fx.Tracer:  # the plain tracer (make_fx's subclasses pass foreign calls through)
+            traced_in.append(threading.current_thread())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.Tracer, "trace", spy)
+    spec = specgraph.compile(tiny_model("llama"), NGram(), tree=Chain(3), backend="inductor", max_cache_len=64,
+                             fast_start=True)
+    spec.generate(torch.tensor([prompts(12, [10])[0]]), max_new_tokens=4)
+    assert spec.wait_compiled(timeout=600) and not spec.fast_start.failed
+    assert made.cache_info().currsize == 1
+    assert traced_in and all(thread is threading.main_thread() for thread in traced_in), traced_in
+
+
 def test_the_uncompiled_capture_is_let_go_once_everything_it_served_runs_compiled(aot_eager_compile):
     """Its KV cache and graphs are a second copy. A failed warm-up keeps it (that bucket serves uncompiled)."""
     import gc

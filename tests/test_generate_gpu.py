@@ -90,8 +90,9 @@ def test_the_users_own_generate_beside_the_default_background_compile(smollm2_cu
     """fast_start.py's claim, on the GPU: with the capture cache on, the worker loads the graphs the serving
     thread captured and traces no module, so the user's own ``model.generate`` runs beside its compile and
     gives its own tokens. (On 2026-12-06 an H100 run of the default-configuration test, HF's generate called
-    between spec calls, failed with fx's "module is not installed as a submodule"; the CPU never has: the
-    traceback this test reports is what would name the tracer.)"""
+    between spec calls, failed with fx's "module is not installed as a submodule": inductor's first lowering in
+    a process traced a function of its own with fx's plain tracer in the worker, now made in the calling
+    thread first, runtime/fast_start.py. A failure here reports its stack.)"""
     import traceback
 
     from specgraph.models import load_default_draft

@@ -26,6 +26,8 @@ Why the two may run at once, and where they may not:
     passes foreign modules' calls through); where it must export (cache off, policy "cost") they are
     not safe until ``wait_compiled()`` (torch.export also swaps fake tensors into the modules while
     it traces), nor is the user's own torch.compile in another thread while the worker compiles.
+    Inductor's own first trace with fx's plain tracer (a tiny function, once a process) is made in the
+    serving thread before the worker starts (``trace_inductors_own_graph``).
     A served call runs no module once its bucket's CUDA graphs are recorded (every part is a
     replay): after a bucket's first call serves uncompiled, one more short call records the rest
     (the prefill chunk, the first propose), and from then on its calls run beside the worker. On
@@ -79,6 +81,24 @@ def _drain_all() -> None:
         fast_start.drain()
 
 
+def trace_inductors_own_graph() -> None:
+    """Inductor symbolically traces one tiny function of its own the first time a process lowers a graph
+    (``torch._inductor.loop_body.InterpreterShim._dummy_gm``, cached). fx's plain tracer patches
+    ``nn.Module.__call__`` for every thread while it traces, so made by the worker it broke the user's own
+    module calls in another thread ("module is not installed as a submodule", an H100 run of HF's generate
+    beside the default fast start). Made here, in the calling thread under TRACE_LOCK, once a process. A torch
+    without it traces nothing of the kind."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+        made = InterpreterShim._dummy_gm
+    except (ImportError, AttributeError):
+        return
+    if getattr(made, "cache_info", None) is None or made.cache_info().currsize:
+        return
+    with TRACE_LOCK:
+        made()
+
+
 class FastStart:
     """Which Capture serves a bucket, and how. ``serving(key)``: ``compiled`` once the bucket's background
     warm-up has finished, ``fast`` (backend="cudagraphs") until then; ``guard(key)``: what a call on
@@ -130,6 +150,7 @@ class FastStart:
             with self._lock:
                 if self._fast is fast:  # not let go meanwhile (a new one has recorded nothing: calls take TRACE_LOCK)
                     self.replaying.add(key)
+        trace_inductors_own_graph()
         with self._lock:
             self._queued.add(key)
             self._idle.clear()
