@@ -12,6 +12,9 @@ DRAFT_FAST_PATHS = {
             "launch) instead of torch.topk and two stable sorts",
     "fuse_projections": "each draft layer's q/k/v and gate/up weights laid out back to back and read as one "
                         "product each (what the target's fuse_projections pass does), in no-grad calls",
+    "fused_linear": "with fuse_projections, each draft layer's products (and an EAGLE-3 head's norm + LM head) "
+                    "as specgraph::fused_linear launches with their norm, SiLU·mul and residual add fused: Triton "
+                    "kernels that chain under programmatic dependent launch, where cuBLAS's break the chain",
 }
 
 

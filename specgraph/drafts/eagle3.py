@@ -165,7 +165,12 @@ class Eagle3(FeatureDraft):
         return hidden if self.norm_output else self.norm(hidden)
 
     def draft_logits(self, hidden):
-        return self.head(self.head_input(hidden))
+        head, norm = self.head, self.norm
+        if (self.midlayer.kernels and not torch.is_grad_enabled() and not self.norm_output
+                and hidden.dtype == head.weight.dtype == norm.weight.dtype):  # the norm as the product's prologue
+            return torch.ops.specgraph.fused_linear(hidden, head.weight, norm.weight, norm.variance_epsilon, None,
+                                                    bias=head.bias)
+        return head(self.head_input(hidden))
 
     def ranked_vocab_size(self, target_vocab_size: int) -> int:
         return self.draft_vocab_size
