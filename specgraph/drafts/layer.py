@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from .. import kernels  # noqa: F401  (registers specgraph::tree_attention)
+from .. import kernels as _ops  # noqa: F401  (registers specgraph::tree_attention and fused_linear)
 from ..passes.fuse_projections import joined_view, pack_projections
 
 fused_linear = torch.ops.specgraph.fused_linear
