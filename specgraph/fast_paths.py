@@ -1,5 +1,6 @@
-"""Draft-side fast paths: on by default (measured faster on the H200, docs/benchmarks.md), each one
-switched off by naming it in ``config.skip_fast_paths`` (``SPECGRAPH_SKIP_FAST_PATHS``, comma-separated), as
+"""Draft-side fast paths: on by default where measured faster (on the H200, docs/benchmarks.md), each one
+switched off by naming it in ``config.skip_fast_paths`` (``SPECGRAPH_SKIP_FAST_PATHS``, comma-separated;
+by default it names ``fused_linear``, which is not timed on a GPU yet: an empty value switches it on), as
 ``config.skip_passes`` does for the target's graph passes: for A/B runs (``benchmarks/investigations/draft_ab.sh``) and to
 rule one out when hunting a problem. Imports nothing of specgraph but its settings.
 """

@@ -9,8 +9,8 @@ context, the K lanes of one EAGLE-2 step and one level of a static tree are
 all the same call. RoPE, RMSNorm and the MLP are transformers' own modules,
 so rope scaling and activations follow the draft's config exactly.
 
-``fuse_projections(draft, on, kernels)`` (``compile`` calls it; fast paths ``fuse_projections`` and
-``fused_linear``, on by default): q/k/v and gate/up laid out back to back (``passes.pack_projections``, the
+``fuse_projections(draft, on, kernels)`` (``compile`` calls it; fast paths ``fuse_projections``, on by
+default, and ``fused_linear``, off by default until timed on a GPU): q/k/v and gate/up laid out back to back (``passes.pack_projections``, the
 Parameters keep their values) and read as one product each in no-grad calls (proposing, committing: all of
 generate); with ``kernels`` every product of the layer is a ``specgraph::fused_linear`` launch (a Triton
 kernel on CUDA that chains under programmatic dependent launch, where cuBLAS breaks the chain): o with the
