@@ -12,10 +12,11 @@ so rope scaling and activations follow the draft's config exactly.
 ``fuse_projections(draft, on, kernels)`` (``compile`` calls it; fast paths ``fuse_projections``, on by
 default, and ``fused_linear``, off by default until timed on a GPU): q/k/v and gate/up laid out back to
 back (``passes.pack_projections``, the Parameters keep their values) and read as one product each in
-no-grad calls (proposing, committing: all of generate); with ``kernels`` every product of the layer is a ``specgraph::fused_linear`` launch (a Triton
-kernel on CUDA that chains under programmatic dependent launch, where cuBLAS breaks the chain): o with the
-residual add, gate/up with the post-attention RMSNorm before it and SiLU·mul after, down with the residual
-add. A call with grad enabled keeps the separate products (the joined weights are detached views).
+no-grad calls (proposing, committing: all of generate); with ``kernels`` every product of the layer is a
+``specgraph::fused_linear`` launch (a Triton kernel on CUDA that chains under programmatic dependent
+launch, where cuBLAS breaks the chain): o with the residual add, gate/up with the post-attention RMSNorm
+before it and SiLU·mul after, down with the residual add. A call with grad enabled keeps the separate
+products (the joined weights are detached views).
 """
 from __future__ import annotations
 
