@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-minutes", type=number(0.0, above=True), default=None,
                         help="stop after this long (answers in flight are made again by the next run)")
     parser.add_argument("--workers", type=_positive, default=max(1, min(16, os.cpu_count() or 1)),
-                        help="tokenizer processes (default: the CPUs, at most 16)")
+                        help="tokenizer processes (by default one per CPU, at most 16)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
