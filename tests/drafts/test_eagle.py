@@ -264,13 +264,9 @@ def test_eagle1_compiles_once_across_prompt_lengths(aot_eager_compile):
     assert_one_compile_across_lengths(spec, model, [[6], [40], [75]])
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_fused_projections_compute_the_same_draft_layer(kind):
-    """fuse_projections (a draft fast path): with the weights packed, a no-grad pass of the draft
-    reads q/k/v and gate/up as one product each (the separate modules never run) and gives the separate
-    products' output; a pass with grad runs them separately (the fused views carry no gradient)."""
-    from specgraph.drafts.layer import fuse_projections
-
+def _bound_draft_and_chain_inputs(kind: str):
+    """A new ``kind`` draft bound to a tiny Llama, a Chain(3) session of 2 rows, and a 5-token chain's
+    (tokens, target features, start slots) for ``session._chain``."""
     model = tiny_model("llama")
     draft = make_draft(kind, model)
     assert not draft.bind(model)
@@ -278,7 +274,17 @@ def test_fused_projections_compute_the_same_draft_layer(kind):
     width = draft.fc.in_features if kind == "eagle3" else model.config.hidden_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (2, 5), generator=g)
-    features, start = torch.randn(2, 5, width, generator=g), torch.tensor([0, 3])
+    return draft, session, (tokens, torch.randn(2, 5, width, generator=g), torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_fused_projections_compute_the_same_draft_layer(kind):
+    """fuse_projections (a draft fast path): with the weights packed, a no-grad pass of the draft
+    reads q/k/v and gate/up as one product each (the separate modules never run) and gives the separate
+    products' output; a pass with grad runs them separately (the fused views carry no gradient)."""
+    from specgraph.drafts.layer import fuse_projections
+
+    draft, session, (tokens, features, start) = _bound_draft_and_chain_inputs(kind)
     with torch.no_grad():
         want = session._chain(tokens, features, start)
     separate = []
@@ -313,14 +319,7 @@ def test_the_fused_linear_kernels_compute_the_same_draft(kind, monkeypatch):
     calls = []
     monkeypatch.setattr(module, "fused_linear_reference", lambda *a, f=module.fused_linear_reference, **k:
                         calls.append(a[2] is not None) or f(*a, **k))  # whether it had a norm prologue
-    model = tiny_model("llama")
-    draft = make_draft(kind, model)
-    assert not draft.bind(model)
-    session = draft.session(Chain(3), 2, 64, "cpu")
-    width = draft.fc.in_features if kind == "eagle3" else model.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 5), generator=g)
-    features, start = torch.randn(2, 5, width, generator=g), torch.tensor([0, 3])
+    draft, session, (tokens, features, start) = _bound_draft_and_chain_inputs(kind)
 
     def run():
         session.kv = [torch.zeros_like(session.kv[0]), torch.zeros_like(session.kv[1])]
