@@ -139,15 +139,22 @@ def write_checkpoint(path: str | Path, state: dict, config: dict, weights: str =
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def llama_config(fields: dict, path):
-    """A head's ``LlamaConfig`` from its config.json fields; a value transformers refuses is named with the file."""
+def build_config(make, file):
+    """``make()`` (a transformers config built from a config.json's fields); a value transformers refuses is
+    named with ``file``."""
     from huggingface_hub.errors import StrictDataclassError
-    from transformers import LlamaConfig
 
     try:
-        return LlamaConfig(**fields)
+        return make()
     except (StrictDataclassError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}/config.json: {type(err).__name__}: {' '.join(str(err).split())[:300]}") from err
+        raise CheckpointError(f"{file}: {type(err).__name__}: {' '.join(str(err).split())[:300]}") from err
+
+
+def llama_config(fields: dict, path):
+    """A head's ``LlamaConfig`` from its config.json fields; a value transformers refuses is named with the file."""
+    from transformers import LlamaConfig
+
+    return build_config(lambda: LlamaConfig(**fields), f"{path}/config.json")
 
 
 def check_keys(state: dict, module_state: dict, optional: set[str], what: str, path) -> None:

@@ -38,7 +38,7 @@ from .. import kernels  # noqa: F401  (registers specgraph::tree_attention_mask)
 from ..errors import CheckpointError
 from ..passes import HiddenTaps
 from .autoregressive import AutoregressiveDraft
-from .checkpoint import check_keys, read_config, unreadable, write_checkpoint
+from .checkpoint import build_config, check_keys, read_config, unreadable, write_checkpoint
 from .eagle import _Borrowed
 
 REMOTE_BASES = {"mimo": "qwen2"}  # remote-code targets whose decoder layer is a transformers one (vLLM mimo_mtp)
@@ -278,7 +278,6 @@ class MTP(AutoregressiveDraft):
 # ---------------------------------------------------------------------- helpers
 def _text_config(raw: dict, file: Path):
     """The target's text config from its config.json (``file``, named when transformers cannot build it)."""
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "specgraph_mtp")}
@@ -286,10 +285,7 @@ def _text_config(raw: dict, file: Path):
     if model_type is None:
         raise CheckpointError(f"{file.parent}: its config.json has no model_type (MTP.from_target takes the target's "
                               f"model directory, whose config names its architecture)")
-    try:
-        return AutoConfig.for_model(model_type, **fields).get_text_config()
-    except (StrictDataclassError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{file}: {type(err).__name__}: {' '.join(str(err).split())[:300]}") from err
+    return build_config(lambda: AutoConfig.for_model(model_type, **fields), file).get_text_config()
 
 
 def _target_classes(config) -> tuple[type, type]:
