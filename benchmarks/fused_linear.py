@@ -21,7 +21,8 @@ Llama-3.1-8B (random bf16 weights, every layer its own, so nothing is served fro
 
     python3 benchmarks/fused_linear.py [--shapes smollm2 llama8b] [--rows 1 8] [--tiles all|wide-rows|few-rows] [--out DIR]
     python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b llama8b --rows 1 8   (layer chains only:
-        programmatic dependent launch off / on / on with the weights' first lines prefetched, kernels/pdl.py)
+        programmatic dependent launch off / on / on with the weights' first lines prefetched, kernels/pdl.py;
+        at M > 1 rows_folded too, as a verify step of M nodes runs)
 """
 from __future__ import annotations
 
@@ -152,6 +153,7 @@ def layer_chain(weights, rand, m: int, bandwidth: float, best: dict | None, pdl:
     variants += [("fused_best", with_fused, best, "off")] if best is not None else []
     variants += [("rows_folded", rows_folded, None, "off")] if m > 1 else []
     variants += [(f"fused_pdl_{mode}", with_fused, None, mode) for mode in ("on", "prefetch")] if pdl else []
+    variants += [(f"rows_folded_pdl_{mode}", rows_folded, None, mode) for mode in ("on", "prefetch")] if pdl and m > 1 else []
     for label, body, tiles, mode in variants:
         fl.TILE_OVERRIDE = tiles
         try:

@@ -25,6 +25,8 @@
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # gtests   the GPU tests of programmatic dependent launch, of the continuous-batching stream and of the user's own
 #          generate beside the default background compile
+# slowtests the tests marked slow (CI's 2 cores skip them): Qwen2.5-Coder's n-gram, EAGLE and Medusa drafts
+#          when QWEN_GGUF names the joined file (linked into specgraph's cache), else skipped, said so
 # pdl      benchmarks/fused_linear.py --pdl: layer chains of products, PDL off / on / prefetch
 # smolpdl  SmolLM2 + the shipped head, plain decoding and compile's default per SPECGRAPH_PDL mode ($PDL_MODES: off,
 #          prefetch, on, off again for the drift), 20 MT-bench + 20 HumanEval prompts, 256 tokens, a process each
@@ -68,6 +70,10 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               tests/kernels/test_kernels_gpu.py::test_pdl_chain_replayed_in_a_cuda_graph_equals_plain_launches \
               tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers \
               tests/test_generate_gpu.py::test_the_users_own_generate_beside_the_default_background_compile ;;
+    slowtests) run slowtests bash -c "if [ -f '${QWEN_GGUF:-}' ]; then cache=\$(python3 -c \
+                 'from specgraph.models import cache_root; print(cache_root())') && mkdir -p \$cache && ln -sf \
+                 '${QWEN_GGUF:-}' \$cache/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf || exit; fi; python3 -m pytest -q \
+                 -p no:cacheprovider --slow -m slow -rs tests" ;;
     pdl) run pdl python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b --rows 1 8 --out "$out" ;;
     smolpdl) run smolpdl bash -c "for mode in ${PDL_MODES:-off prefetch on off}; do SPECGRAPH_PDL=\$mode python3 \
                benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 20 20 --max-new-tokens 256 \

@@ -14,13 +14,21 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (minutes each on CI's 2 cores; the GPU machine's 16 run them)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skips = []
+    if not torch.cuda.is_available():
+        skips.append(("gpu", pytest.mark.skip(reason="needs a CUDA device")))
+    if not config.getoption("--slow"):
+        skips.append(("slow", pytest.mark.skip(reason="slow: run with --slow (the GPU machine runs them)")))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for keyword, skip in skips:
+            if keyword in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
-"""fold_norms_rows: in steps of 2..16 rows, the norms
+"""fold_norms_rows: in steps of 2..max_rows rows (16 on CPU; 64 of a small weight under PDL), the norms
 whose input is a residual add of a product move into that product's epilogue and their readers' row scaling,
 SiLU·mul into the packed gate/up product's epilogue. The folded step computes the unfolded one's logits and
 cache (fp32, CPU: the ops' references) on four architectures, every node of a tree still matches HF eager on
-its root path, and steps outside 2..16 rows are left alone."""
+its root path, and steps outside 2..max_rows rows are left alone."""
 import pytest
 import torch
 
@@ -57,12 +57,33 @@ def test_every_node_matches_hf_with_the_fold(name):
 
 @pytest.mark.parametrize("rows, out_of_range", [(1, 0), (17, 5)])
 def test_rows_outside_the_kernels_range_are_left_alone(rows, out_of_range):
-    """One row is fold_norms' (already folded: nothing left to match); 17 rows exceed fused_linear's 16:
-    counted, the graph keeps its norms and SiLU·mul."""
+    """One row is fold_norms' (already folded: nothing left to match); 17 rows exceed max_rows without PDL
+    (16): counted, the graph keeps its norms and SiLU·mul."""
     step = _step(tiny_model("llama"), rows, True)
     assert dict(step.pass_results)["fold_norms_rows"].counters == {"norms_folded": 0, "silu_mul_folded": 0,
                                                                    "rows_out_of_range": out_of_range}
     assert not step.graph.graph.find_nodes(op="call_function", target=NORM_OUT)
+
+
+@pytest.mark.parametrize("small_weights", [True, False], ids=["small", "large"])
+def test_past_16_rows_folds_only_small_weights_under_pdl(monkeypatch, small_weights):
+    """24 rows under PDL (patched in: CPU has none): small weights fold and compute the unfolded step; with
+    every weight counted large (SMALL_WEIGHT_BYTES 0) the step stays apart, each fold counted out of range."""
+    from specgraph.kernels import fused_linear as fl
+
+    monkeypatch.setattr(fl, "pdl_launch", lambda device: True)
+    if not small_weights:
+        monkeypatch.setattr(fl, "SMALL_WEIGHT_BYTES", 0)
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    plain, step = _step(model, 24, False), _step(model, 24, True)
+    counters = dict(step.pass_results)["fold_norms_rows"].counters
+    if small_weights:
+        assert counters == {"norms_folded": 2 * layers - 1, "silu_mul_folded": layers, "rows_out_of_range": 0}
+        assert_same_step(plain, step, torch.randint(3, 101, (1, 24), generator=torch.Generator().manual_seed(7)))
+    else:
+        assert counters == {"norms_folded": 0, "silu_mul_folded": 0, "rows_out_of_range": 2 * layers - 1 + layers}
+        assert not step.graph.graph.find_nodes(op="call_function", target=NORM_OUT)
 
 
 def test_a_product_added_to_itself_is_not_a_producer():

@@ -43,8 +43,11 @@ tiles: 8B q/k/v at 8 rows 30.6 against 23.4 us). One row runs on the CUDA cores 
 FMAs over [BLOCK_N, BLOCK_K], one reduction after the K loop), more rows through ``tl.dot`` with the
 rows padded to 16, or, for a few rows of a small weight, the one-row path with a program per row (grid
 axis 1; each program re-reads its weight rows from L2: SmolLM2's o and down at 5 rows 3.8 and 4.9 us
-against 4.3 and 5.8 in 16-row tiles, a 5-node verify step 795 -> 751 us; docs/benchmarks.md). M <= MAX_ROWS
-only; more rows take the reference (the norm, a cuBLAS product, the add).
+against 4.3 and 5.8 in 16-row tiles, a 5-node verify step 795 -> 751 us; docs/benchmarks.md). Past 16 rows
+one tile takes all the rows (up to MAX_ROWS), so the weight streams once; the op sends a call there only
+where it paid (``max_rows``: a small weight under PDL, where the cuBLAS path's launches left the GPU idle
+between kernels: SmolLM2's 24-node step 1.336 -> 1.212 ms); other calls take the reference (the norm, a
+cuBLAS product, the add).
 
 Measured (``benchmarks/fused_linear.py``, H200, 2026-12-01, docs/benchmarks.md), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
@@ -64,7 +67,8 @@ from .. import config
 from .pdl import pdl_kwargs, pdl_launch
 from .tree_attention import _dot
 
-MAX_ROWS = 16  # one 16-row tile of x per program
+MAX_ROWS = 64  # the kernel's limit: one tl.dot tile of up to 64 rows of x per program
+TILE_ROWS = 16  # where it pays without PDL, or for a large weight (max_rows)
 SQUARE_COLS = 16  # norm_out: one partial sum of squares per row and 16 output columns
 SMALL_WEIGHT_BYTES = 8 << 20  # a small model's weight (SmolLM2's 0.7-3.5 MB; 8B's 34-235 MB): its own tiles
 ROW_GRID_PROGRAMS = 768  # a few rows of a small weight: a program per row and 8 weight rows up to this many
@@ -215,7 +219,19 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
         return 16, 64, min(128, triton.next_power_of_2(k)), 4, 3
     if small and not silu_mul and m * triton.cdiv(n, 8) <= ROW_GRID_PROGRAMS:
         return 1, 8, 512, 4, 3
+    if m > 16:  # all the rows in one tile, so the weight streams once; 128 columns a step keep x's stages small
+        return min(MAX_ROWS, triton.next_power_of_2(m)), 16 if small else 32, min(128, triton.next_power_of_2(k)), 4, 3
     return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
+
+
+def max_rows(weight: torch.Tensor) -> int:
+    """The most rows of x the op sends to the kernel for this weight (more take the reference), and the
+    passes fold for: MAX_ROWS for a small weight launched with PDL (H100, 2026-12-06: SmolLM2's layer at
+    24 / 64 rows 18.2 / 19.3 us folded against 19.7 / 22.6 for norm + cuBLAS + SiLU·mul, which launch without
+    it; docs/benchmarks.md), TILE_ROWS else (without PDL the 32/64-row tiles lost: commit 0493e19; a large
+    weight's tiles are measured up to 16 rows)."""
+    small = weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
+    return MAX_ROWS if small and pdl_launch(weight.device) else TILE_ROWS
 
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
@@ -223,7 +239,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
                         tiles: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
                         row_squares: torch.Tensor | None = None, next_gamma: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None):
-    """One launch, grid cdiv(N, BLOCK_N); x's rows M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]
+    """One launch, grid (cdiv(N, BLOCK_N), row blocks); M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]
     (silu_mul: weight [2N, K]); with next_gamma, (out, next_gamma * out, row_squares of out [..., ceil(N / 16)])."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
@@ -240,7 +256,8 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None, silu_mul=silu_mul)
     block_m, block_n, block_k, num_warps, num_stages = tiles
-    block_m = 1 if block_m == 1 else 16  # BLOCK_M 1 with more rows: one program per row and BLOCK_N columns
+    block_m = 1 if block_m == 1 else max(16, block_m)  # BLOCK_M 1 with more rows: a program per row and BLOCK_N
+    # columns; else tl.dot tiles of BLOCK_M rows (at least 16), the row blocks on grid axis 1
     scaled = squares_out = None
     if next_gamma is not None:
         block_n = max(block_n, SQUARE_COLS)  # whole chunks of 16 columns per program
@@ -342,7 +359,7 @@ def _check(x, weight, gamma, eps, residual, gated, silu_mul=False, row_squares=N
 
 def _use_kernel(x, weight) -> bool:
     m = x.numel() // x.shape[-1]
-    return not config.reference_kernels and m <= MAX_ROWS and weight.stride(-1) == 1
+    return not config.reference_kernels and m <= max_rows(weight) and weight.stride(-1) == 1
 
 
 @torch.library.custom_op("specgraph::fused_linear", mutates_args=())

@@ -1,12 +1,13 @@
-"""fold_norms_rows: in steps of 2..16 rows, each RMSNorm whose input is a residual add of a
-product moves into that product's epilogue and its readers' row scaling, and the gated MLP's SiLU·mul into
-the packed gate/up product's epilogue -- so no multi-row product has anything between its load of x and
-``tl.dot`` (with a prologue there, the 16-row tiles lost to cuBLAS; without, they matched it: H200,
-2026-12-01, docs/benchmarks.md).
+"""fold_norms_rows: in steps of 2..max_rows rows (``kernels.fused_linear.max_rows``: 64 for a small weight
+under PDL, 16 else), each RMSNorm whose input is a residual add of a product moves into that product's
+epilogue and its readers' row scaling, and the gated MLP's SiLU·mul into the packed gate/up product's
+epilogue -- so no multi-row product has anything between its load of x and ``tl.dot`` (with a prologue
+there, the 16-row tiles lost to cuBLAS; without, they matched it: H200, 2026-12-01, docs/benchmarks.md).
 
 Requires: fold_norms has run (it folds one-row steps; it leaves steps of more rows untouched).
-Ensures: in a step of 2..MAX_ROWS rows: (1) a norm ``n`` = HF's LlamaRMSNorm of ``h = add(r, linear(y, W))``
-  (the linear bias-free, read only by the add, maybe through an eval-mode dropout; either order), every user of n a bias-free linear, becomes
+Ensures: in a step of 2 rows up to the least ``max_rows`` of the products' weights: (1) a norm ``n`` = HF's
+  LlamaRMSNorm of ``h = add(r, linear(y, W))`` (the linear bias-free, read only by the add, maybe through an
+  eval-mode dropout; either order), every user of n a bias-free linear, becomes
   ``(h, scaled, squares) = fused_linear_norm_out(y, W, r, gamma)``: every reader of h reads the first
   output, each linear ``linear(n, V)`` becomes ``fused_linear(scaled, V, None, eps, None, False, False,
   squares)`` (the product of ``gamma * h``, each row times its rstd from the squares); (2)
@@ -20,7 +21,8 @@ Numerics: the readers scale the product of ``gamma * h`` (rounded to h's dtype) 
   the bf16 tolerance of fused_linear's tests, not bit for bit.
 Measured (H200, 2026-12-01, docs/benchmarks.md): the 8B verify step of 8 nodes 4.786 -> 4.388 ms
   (1.136x -> 1.046x its plain step, same run); the layer's products at 8 rows 125.6 -> 120.9 us (8B) and
-  21.4 -> 19.6 us (SmolLM2) against norm + cuBLAS + SiLU·mul + add.
+  21.4 -> 19.6 us (SmolLM2) against norm + cuBLAS + SiLU·mul + add. Past 16 rows under PDL (H100,
+  2026-12-06): SmolLM2's 24-node step 1.336 -> 1.212 ms (the unfolded kernels launch without PDL: idle gaps).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import operator
 import torch
 
 from .. import kernels  # noqa: F401  (registers the specgraph ops)
-from ..kernels.fused_linear import MAX_ROWS, SQUARE_COLS
+from ..kernels.fused_linear import SQUARE_COLS, max_rows
 from .fold_norms import FUSED_LINEAR, LINEAR, _bias_free, _gated_source, norms_read_by_linears, residual_product
 from .pass_result import GraphContext, PassResult, drop_dead_code, ensure, graph_pass, recompile
 from .pass_result import is_call as _call, val as _val
@@ -39,9 +41,13 @@ aten = torch.ops.aten
 NORM_OUT = torch.ops.specgraph.fused_linear_norm_out.default
 
 
-def _rows_in_range(node) -> bool:
-    val = _val(node)
-    return val is not None and 2 <= math.prod(val.shape[:-1]) <= MAX_ROWS
+def _rows_in_range(node, weights) -> bool:
+    """node's rows fit the kernel of every weight its fold makes a fused_linear read (``max_rows``): past
+    that the op's reference would replace what inductor fuses."""
+    val, weight_vals = _val(node), [_val(w) for w in weights]
+    if val is None or any(w is None for w in weight_vals):
+        return False
+    return 2 <= math.prod(val.shape[:-1]) <= min(max_rows(w) for w in weight_vals)
 
 
 def _fake_like(val, shape, dtype):
@@ -63,10 +69,10 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
         producer = residual_product(h)
         if producer is None:
             continue
-        if not _rows_in_range(h):
+        linear, between, residual = producer
+        if not _rows_in_range(h, [linear.args[1], *(reader.args[1] for reader in users)]):
             out_of_range += 1
             continue
-        linear, between, residual = producer
         with graph.inserting_before(h):
             fused = graph.call_function(NORM_OUT, (linear.args[0], linear.args[1], residual, gamma))
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(3)]
@@ -99,7 +105,7 @@ def fold_norms_rows(gm: torch.fx.GraphModule, ctx: GraphContext) -> PassResult:
             args = (*gate_up.args[:5], False, True, gate_up.args[7] if len(gate_up.args) > 7 else None)
         else:
             continue
-        if not _rows_in_range(node):
+        if not _rows_in_range(node, [args[1]]):
             out_of_range += 1
             continue
         with graph.inserting_before(node):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specgraph.kernels
-from specgraph.kernels.fused_linear import (MAX_ROWS, fused_linear_norm_out_reference, fused_linear_reference,
+from specgraph.kernels.fused_linear import (fused_linear_norm_out_reference, fused_linear_reference,
                                             fused_linear_triton, rms_norm_reference)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -17,6 +17,7 @@ needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
 # fp32: sums in another order; bf16: the normalized input and the output rounded as HF rounds them,
 # a last-bit difference in the rms may flip one rounding
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+PAST_TILE = 24  # rows past one 16-row tile: tile_config's 32-row tile, 8 rows of it masked
 
 
 def case(seed, m=3, k=96, n=40, dtype=torch.float32):
@@ -59,7 +60,7 @@ def test_gated_reference_is_hf_llama_mlp(dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m, k, n", [(1, 96, 40), (3, 576, 96), (MAX_ROWS, 300, 17), (8, 64, 256)])
+@pytest.mark.parametrize("m, k, n", [(1, 96, 40), (3, 576, 96), (PAST_TILE, 300, 17), (8, 64, 256)])
 @pytest.mark.parametrize("norm, gated, add", [(True, False, False), (False, False, True), (True, False, True),
                                               (False, False, False), (False, True, False), (False, True, True)],
                          ids=["norm", "residual", "norm_residual", "plain", "gated", "gated_residual"])
@@ -123,7 +124,7 @@ def test_op_through_export_decompositions_and_compile():
 # ----------------------------------------------------------------------------- epilogues for multi-row folds
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 5, PAST_TILE])
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 def test_silu_mul_epilogue_is_hf_gated_mlp_input(m, dtype, norm):
     """silu_mul: the packed gate/up product writes silu(gate) * up, each rounded as HF's MLP rounds them."""
@@ -136,9 +137,12 @@ def test_silu_mul_epilogue_is_hf_gated_mlp_input(m, dtype, norm):
     want = fused_linear_reference(x, gate_up, gamma, 1e-6, silu_mul=True)
     assert want.shape == (1, m, 24)
     torch.testing.assert_close(want.float(), hf.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # bf16: a flipped rounding of the normalized row moves a cancelling up (|up| << its terms) by more than
+    # its own 3%; held to 3% of the output's scale (fp32 stays at 1e-4: the logic's check)
+    atol = TOLERANCE[dtype] * (want.abs().max().item() if dtype == torch.bfloat16 else 1.0)
     for tiles in (None, (16, 16, 32, 4, 2), (1, 8, 64, 4, 3)):
         got = fused_linear_triton(x, gate_up, gamma, 1e-6, tiles=tiles, silu_mul=True)
-        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=TOLERANCE[dtype])
 
 
 @needs_triton
@@ -225,6 +229,20 @@ def test_tile_config_takes_the_row_grid_for_a_few_rows_of_small_weights():
     assert tile_config(4, 1536, 576, 2, silu_mul=True)[0] == 16
     assert tile_config(4, 4096, 4096, 2)[0] == 16  # an 8B weight (32 MB) is not small
     assert tile_config(1, 576, 576, 2)[0] == 1
+    assert [tile_config(m, 576, 576, 2)[0] for m in (17, 24, 32, 33, 64)] == [32, 32, 32, 64, 64]  # one tile
+
+
+def test_max_rows_past_one_tile_only_for_small_weights_under_pdl(monkeypatch):
+    """The op sends up to MAX_ROWS rows to the kernel where that paid (a small weight, PDL), 16 else; the
+    kernel itself takes MAX_ROWS whatever the weight."""
+    from specgraph.kernels import fused_linear as fl
+
+    small, large = torch.empty(576, 576, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
+    assert fl.max_rows(small) == fl.max_rows(large) == fl.TILE_ROWS == 16  # CPU: no PDL
+    monkeypatch.setattr(fl, "pdl_launch", lambda device: True)
+    assert (fl.max_rows(small), fl.max_rows(large)) == (fl.MAX_ROWS, fl.TILE_ROWS) == (64, 16)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        fused_linear_triton(torch.zeros(1, 65, 96), torch.zeros(40, 96))
 
 
 def test_tile_config_at_one_row_by_weight_size_and_grid():
@@ -243,7 +261,7 @@ def test_tile_config_at_one_row_by_weight_size_and_grid():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 5, PAST_TILE])
 @pytest.mark.parametrize("norm, add", [(True, False), (False, True), (False, False)], ids=["norm", "residual", "plain"])
 def test_bias_epilogue_is_hf_linear_with_bias(m, dtype, norm, add):
     """bias: HF's ``nn.Linear(bias=True)`` after the norm (Qwen2's q/k/v), the kernel against the reference in
