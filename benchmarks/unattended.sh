@@ -12,9 +12,6 @@
 #          a process each (benchmarks/e2e.py --sections batch --batch-policy)
 # ssweep   SmolLM2 + the shipped head: compile's default tree against deeper and wider ones (PDL made the one-token
 #          step cheaper, so the best tree may have moved), 80 MT-bench + 40 HumanEval, 256 tokens, one run
-# sfused   the recorded-step GPU tests (the draft's fused_linear on and off), then SmolLM2 + the shipped head,
-#          compile's default with the draft's products through cuBLAS (the fast path fused_linear skipped, the
-#          default) and through specgraph::fused_linear, a process each, 20 MT-bench + 20 HumanEval
 # sprofile where a step of compile's default on SmolLM2's shape goes (random weights, the shipped head's draft
 #          vocabulary, a 512-token prompt): plain, a 16-node verify, the default tree's whole step (e2e.py profiles)
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
@@ -85,10 +82,6 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     ssweep) run ssweep python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
               --methods sg_plain sg_default --trees dynamic:3,8,16+lookup12:shared dynamic:2,8,24+lookup12:shared \
               dynamic:3,8,24+lookup12:shared dynamic:4,8,32+lookup16:shared --out "$out" ;;
-    sfused) run sfused bash -c "python3 -m pytest -q -p no:cacheprovider \
-              tests/test_graphed.py::test_recorded_step_is_token_exact_on_cuda || exit; for skip in fused_linear none; do SPECGRAPH_SKIP_FAST_PATHS=\${skip#none} python3 \
-              benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 20 20 --max-new-tokens 256 \
-              --methods sg_plain sg_default --out $out/\$skip-\$SECONDS || exit; done" ;;
     sprofile) run sprofile python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile profile_verify \
                 profile_draft --profile-verify-n 16 --profile-draft-trees dynamic:2,8,16+lookup12:shared --out "$out" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \

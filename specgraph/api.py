@@ -222,7 +222,7 @@ class SpecModel:
         self.capture = Capture.shared(model, config.max_cache_len, config.backend)  # reused across compiles
         self.fast_start = None if not config.fast_start else FastStart(  # its own Capture: let go when compiled
             lambda: Capture(model, config.max_cache_len, backend="cudagraphs"), self.capture)
-        fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths(), "fused_linear" in draft_fast_paths())
+        fuse_draft_projections(draft, "fuse_projections" in draft_fast_paths())  # a fast path, on by default
         self._fingerprint = fingerprint(model, draft)  # the captured graphs (and CUDA graphs) hold these addresses
         # what generate may run per call: the tree; with a policy also a chain as deep as the
         # tree (a smaller tree: at a large batch it can win where the tree loses) and plain decoding

@@ -82,9 +82,8 @@ class Settings:
                                  "pass; on in the tests, and with debug", developer=True)
     skip_passes: frozenset[str] = _setting(frozenset(), _names, "speed-up passes to leave out (comma-separated; "
                                            "A/B runs, bisection)", developer=True)
-    skip_fast_paths: frozenset[str] = _setting(frozenset({"fused_linear"}), _names, "draft-side fast paths to "
-                                               "switch off (comma-separated; specgraph/fast_paths.py; by default "
-                                               "fused_linear, not timed on a GPU yet; empty: all on)", developer=True)
+    skip_fast_paths: frozenset[str] = _setting(frozenset(), _names, "draft-side fast paths to switch off "
+                                               "(comma-separated; specgraph/fast_paths.py)", developer=True)
     reference_kernels: bool = _setting(False, _flag, "CUDA: plain-torch tree_attention and fused_linear instead "
                                        "of the Triton kernels (bisection)", developer=True)
 

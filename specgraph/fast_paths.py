@@ -1,6 +1,5 @@
-"""Draft-side fast paths: on by default where measured faster (on the H200, docs/benchmarks.md), each one
-switched off by naming it in ``config.skip_fast_paths`` (``SPECGRAPH_SKIP_FAST_PATHS``, comma-separated;
-by default it names ``fused_linear``, which is not timed on a GPU yet: an empty value switches it on), as
+"""Draft-side fast paths: on by default (measured faster on the H200, docs/benchmarks.md), each one
+switched off by naming it in ``config.skip_fast_paths`` (``SPECGRAPH_SKIP_FAST_PATHS``, comma-separated), as
 ``config.skip_passes`` does for the target's graph passes: for A/B runs (``benchmarks/investigations/draft_ab.sh``) and to
 rule one out when hunting a problem. Imports nothing of specgraph but its settings.
 """
@@ -13,9 +12,6 @@ DRAFT_FAST_PATHS = {
             "launch) instead of torch.topk and two stable sorts",
     "fuse_projections": "each draft layer's q/k/v and gate/up weights laid out back to back and read as one "
                         "product each (what the target's fuse_projections pass does), in no-grad calls",
-    "fused_linear": "with fuse_projections, each draft layer's products (and an EAGLE-3 head's norm + LM head) "
-                    "as specgraph::fused_linear launches with their norm, SiLU·mul and residual add fused: Triton "
-                    "kernels that chain under programmatic dependent launch, where cuBLAS's break the chain",
 }
 
 

@@ -11,8 +11,7 @@ from specgraph.config import Settings
 def test_defaults_when_nothing_is_set():
     s = Settings.from_environ({})
     assert (s.cuda_graphs, s.whole_step, s.overlap, s.debug, s.reference_kernels) == (True, True, None, False, False)
-    assert s.gguf is None and s.dump is None and s.skip_passes == frozenset()
-    assert s.skip_fast_paths == {"fused_linear"}  # the fast path not timed on a GPU yet
+    assert s.gguf is None and s.dump is None and s.skip_passes == frozenset() == s.skip_fast_paths
     assert s.cache == Path.home() / ".cache" / "specgraph"
 
 

@@ -12,8 +12,7 @@ from test_generate import generated_rows, hf_greedy, left_pad, prompts
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_draft_fast_paths_are_token_exact(monkeypatch, settings, backend):
     """The draft fast paths (default): EAGLE-2's top-k and ranking through specgraph::topk, the draft
-    layer's q/k/v and gate/up as one product each, its products as specgraph::fused_linear, eager and
-    compiled: HF greedy's tokens.
+    layer's q/k/v and gate/up as one product each, eager and compiled: HF greedy's tokens.
     config.skip_fast_paths switches them off at the next compile; an unknown name is refused."""
     from specgraph.drafts import Eagle3
     from specgraph.kernels import topk as topk_module
@@ -29,7 +28,7 @@ def test_draft_fast_paths_are_token_exact(monkeypatch, settings, backend):
     spec = specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_batch=2,
                              max_cache_len=128, backend=backend)
     attn = draft.midlayer.self_attn
-    assert attn.fused_qkv is not None and draft.midlayer.fused_gate_up is not None and draft.midlayer.kernels
+    assert attn.fused_qkv is not None and draft.midlayer.fused_gate_up is not None
     assert attn.fused_qkv[0].data_ptr() == attn.q_proj.weight.data_ptr()  # a view of the packed weights
     rows = prompts(11, [7, 30])
     ids, mask = left_pad(rows)
@@ -37,14 +36,10 @@ def test_draft_fast_paths_are_token_exact(monkeypatch, settings, backend):
     for row, got in zip(rows, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)
     assert set(calls) == {3, 7}  # the op ran: each level's top 3 tokens and lanes, the 7 nodes kept
-    settings(skip_fast_paths="fused_linear")
-    specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_cache_len=128)
-    assert attn.fused_qkv is not None and not draft.midlayer.kernels  # joined products, through F.linear
     settings(skip_fast_paths="topk,fuse_projections")
     calls.clear()
     specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_cache_len=128)
     assert attn.fused_qkv is None and draft.midlayer.fused_gate_up is None  # off at the next compile
-    assert not draft.midlayer.kernels  # fused_linear needs fuse_projections
     specgraph.selection.top_k(torch.randn(2, 50), 3)
     assert not calls  # torch.topk
     settings(skip_fast_paths="topk,cub")
@@ -64,11 +59,11 @@ def test_fast_paths_leave_the_shipped_heads_proposals_alone():
     row = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "Explain what a hash table is."}],
                                                   tokenize=False, add_generation_prompt=True)).input_ids
     accepted = {}
-    for skip in ("", "topk,fuse_projections,fused_linear"):
+    for skip in ("", "topk,fuse_projections"):
         with config.patch(skip_fast_paths=skip):
             spec = specgraph.compile(model, load_default_draft(), tree=specgraph.DynamicTree(3, 4, 8),
                                      max_cache_len=256)
             out = spec.generate(torch.tensor([row]), max_new_tokens=32, eos_token_id=None, return_dict_in_generate=True)
         accepted[skip] = [lens[0] for lens in out["accept_lens"]]
-    assert accepted[""] == accepted["topk,fuse_projections,fused_linear"]
+    assert accepted[""] == accepted["topk,fuse_projections"]
     assert sum(accepted[""]) / len(accepted[""]) > 1.5

@@ -163,8 +163,7 @@ def _assert_matches_hf(model, spec, rows, new_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,batch,skip,skip_fast", [
-    ("eagle3", 1, "", ""), ("eagle3", 2, "", ""), ("eagle3", 2, "", "topk,fuse_projections"),
-    ("eagle3", 1, "", "fused_linear"), ("ngram", 2, "", ""),
+    ("eagle3", 1, "", ""), ("eagle3", 2, "", ""), ("eagle3", 2, "", "topk,fuse_projections"), ("ngram", 2, "", ""),
     ("ngram", 2, "fold_norms_rows", ""), ("eagle3+lookup", 2, "", "")])
 def test_recorded_step_is_token_exact_on_cuda(kind, batch, skip, skip_fast, settings):
     """Greedy generate through the recorded step graph equals HF's greedy on the GPU (ngram: the verify step

@@ -48,7 +48,7 @@ from ..passes import HiddenTaps
 from ..trees import Chain, DynamicTree, WithLookup
 from .checkpoint import check_fields, llama_config, read_checkpoint, write_checkpoint
 from .eagle import WEIGHT_FILES, FeatureDraft, draft_config_for
-from .layer import DraftLayer, fused_linear
+from .layer import DraftLayer
 
 SUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 REFUSED_FLAGS = ("use_mtp_layernorm", "add_para_norm", "mlp_bias")
@@ -165,11 +165,7 @@ class Eagle3(FeatureDraft):
         return hidden if self.norm_output else self.norm(hidden)
 
     def draft_logits(self, hidden):
-        head, norm = self.head, self.norm
-        if (self.midlayer.kernels and not torch.is_grad_enabled() and not self.norm_output
-                and hidden.dtype == head.weight.dtype == norm.weight.dtype):  # the norm as the product's prologue
-            return fused_linear(hidden, head.weight, norm.weight, norm.variance_epsilon, None, bias=head.bias)
-        return head(self.head_input(hidden))
+        return self.head(self.head_input(hidden))
 
     def ranked_vocab_size(self, target_vocab_size: int) -> int:
         return self.draft_vocab_size

@@ -9,14 +9,10 @@ context, the K lanes of one EAGLE-2 step and one level of a static tree are
 all the same call. RoPE, RMSNorm and the MLP are transformers' own modules,
 so rope scaling and activations follow the draft's config exactly.
 
-``fuse_projections(draft, on, kernels)`` (``compile`` calls it; fast paths ``fuse_projections``, on by
-default, and ``fused_linear``, off by default until timed on a GPU): q/k/v and gate/up laid out back to
-back (``passes.pack_projections``, the Parameters keep their values) and read as one product each in
-no-grad calls (proposing, committing: all of generate); with ``kernels`` every product of the layer is a
-``specgraph::fused_linear`` launch (a Triton kernel on CUDA that chains under programmatic dependent
-launch, where cuBLAS breaks the chain): o with the residual add, gate/up with the post-attention RMSNorm
-before it and SiLU·mul after, down with the residual add. A call with grad enabled keeps the separate
-products (the joined weights are detached views).
+``fuse_projections(draft, on)`` (``compile`` calls it; fast path ``fuse_projections``, on by default):
+q/k/v and gate/up laid out back to back (``passes.pack_projections``, the Parameters keep their values)
+and read as one product each in no-grad calls (proposing, committing: all of generate); a call with
+grad enabled keeps the separate products (the joined weights are detached views).
 """
 from __future__ import annotations
 
@@ -25,11 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from .. import kernels as _ops  # noqa: F401  (registers specgraph::tree_attention and fused_linear)
+from .. import kernels  # noqa: F401  (registers specgraph::tree_attention)
 from ..passes.fuse_projections import joined_view, pack_projections
-
-fused_linear = torch.ops.specgraph.fused_linear
-_EPS = 1e-6  # fused_linear reads eps only with a norm prologue
 
 
 class DraftAttention(nn.Module):
@@ -43,18 +36,13 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.fused_qkv = None  # (weight, bias) views over q/k/v's packed storage (fuse_projections)
-        self.kernels = False  # the products as specgraph::fused_linear launches (fuse_projections)
 
-    def forward(self, x, cos, sin, kv, cache_len, slots, tree_mask, residual=None):
-        """x [B, R, F]; kv (k_cache, v_cache) [B, H_kv, S, D], written in place; slots, tree_mask [B, R];
-        returns ``[residual +] o_proj(attention)`` [B, R, H]."""
+    def forward(self, x, cos, sin, kv, cache_len, slots, tree_mask):
+        """x [B, R, F]; kv (k_cache, v_cache) [B, H_kv, S, D], written in place; slots, tree_mask [B, R]."""
         b, r, _ = x.shape
-        kernels = self.kernels and not torch.is_grad_enabled() and x.dtype == self.o_proj.weight.dtype
         if self.fused_qkv is not None and not torch.is_grad_enabled():
             sizes = [self.num_heads * self.head_dim] + 2 * [self.num_kv_heads * self.head_dim]
-            weight, bias = self.fused_qkv
-            qkv = fused_linear(x, weight, None, _EPS, None, bias=bias) if kernels else F.linear(x, weight, bias)
-            q, k, v = qkv.split(sizes, -1)
+            q, k, v = F.linear(x, *self.fused_qkv).split(sizes, -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, r, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, R, D]
@@ -67,11 +55,7 @@ class DraftAttention(nn.Module):
         v_cache.scatter_(2, index, v.to(v_cache.dtype))
         out = torch.ops.specgraph.tree_attention(q.contiguous(), k_cache, v_cache, cache_len, tree_mask,
                                                  self.head_dim ** -0.5, 0)  # [B, H, R, D]
-        out = out.transpose(1, 2).reshape(b, r, self.num_heads * self.head_dim)
-        if kernels and (residual is None or residual.dtype == out.dtype):
-            return fused_linear(out, self.o_proj.weight, None, _EPS, residual, bias=self.o_proj.bias)
-        out = self.o_proj(out)
-        return out if residual is None else residual + out
+        return self.o_proj(out.transpose(1, 2).reshape(b, r, self.num_heads * self.head_dim))
 
 
 class DraftLayer(nn.Module):
@@ -85,20 +69,10 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
         self.fused_gate_up = None  # (weight, bias) views over gate/up's packed storage (fuse_projections)
-        self.silu = config.hidden_act in ("silu", "swish")  # fused_linear's SiLU·mul epilogue is HF's MLP then
-
-    @property
-    def kernels(self) -> bool:
-        """The products run as specgraph::fused_linear launches in no-grad calls (fuse_projections)."""
-        return self.self_attn.kernels
 
     def forward(self, attn_in, residual, cos, sin, kv, cache_len, slots, tree_mask):
-        h = self.self_attn(attn_in, cos, sin, kv, cache_len, slots, tree_mask, residual=residual)
-        norm, down = self.post_attention_layernorm, self.mlp.down_proj
-        if self.kernels and not torch.is_grad_enabled() and h.dtype == down.weight.dtype == norm.weight.dtype:
-            mid = fused_linear(h, self.fused_gate_up[0], norm.weight, norm.variance_epsilon, None, silu_mul=True)
-            return fused_linear(mid, down.weight, None, _EPS, h, bias=down.bias)
-        normed = norm(h)
+        h = residual + self.self_attn(attn_in, cos, sin, kv, cache_len, slots, tree_mask)
+        normed = self.post_attention_layernorm(h)
         if self.fused_gate_up is not None and not torch.is_grad_enabled():
             gate, up = F.linear(normed, *self.fused_gate_up).chunk(2, -1)
             return h + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
@@ -106,24 +80,20 @@ class DraftLayer(nn.Module):
 
 
 @torch.no_grad()
-def fuse_projections(draft: nn.Module, on: bool = True, kernels: bool = False) -> int:
+def fuse_projections(draft: nn.Module, on: bool = True) -> int:
     """Each DraftLayer of ``draft``: with ``on``, its q/k/v and gate/up packed back to back and read as one
-    product each in no-grad calls; with ``kernels`` too, its products as ``specgraph::fused_linear``
-    launches (where its MLP is SiLU-gated without a gate/up bias: the epilogue's form); off: the separate
-    products again. Values unchanged. Returns the layers fused (0 for a draft that is not a module: n-grams)."""
+    product each in no-grad calls; off: the separate products again. Values unchanged. Returns the
+    layers fused (0 for a draft that is not a module: n-grams)."""
     fused = 0
     for layer in draft.modules() if isinstance(draft, nn.Module) else ():
         if not isinstance(layer, DraftLayer):
             continue
         attn, mlp = layer.self_attn, layer.mlp
         attn.fused_qkv = layer.fused_gate_up = None
-        attn.kernels = False
         if not on:
             continue
         pack_projections(layer)
         attn.fused_qkv = joined_view([attn.q_proj, attn.k_proj, attn.v_proj])
         layer.fused_gate_up = joined_view([mlp.gate_proj, mlp.up_proj])
-        joined = attn.fused_qkv is not None and layer.fused_gate_up is not None
-        attn.kernels = kernels and joined and layer.silu and layer.fused_gate_up[1] is None
-        fused += joined
+        fused += attn.fused_qkv is not None and layer.fused_gate_up is not None
     return fused

@@ -264,19 +264,6 @@ def test_eagle1_compiles_once_across_prompt_lengths(aot_eager_compile):
     assert_one_compile_across_lengths(spec, model, [[6], [40], [75]])
 
 
-def _bound_draft_and_chain_inputs(kind: str):
-    """A new ``kind`` draft bound to a tiny Llama, a Chain(3) session of 2 rows, and a 5-token chain's
-    (tokens, target features, start slots) for ``session._chain``."""
-    model = tiny_model("llama")
-    draft = make_draft(kind, model)
-    assert not draft.bind(model)
-    session = draft.session(Chain(3), 2, 64, "cpu")
-    width = draft.fc.in_features if kind == "eagle3" else model.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 5), generator=g)
-    return draft, session, (tokens, torch.randn(2, 5, width, generator=g), torch.tensor([0, 3]))
-
-
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_fused_projections_compute_the_same_draft_layer(kind):
     """fuse_projections (a draft fast path): with the weights packed, a no-grad pass of the draft
@@ -284,7 +271,14 @@ def test_fused_projections_compute_the_same_draft_layer(kind):
     products' output; a pass with grad runs them separately (the fused views carry no gradient)."""
     from specgraph.drafts.layer import fuse_projections
 
-    draft, session, (tokens, features, start) = _bound_draft_and_chain_inputs(kind)
+    model = tiny_model("llama")
+    draft = make_draft(kind, model)
+    assert not draft.bind(model)
+    session = draft.session(Chain(3), 2, 64, "cpu")
+    width = draft.fc.in_features if kind == "eagle3" else model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 5), generator=g)
+    features, start = torch.randn(2, 5, width, generator=g), torch.tensor([0, 3])
     with torch.no_grad():
         want = session._chain(tokens, features, start)
     separate = []
@@ -304,39 +298,3 @@ def test_fused_projections_compute_the_same_draft_layer(kind):
     with torch.no_grad():
         torch.testing.assert_close(session._chain(tokens, features, start), want, rtol=1e-5, atol=1e-6)
     assert len(separate) == 10
-
-
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_the_fused_linear_kernels_compute_the_same_draft(kind, monkeypatch):
-    """fuse_projections(kernels=True) (the fast path fused_linear): a no-grad pass runs every product of the
-    draft layer as specgraph::fused_linear (q/k/v; o with the residual add; gate/up with the post-attention
-    norm and SiLU·mul; down with the residual add), and an EAGLE-3 head's norm + LM head as one more, with
-    the unfused products' output (on the CPU the op is its plain-torch reference, op for op: equal). Off
-    again, none runs."""
-    from specgraph.drafts.layer import fuse_projections
-    from specgraph.kernels import fused_linear as module
-
-    calls = []
-    monkeypatch.setattr(module, "fused_linear_reference", lambda *a, f=module.fused_linear_reference, **k:
-                        calls.append(a[2] is not None) or f(*a, **k))  # whether it had a norm prologue
-    draft, session, (tokens, features, start) = _bound_draft_and_chain_inputs(kind)
-
-    def run():
-        session.kv = [torch.zeros_like(session.kv[0]), torch.zeros_like(session.kv[1])]
-        with torch.no_grad():
-            hidden = session._chain(tokens, features, start)
-            return hidden, draft.draft_logits(hidden)
-
-    assert fuse_projections(draft, kernels=False) == 1 and not draft.layer.kernels
-    want = run()
-    assert not calls
-    assert fuse_projections(draft, kernels=True) == 1 and draft.layer.kernels
-    got = run()
-    assert calls.count(False) == 3 and calls.count(True) == 1 + (kind == "eagle3")  # + the head's norm
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    calls.clear()
-    fuse_projections(draft, on=False, kernels=True)
-    assert not draft.layer.kernels
-    run()
-    assert not calls
