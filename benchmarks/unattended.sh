@@ -10,8 +10,8 @@
 # smolt1   the same at T = 1
 # policy   the 8B shape under forced acceptance: policy="cost" against every fixed mode, at each of $BATCHES (16 4),
 #          a process each (benchmarks/e2e.py --sections batch --batch-policy)
-# ssweep   SmolLM2 + the shipped head: compile's default tree against deeper and wider ones (PDL made the one-token
-#          step cheaper, so the best tree may have moved), 80 MT-bench + 40 HumanEval, 256 tokens, one run
+# ssweep   SmolLM2 + the shipped head: compile's default tree against deeper and wider ones, 16 to 64 rows (steps
+#          of 17-64 rows fold under PDL since fbe6b55), 80 MT-bench + 40 HumanEval, 256 tokens, one run
 # sprofile where a step of compile's default on SmolLM2's shape goes (random weights, the shipped head's draft
 #          vocabulary, a 512-token prompt): plain, a 16-node verify, the default tree's whole step (e2e.py profiles)
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
@@ -81,7 +81,8 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               --batch-policy --batches \$b --batch-trees chain --out $out/b\$b || exit; done" ;;
     ssweep) run ssweep python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
               --methods sg_plain sg_default --trees dynamic:3,8,16+lookup12:shared dynamic:2,8,24+lookup12:shared \
-              dynamic:3,8,24+lookup12:shared dynamic:4,8,32+lookup16:shared --out "$out" ;;
+              dynamic:3,8,24+lookup12:shared dynamic:4,8,32+lookup16:shared dynamic:4,8,48+lookup16:shared \
+              dynamic:6,8,64+lookup16:shared --out "$out" ;;
     sprofile) run sprofile python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile profile_verify \
                 profile_draft --profile-verify-n 16 --profile-draft-trees dynamic:2,8,16+lookup12:shared --out "$out" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
