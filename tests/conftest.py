@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
     if not config.getoption("--slow"):
         skips.append(("slow", pytest.mark.skip(reason="slow: run with --slow (the GPU machine runs them)")))
     for item in items:
-        for keyword, skip in skips:
-            if keyword in item.keywords:
+        for marker, skip in skips:
+            if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)
 
 
