@@ -6,6 +6,7 @@ a program per row) are what tile_config takes up to ROW_GRID_PROGRAMS; docs/benc
 
   python3 benchmarks/investigations/few_row_tiles.py --rows 4 16 --tiles wide --out DIR
   python3 benchmarks/investigations/few_row_tiles.py --rows 2 3 5 6 8 12 --tiles row-grid --out DIR
+  python3 benchmarks/investigations/few_row_tiles.py --rows 4 8 16 24 32 --tiles cores --out DIR
   python3 benchmarks/investigations/few_row_tiles.py --plot RESULTS.txt OUT.png   (µs against rows, per product:
       the best 16-row tile, the best row-grid tile, cuBLAS's bare product)
 """
@@ -27,6 +28,10 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); None: tile_config's cho
              (1, 16, 512, 4, 3), (1, 32, 512, 8, 2)],
     "row-grid": [None, (16, 16, 256, 4, 4), (1, 16, 512, 4, 3), (1, 8, 1024, 4, 3), (1, 8, 512, 4, 3),
                  (1, 16, 512, 8, 3), (1, 8, 512, 8, 3)],
+    # a few rows on the CUDA cores (the sixth field): BLOCK_M the rows padded to a power of two (16 stands for
+    # it here: the sweep's rows pick their own), [BM, BN, BK] per-lane FMAs, K unrolled
+    "cores": [None, (16, 16, 256, 4, 4), (16, 8, 64, 8, 1, True), (16, 8, 32, 8, 1, True), (16, 8, 64, 4, 1, True),
+              (16, 16, 32, 8, 1, True), (16, 4, 64, 4, 1, True), (16, 8, 128, 8, 1, True)],
 }
 
 
@@ -39,7 +44,8 @@ def plot(results: Path, out: Path) -> None:
 
     best = defaultdict(dict)  # (kind, family) -> rows -> µs
     for m, kind, tile, block_m, us, cublas in LINE.findall(results.read_text()):
-        family = "row grid (BLOCK_M 1)" if block_m == "1" else "16-row tl.dot tiles"
+        family = ("row grid (BLOCK_M 1)" if block_m == "1" else "rows on the CUDA cores" if "True" in tile
+                  else "16-row tl.dot tiles")
         rows = int(m)
         for key, value in (((kind, family), float(us)), ((kind, "cuBLAS, bare product"), float(cublas))):
             best[key][rows] = min(best[key].get(rows, float("inf")), value)
@@ -74,6 +80,7 @@ def main() -> None:
     from common import SMOLLM2, graphed_ms, layer_products
 
     import specgraph.kernels  # noqa: F401  (registers the ops)
+    from specgraph import config
     from specgraph.kernels import fused_linear as fl
     layers_n, hidden, qkv, inter = layer_products(SMOLLM2)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -96,13 +103,21 @@ def main() -> None:
             chain = [(layer[index], layer[4]) for layer in layers]
             x = gu if index == 3 else h
             cublas = graphed_ms(lambda: [F.linear(x, w) for w, _ in chain]) * 1e3 / layers_n
+            with config.patch(reference_kernels=True):  # plain torch: each tile's output is held against it
+                reference = call(*chain[0])
             for tile in TILES[args.tiles]:
+                if tile is not None and len(tile) > 5:  # on the cores: BLOCK_M the rows' power of two
+                    tile = (min(32, 1 << (m - 1).bit_length()), *tile[1:])
                 fl.TILE_OVERRIDE = None if tile is None else {key: tile}
                 try:
                     us = graphed_ms(lambda: [call(w, gm) for w, gm in chain]) * 1e3 / layers_n
+                    got = call(*chain[0])
+                    error = max((a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
+                                for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, reference))))
                 except Exception:  # noqa: BLE001  (a tile that does not compile: out of shared memory)
-                    us = float("nan")
-                line = f"M={m} {kind:14s} {key} tile={tile} {us:.2f} us (cuBLAS product alone {cublas:.2f})"
+                    us = error = float("nan")
+                line = (f"M={m} {kind:14s} {key} tile={tile} {us:.2f} us (cuBLAS product alone {cublas:.2f}) "
+                        f"max error / max {error:.1e}")
                 print(line, flush=True)
                 out.write(line + "\n")
             fl.TILE_OVERRIDE = None
