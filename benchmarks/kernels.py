@@ -195,12 +195,14 @@ DECODE_SPLITS = (None, 1, 2, 3, 5, 9, 17, 33)  # None: launch_config's choice; e
 
 
 def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=DECODE_SPLITS, ropes=(True, False),
-                 flush_l2: bool = False) -> list[dict]:
+                 flush_l2: bool = False, merges=(None,)) -> list[dict]:
     """The folded op (``tree_attention_write`` with RoPE, as the decode step runs it) at batch-1
     shapes: launch_config's choice with and without RoPE, then RoPE x tiles x warps x splits.
     Prints the default and the best five per case and RoPE setting; every row goes to ``out`` (after each case).
     ``flush_l2``: each replay first overwrites 256 MB (the L2 holds nothing of the op's inputs, as in the
-    step, where the layer's products stream past it), and that write's own replay time is subtracted."""
+    step, where the layer's products stream past it), and that write's own replay time is subtracted.
+    ``merges``: who merges the prefix splits (None: launch_config's choice; True: the tile's last program;
+    False: a second launch)."""
     import itertools
 
     from specgraph.drafts.autoregressive import chain_mask
@@ -250,9 +252,9 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
             sdpa = lambda: F.scaled_dot_product_attention(q, kd, vd, scale=d**-0.5, enable_gqa=True)  # noqa: E731
             results.append(dict(case, config="sdpa decode (peer)", rope=False, ms=graphed_ms(sdpa)))
         case_tiles = tiles or (16, 32, 64) + ((128,) if r * h // h_kv >= 128 else ())
-        for rope, bm, nw, n_splits in itertools.product(ropes, case_tiles, (4, 8), splits):
-            ms = run(rope, n_splits, block_m=bm, num_warps=nw)
-            results.append(dict(case, config="sweep", rope=rope, block_m=bm, num_warps=nw, ms=ms,
+        for rope, bm, nw, n_splits, merge in itertools.product(ropes, case_tiles, (4, 8), splits, merges):
+            ms = run(rope, n_splits, block_m=bm, num_warps=nw, **({} if merge is None else dict(merge_here=merge)))
+            results.append(dict(case, config="sweep", rope=rope, block_m=bm, num_warps=nw, ms=ms, merge_here=merge,
                                 splits=n_splits or launch_config(q, h_kv, s_max, block_m=bm)["num_splits"]))
         rows += results
         print(f"# decode {shape} context={context} R={r}: floor {floor_ms * 1e3:.2f} us")
@@ -260,7 +262,7 @@ def decode_sweep(bandwidth: float, shapes, cases, out: Path, tiles=None, splits=
             (x for x in results if x["config"] == "sweep" and x["rope"] == rope), key=lambda x: x["ms"])[:5]]
         for x in [x for x in results if x["config"] != "sweep"] + best:
             print(f"#   {x['ms'] * 1e3:7.2f} us  {x['config']:<18} rope={x['rope']!s:<5} block_m={x.get('block_m')} "
-                  f"num_warps={x.get('num_warps')} splits={x.get('splits')}", flush=True)
+                  f"num_warps={x.get('num_warps')} splits={x.get('splits')} merge_here={x.get('merge_here')}", flush=True)
         out.write_text(json.dumps(dict(bandwidth=bandwidth, decode=rows), indent=1))
     return rows
 
@@ -281,6 +283,9 @@ def main() -> None:
                         help="split counts to sweep besides launch_config's own (prefix splits + 1)")
     parser.add_argument("--decode-rope", choices=("both", "on", "off"), default="both",
                         help="RoPE in the kernel (on), not (off), or both")
+    parser.add_argument("--decode-merge", choices=("default", "both"), default="default",
+                        help="who merges the prefix splits: launch_config's choice, or each config both ways "
+                        "(the tile's last program, and a second launch)")
     parser.add_argument("--decode-flush-l2", action="store_true",
                         help="overwrite 256 MB before each replay (the L2 cold, as in the step) and subtract that")
     parser.add_argument("--topk", type=int, nargs="?", const=8, metavar="K",
@@ -296,7 +301,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         ropes = {"both": (True, False), "on": (True,), "off": (False,)}[args.decode_rope]
         decode_sweep(bandwidth, args.decode_shapes, args.decode_cases, args.out / "kernels-decode.json",
-                     args.decode_tiles, (None, *args.decode_splits), ropes, args.decode_flush_l2)
+                     args.decode_tiles, (None, *args.decode_splits), ropes, args.decode_flush_l2,
+                     (True, False) if args.decode_merge == "both" else (None,))
         return
     if args.topk:
         args.out.mkdir(parents=True, exist_ok=True)
