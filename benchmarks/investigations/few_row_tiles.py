@@ -6,7 +6,6 @@ a program per row) are what tile_config takes up to ROW_GRID_PROGRAMS; docs/benc
 
   python3 benchmarks/investigations/few_row_tiles.py --rows 4 16 --tiles wide --out DIR
   python3 benchmarks/investigations/few_row_tiles.py --rows 2 3 5 6 8 12 --tiles row-grid --out DIR
-  python3 benchmarks/investigations/few_row_tiles.py --rows 4 8 16 24 32 --tiles cores --out DIR
   python3 benchmarks/investigations/few_row_tiles.py --plot RESULTS.txt OUT.png   (µs against rows, per product:
       the best 16-row tile, the best row-grid tile, cuBLAS's bare product)
 """
@@ -28,10 +27,6 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); None: tile_config's cho
              (1, 16, 512, 4, 3), (1, 32, 512, 8, 2)],
     "row-grid": [None, (16, 16, 256, 4, 4), (1, 16, 512, 4, 3), (1, 8, 1024, 4, 3), (1, 8, 512, 4, 3),
                  (1, 16, 512, 8, 3), (1, 8, 512, 8, 3)],
-    # a few rows on the CUDA cores (the sixth field): BLOCK_M the rows padded to a power of two (16 stands for
-    # it here: the sweep's rows pick their own), [BM, BN, BK] per-lane FMAs, K unrolled
-    "cores": [None, (16, 16, 256, 4, 4), (16, 8, 64, 8, 1, True), (16, 8, 32, 8, 1, True), (16, 8, 64, 4, 1, True),
-              (16, 16, 32, 8, 1, True), (16, 4, 64, 4, 1, True), (16, 8, 128, 8, 1, True)],
 }
 
 
@@ -44,8 +39,7 @@ def plot(results: Path, out: Path) -> None:
 
     best = defaultdict(dict)  # (kind, family) -> rows -> µs
     for m, kind, tile, block_m, us, cublas in LINE.findall(results.read_text()):
-        family = ("row grid (BLOCK_M 1)" if block_m == "1" else "rows on the CUDA cores" if "True" in tile
-                  else "16-row tl.dot tiles")
+        family = "row grid (BLOCK_M 1)" if block_m == "1" else "16-row tl.dot tiles"
         rows = int(m)
         for key, value in (((kind, family), float(us)), ((kind, "cuBLAS, bare product"), float(cublas))):
             best[key][rows] = min(best[key].get(rows, float("inf")), value)
@@ -106,8 +100,6 @@ def main() -> None:
             with config.patch(reference_kernels=True):  # plain torch: each tile's output is held against it
                 reference = call(*chain[0])
             for tile in TILES[args.tiles]:
-                if tile is not None and len(tile) > 5:  # on the cores: BLOCK_M the rows' power of two
-                    tile = (min(32, 1 << (m - 1).bit_length()), *tile[1:])
                 fl.TILE_OVERRIDE = None if tile is None else {key: tile}
                 try:
                     us = graphed_ms(lambda: [call(w, gm) for w, gm in chain]) * 1e3 / layers_n

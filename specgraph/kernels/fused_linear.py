@@ -87,37 +87,12 @@ def _prefetch_l2(W, weight_rows, K, stride_wn, LINES: tl.constexpr, LINE: tl.con
 
 
 @triton.jit
-def _x_tile(x_rows, Gamma, ks, k_ok, row_ok, rstd, row_squares, K, NORM: tl.constexpr, GATED: tl.constexpr,
-            BLOCK_M: tl.constexpr):
-    """x's [BLOCK_M, BLOCK_K] tile at columns ks after the prologue: normalized as HF rounds it (more rows: by
-    rstd; one row: gamma * x in float32, its squares summed into row_squares for the rstd after the loop), or
-    silu(gate) * up (GATED). Returns (tile, row_squares)."""
-    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BK]
-    if NORM:
-        gamma = tl.load(Gamma + ks, mask=k_ok, other=0.0)
-        if BLOCK_M == 1:  # rms_norm(x) @ w.T == rstd * ((gamma * x) @ w.T): the rstd waits for the loop's end
-            x32 = x.to(tl.float32)
-            row_squares += x32 * x32
-            x = gamma[None, :].to(tl.float32) * x32
-        else:  # rounded to x's dtype, then times gamma rounded again, as HF
-            x = (x.to(tl.float32) * rstd[:, None]).to(x_rows.dtype.element_ty)
-            x = (gamma[None, :].to(tl.float32) * x.to(tl.float32)).to(x_rows.dtype.element_ty)
-    if GATED:  # x holds the gate; the up half is K further on: silu(gate) rounded, times up rounded
-        up = tl.load(x_rows + K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        gate = x.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(x_rows.dtype.element_ty)
-        x = (act.to(tl.float32) * up.to(tl.float32)).to(x_rows.dtype.element_ty)
-    return x, row_squares
-
-
-@triton.jit
 def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma, Scaled, SquaresOut, M, N, K, P, eps,
                          stride_xm, stride_wn, stride_rm, stride_om, stride_sim, stride_som,
                          NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                          SILU_MUL: tl.constexpr,
                          ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, SQUARE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                         CORES: tl.constexpr = False, K_STEPS: tl.constexpr = 0,
                          PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # grid axis 1: the row blocks
     row_ok = rows < M
@@ -147,38 +122,35 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
     lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row: per-lane partial sums, reduced once after the loop
     lanes_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     row_squares = tl.zeros([1, BLOCK_K], tl.float32)  # one row with NORM: per-lane sums of x ** 2, same pass
-    if CORES:  # a few rows on the CUDA cores: per-lane FMAs over [M, BN, BK], one reduction after the loop;
-        # the K steps unrolled, so every weight load can issue before the first FMA waits (no tl.dot staging)
-        lanes3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        lanes3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        for step in tl.static_range(K_STEPS):
-            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            x, row_squares = _x_tile(x_rows, Gamma, ks, k_ok, row_ok, rstd, row_squares, K, NORM, GATED, BLOCK_M)
-            x = x.to(tl.float32)[:, None, :]
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-            lanes3 += x * w.to(tl.float32)[None, :, :]
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BK]
+        if NORM:
+            gamma = tl.load(Gamma + ks, mask=k_ok, other=0.0)
+            if BLOCK_M == 1:  # rms_norm(x) @ w.T == rstd * ((gamma * x) @ w.T): the rstd waits for the loop's end
+                x32 = x.to(tl.float32)
+                row_squares += x32 * x32
+                x = gamma[None, :].to(tl.float32) * x32
+            else:  # rounded to x's dtype, then times gamma rounded again, as HF
+                x = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty)
+                x = (gamma[None, :].to(tl.float32) * x.to(tl.float32)).to(X.dtype.element_ty)
+        if GATED:  # x holds the gate; the up half is K further on: silu(gate) rounded, times up rounded
+            up = tl.load(x_rows + K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            gate = x.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
+            x = (act.to(tl.float32) * up.to(tl.float32)).to(X.dtype.element_ty)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        if SILU_MUL:
+            w_up = tl.load(w_up_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCK_M == 1:  # one row: CUDA-core FMAs, no 16-row padding, no reduction inside the loop
+            lanes += x.to(tl.float32) * w.to(tl.float32)
             if SILU_MUL:
-                w_up = tl.load(w_up_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                lanes3_up += x * w_up.to(tl.float32)[None, :, :]
-        acc += tl.sum(lanes3, 2)
-        acc_up += tl.sum(lanes3_up, 2)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            x, row_squares = _x_tile(x_rows, Gamma, ks, k_ok, row_ok, rstd, row_squares, K, NORM, GATED, BLOCK_M)
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+                lanes_up += x.to(tl.float32) * w_up.to(tl.float32)
+        else:
+            acc += _dot(x, tl.trans(w), UPCAST)
             if SILU_MUL:
-                w_up = tl.load(w_up_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if BLOCK_M == 1:  # one row: CUDA-core FMAs, no 16-row padding, no reduction inside the loop
-                lanes += x.to(tl.float32) * w.to(tl.float32)
-                if SILU_MUL:
-                    lanes_up += x.to(tl.float32) * w_up.to(tl.float32)
-            else:
-                acc += _dot(x, tl.trans(w), UPCAST)
-                if SILU_MUL:
-                    acc_up += _dot(x, tl.trans(w_up), UPCAST)
+                acc_up += _dot(x, tl.trans(w_up), UPCAST)
     if PDL:  # the weights are read: the next kernel may launch (it waits for this one's end to read)
         tl.extra.cuda.gdc_launch_dependents()
     if BLOCK_M == 1:
@@ -221,12 +193,12 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
                  mask=row_ok[:, None] & (chunks * SQUARE_COLS < N)[None, :])
 
 
-TILE_OVERRIDE: dict[tuple[int, int], tuple[int, ...]] | None = None  # benchmarks' sweeps
+TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = None  # benchmarks' sweeps
 
 
 def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
-                silu_mul: bool = False) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, cores]) for M rows of an [N, K] weight (silu_mul: N output
+                silu_mul: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight (silu_mul: N output
     columns of a [2N, K] weight), from the sweeps of ``benchmarks/fused_linear.py`` (H200; figures in
     docs/benchmarks.md). One row: on the CUDA cores in 8-row slices of the weight; small weights, and those
     whose N / 8 programs stay under two waves, the whole of K per step (up to 2048) in 8 warps; larger ones
@@ -264,7 +236,7 @@ def max_rows(weight: torch.Tensor) -> int:
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
                         residual: torch.Tensor | None = None, gated: bool = False,
-                        tiles: tuple[int, ...] | None = None, silu_mul: bool = False,
+                        tiles: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
                         row_squares: torch.Tensor | None = None, next_gamma: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None):
     """One launch, grid (cdiv(N, BLOCK_N), row blocks); M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]
@@ -283,10 +255,9 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     squares_in = row_squares.reshape(m, -1).contiguous() if row_squares is not None else None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None, silu_mul=silu_mul)
-    block_m, block_n, block_k, num_warps, num_stages, *cores = tiles  # cores: the optional sixth field
-    cores = bool(cores and cores[0]) and block_m > 1
-    if not cores:  # BLOCK_M 1 with more rows: a program per row and BLOCK_N columns; else tl.dot tiles of
-        block_m = 1 if block_m == 1 else max(16, block_m)  # BLOCK_M rows (at least 16), row blocks on grid axis 1
+    block_m, block_n, block_k, num_warps, num_stages = tiles
+    block_m = 1 if block_m == 1 else max(16, block_m)  # BLOCK_M 1 with more rows: a program per row and BLOCK_N
+    # columns; else tl.dot tiles of BLOCK_M rows (at least 16), the row blocks on grid axis 1
     scaled = squares_out = None
     if next_gamma is not None:
         block_n = max(block_n, SQUARE_COLS)  # whole chunks of 16 columns per program
@@ -308,8 +279,8 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         squares_in.stride(0) if squares_in is not None else 0, squares_out.stride(0) if squares_out is not None else 0,
         NORM=gamma is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=res is not None, SILU_MUL=silu_mul,
         ROW_SCALE=squares_in is not None, NORM_OUT=next_gamma is not None, SQUARE_COLS=SQUARE_COLS,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, CORES=cores, K_STEPS=triton.cdiv(k, block_k) if cores else 0,
-        UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps,
         num_stages=num_stages, **pdl_kwargs(pdl, PREFETCH_LINES=lines, LINE=line))
     out = out.view(*x.shape[:-1], n)
     if next_gamma is None:
