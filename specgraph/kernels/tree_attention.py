@@ -242,6 +242,8 @@ def _merge_splits_kernel(PartO, PartLse, Out, ROWS, H, R, stride_ob, stride_oh, 
     tl.store(out_row[:, None] + dims[None, :], merged.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
+SMALL_TILE_ROWS = 32  # rows a KV head up to which a grid short of the SMs takes 16-row tiles (measured: D 128)
+SMALL_TILE_ROWS_D64 = 96  # the same at head dim <= 64 (SmolLM2)
 ARRIVAL_SLOTS = 1 << 16  # tiles (b, kv head, m tile) one launch may split: B * H_kv * m_tiles
 _arrivals: dict[torch.device, torch.Tensor] = {}
 
@@ -281,8 +283,11 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
     # head) split best in 64-row tiles, 4 warps, each prefix split at least 6 key blocks, merged by a
     # launch of their own (1k context: 5 splits, 25.5 -> 17.3 us; the in-kernel merge is one program
     # reading the tile's every partial). Measured at 1k context and batch 1 only.
+    # At head dim <= 64, 16-row tiles merging in the kernel also beat 64-row tiles and a merge launch at 48 and
+    # 96 rows (SmolLM2's 16- and 32-node steps; docs/benchmarks.md)
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
-    small_grid = rows <= 32 and b * h_kv * triton.cdiv(rows, 16) < sms
+    small_rows = SMALL_TILE_ROWS_D64 if d <= 64 else SMALL_TILE_ROWS
+    small_grid = rows <= small_rows and b * h_kv * triton.cdiv(rows, 16) < sms
     split_grid = not small_grid and b * h_kv * triton.cdiv(rows, 64) < sms
     block_m = 16 if small_grid else 64 if split_grid else min(64 if wide else 128, max(64, triton.next_power_of_2(rows)))
     config = dict(block_m=block_m, block_n=32 if wide else 64, num_stages=3)
