@@ -14,6 +14,9 @@
 #          of 17-64 rows fold under PDL since fbe6b55), 80 MT-bench + 40 HumanEval, 256 tokens, one run
 # sprofile where a step of compile's default on SmolLM2's shape goes (random weights, the shipped head's draft
 #          vocabulary, a 512-token prompt): plain, a 16-node verify, the default tree's whole step (e2e.py profiles)
+# sinductor the step of compile's default tree and of a 32-node one (e2e.py profile_draft, random weights) with
+#          inductor's own kernels as they are, launched with PDL (triton.enable_pdl), and fused where independent
+#          (combo_kernels): $RESULTS/sinductor/1, 2, 3
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
 #          rows, fixed batches against the stream, the stream's ms a step and its profile
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = $SAMPLED_T (0.8) for
@@ -90,6 +93,10 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               dynamic:6,8,64+lookup16:shared --out "$out" ;;
     sprofile) run sprofile python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile profile_verify \
                 profile_draft --profile-verify-n 16 --profile-draft-trees dynamic:2,8,16+lookup12:shared --out "$out" ;;
+    sinductor) run sinductor bash -c "i=0; for opts in '' 'triton.enable_pdl=1' 'triton.enable_pdl=1 combo_kernels=1'; do \
+                 i=\$((i + 1)); SPECGRAPH_CAPTURE_CACHE=0 python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
+                 profile_draft --profile-draft-trees dynamic:2,8,16+lookup12:shared dynamic:4,8,32+lookup16:shared \
+                 \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;
     sdistill) run sdistill bash -c "env WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill \
