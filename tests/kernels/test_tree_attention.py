@@ -105,15 +105,15 @@ def test_triton_sliding_window_and_lanes():
 
 
 def test_head_dim_64_takes_16_row_tiles_up_to_96_rows_when_the_grid_is_short():
-    """A grid short of the SMs: 16-row tiles merging in the kernel up to SMALL_TILE_ROWS_D64 rows a KV head at head
-    dim <= 64 (SmolLM2's 16- and 32-node steps), SMALL_TILE_ROWS past it; 64-row split tiles beyond."""
-    from specgraph.kernels.tree_attention import SMALL_TILE_ROWS, SMALL_TILE_ROWS_D64, launch_config
+    """A grid short of the SMs: 16-row tiles merging in the kernel up to SMALL_TILE_ROWS_D64 (96) rows a KV head at
+    head dim <= 64 (SmolLM2's 16- and 32-node steps), up to SMALL_TILE_ROWS (32) at larger head dims; 64-row split
+    tiles merged by a second launch past them."""
+    from specgraph.kernels.tree_attention import launch_config
 
     def tile(rows, d):  # one KV head of 3 query heads: 3 programs of 16-row tiles, fewer than the CPU's 4 "SMs"
         config = launch_config(torch.empty(1, 3, rows // 3, d), 1, 512)
         return config["block_m"], config["merge_here"]
 
-    assert (SMALL_TILE_ROWS, SMALL_TILE_ROWS_D64) == (32, 96)
     assert tile(48, 64) == (16, True)
     assert tile(48, 128) == (64, False)
     assert tile(24, 128) == (16, True)
@@ -121,11 +121,12 @@ def test_head_dim_64_takes_16_row_tiles_up_to_96_rows_when_the_grid_is_short():
 
 @needs_triton
 def test_48_rows_in_16_row_tiles_merged_in_the_kernel():
+    """launch_config's own tiles for 48 rows of 64-dim heads (16 rows, merged in the kernel), split or not."""
     device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     case = make_case(41, b=1, h_kv=1, g=3, d=64, r=16, s_max=260, lanes=False, window=0).to(device=device)
     want = tree_attention_reference(*case.args())
     for splits in (1, 3):
-        torch.testing.assert_close(tree_attention_triton(*case.args(), num_splits=splits, block_m=16), want,
+        torch.testing.assert_close(tree_attention_triton(*case.args(), num_splits=splits), want,
                                    atol=TOLERANCE[torch.float32], rtol=0)
 
 
