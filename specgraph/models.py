@@ -143,10 +143,13 @@ def _is_joined(path: Path) -> bool:
 def qwen_coder_available(cache_dir: str | os.PathLike | None = None) -> bool:
     """Whether ``qwen_coder_gguf`` has its file: joined in ``cache_dir`` already (a machine staged without a
     package registry), or the ``qwen-coder`` extra's part packages installed."""
-    import importlib.util
-
-    return _is_joined(Path(cache_dir or cache_root()) / QWEN_CODER_FILE) or all(
-        importlib.util.find_spec(package.replace("-", "_")) is not None for package in QWEN_CODER_PACKAGES)
+    if _is_joined(Path(cache_dir or cache_root()) / QWEN_CODER_FILE):
+        return True
+    try:
+        QWEN_CODER.part_paths()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def load_qwen_coder(dtype=None, cache: bool = True):
