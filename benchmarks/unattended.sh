@@ -26,8 +26,9 @@
 # smedusa  the Medusa heads retrained on sdistill's answers ($MEDUSA_MIN minutes, 4; $MEDUSA_STEPS steps, 2000), then
 #          the shipped and the new heads' acceptance on all 80 MT-bench first turns, 256 tokens, greedy and T = 1
 #          (benchmarks/acceptance.py)
-# gtests   the GPU tests of programmatic dependent launch, of the continuous-batching stream, of the user's own
-#          generate beside the default background compile, and the whole step token-exact (steps of 16-64 rows)
+# gtests   tree attention's tests natively, the GPU tests of programmatic dependent launch, of the continuous-
+#          batching stream, of the user's own generate beside the default background compile, and the whole step
+#          token-exact (steps of 16-64 rows)
 # slowtests the tests marked slow (CI's 2 cores skip them): Qwen2.5-Coder's n-gram, EAGLE and Medusa drafts
 #          when QWEN_GGUF names the joined file (linked into specgraph's cache), else skipped, said so
 # pdl      benchmarks/fused_linear.py --pdl: layer chains of products, PDL off / on / prefetch
@@ -70,7 +71,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
   case $phase in
     smol) run smol smol --out "$out" ;;
     smolt1) run smolt1 smol --temperature 1 --out "$out" ;;
-    gtests) run gtests python3 -m pytest -q -p no:cacheprovider \
+    gtests) run gtests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_tree_attention.py \
               tests/kernels/test_kernels_gpu.py::test_pdl_chain_replayed_in_a_cuda_graph_equals_plain_launches \
               tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers \
               tests/test_generate_gpu.py::test_the_users_own_generate_beside_the_default_background_compile \
