@@ -12,6 +12,8 @@
 #          a process each (benchmarks/e2e.py --sections batch --batch-policy)
 # ssweep   SmolLM2 + the shipped head: compile's default tree against deeper and wider ones, 16 to 64 rows (steps
 #          of 17-64 rows fold under PDL since fbe6b55), 80 MT-bench + 40 HumanEval, 256 tokens, one run
+# strees   SmolLM2 + the shipped head: compile's default tree against 24-32-row trees of 3-4 draft steps (the CPU's
+#          ranking at 4 steps), 80 MT-bench + 40 HumanEval, 256 tokens, one run
 # sprofile where a step of compile's default on SmolLM2's shape goes (random weights, the shipped head's draft
 #          vocabulary, a 512-token prompt): plain, a 16-node verify, the default tree's whole step (e2e.py profiles)
 # sinductor the step of compile's default tree and of a 32-node one (e2e.py profile_draft, random weights) with
@@ -92,6 +94,9 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               --methods sg_plain sg_default --trees dynamic:3,8,16+lookup12:shared dynamic:2,8,24+lookup12:shared \
               dynamic:3,8,24+lookup12:shared dynamic:4,8,32+lookup16:shared dynamic:4,8,48+lookup16:shared \
               dynamic:6,8,64+lookup16:shared --out "$out" ;;
+    strees) run strees python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
+              --methods sg_plain sg_default --trees dynamic:4,8,24+lookup16:shared dynamic:4,8,32+lookup16:shared \
+              dynamic:3,8,32+lookup16:shared --out "$out" ;;
     sprofile) run sprofile python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile profile_verify \
                 profile_draft --profile-verify-n 16 --profile-draft-trees dynamic:2,8,16+lookup12:shared --out "$out" ;;
     sinductor) run sinductor bash -c "i=0; for opts in '' 'triton.enable_pdl=1' 'triton.enable_pdl=1 combo_kernels=1'; do \
