@@ -25,7 +25,7 @@ from torch import nn
 from ..kernels.bitmask import MAX_NODES
 from ..kernels.gumbel import coupled_scores
 from ..selection import expand_frontier, seed_frontier, select_tree, top_k
-from ..trees import Chain, DynamicTree, StaticTree, Tree, chain_mask, spec_parents
+from ..trees import DynamicTree, StaticTree, Tree, chain_mask, spec_parents
 from .base import Draft, DraftSession
 
 CHAIN_CHUNK = 32  # rows per call when the draft reads a prompt
