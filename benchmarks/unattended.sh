@@ -5,7 +5,7 @@
 #
 #   PHASES="smol gtests pdl" bash benchmarks/unattended.sh
 #
-# smol     SmolLM2 + the shipped head: compile's default tree against the previous default ((2, 8, 8) + lookup 8),
+# smol     SmolLM2 + the shipped head: compile's default tree against the previous default ((2, 8, 16) + lookup 12),
 #          80 MT-bench first turns and 40 HumanEval prompts, 256 tokens, one run (benchmarks/generate.py)
 # smolt1   the same at T = 1
 # policy   the 8B shape under forced acceptance: policy="cost" against every fixed mode, at each of $BATCHES (16 4),
@@ -58,7 +58,7 @@ LOGS=${LOGS:-$WORK/log}
 RESULTS=${RESULTS:-$WORK/results}
 QWEN=${QWEN_GGUF:-qwen-coder-1.5b}
 HEAD=$WORK/qwen/eagle3-vocab16384/best
-PREVIOUS=dynamic:2,8,8+lookup8  # compile's default tree before the shared lookup branch
+PREVIOUS=dynamic:2,8,16+lookup12:shared  # compile's default tree on one CUDA row before (3, 8, 32) + lookup 16
 mkdir -p "$LOGS" "$RESULTS"
 run() {  # PHASE COMMAND...: the command's console to the log, its status to the marker
   local phase=$1; shift

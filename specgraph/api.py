@@ -65,8 +65,8 @@ def compile(model, draft, tree=None, backend: str = "auto", max_batch: int = 1,
     ``max_length=`` is its old spelling (a FutureWarning; it goes after 0.1).
 
     ``tree=None``: the draft's own default for the model's device and batch size
-    (``Draft.default_tree``): for EAGLE-3 on one CUDA row, ``WithLookup(DynamicTree(2, 8, 16), 12,
-    shared=True)``, the measured best; otherwise ``Chain(4)``. With ``max_batch > 1`` (and
+    (``Draft.default_tree``): for EAGLE-3 on one CUDA row, ``WithLookup(DynamicTree(3, 8, 32), 16,
+    shared=True)``, the measured best (without PDL the 16-row one); otherwise ``Chain(4)``. With ``max_batch > 1`` (and
     ``policy="fixed"``) one-row calls still take the one-row default (``SpecConfig.tree_for``; logged on the
     ``specgraph`` logger).
 

@@ -44,6 +44,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..errors import CheckpointError
+from ..kernels.pdl import pdl_launch
 from ..passes import HiddenTaps
 from ..trees import Chain, DynamicTree, WithLookup
 from .checkpoint import check_fields, llama_config, read_checkpoint, write_checkpoint
@@ -174,10 +175,14 @@ class Eagle3(FeatureDraft):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def default_tree(self, device: torch.device, max_batch: int):
-        """On one CUDA row, DynamicTree(2, 8, 16) whose 16 nodes a 12-deep prompt-lookup chain competes for
-        (shared): the fastest of the trees measured end to end with the shipped SmolLM2 head (docs/benchmarks.md,
-        SmolLM2 speculation). Larger batches and CPUs pay for every verified node: a 4-deep chain."""
+        """On one CUDA row, the fastest tree measured end to end with the shipped SmolLM2 head (docs/benchmarks.md,
+        SmolLM2 speculation): DynamicTree(3, 8, 32) whose 32 nodes a 16-deep prompt-lookup chain competes for
+        (shared), where a step of 32 rows folds into ``fused_linear`` (PDL: Hopper and later); without PDL such
+        a step falls back to unfused kernels, so DynamicTree(2, 8, 16) with a 12-deep chain. Larger batches and
+        CPUs pay for every verified node: a 4-deep chain."""
         if device.type == "cuda" and max_batch == 1:
+            if pdl_launch(device):
+                return WithLookup(DynamicTree(3, 8, 32), 16, shared=True)
             return WithLookup(DynamicTree(2, 8, 16), 12, shared=True)
         return Chain(4)
 

@@ -198,19 +198,22 @@ def test_a_new_eagle3_head_refused_by_a_small_target_names_the_fix_and_stays_fre
     assert tuple(draft.aux_layer_ids) == (2, 2, 1)
 
 
-def test_tree_none_takes_the_drafts_default_for_the_device_and_batch():
-    """EAGLE-3 on one CUDA row: the measured best, DynamicTree(2, 8, 16) with a 12-deep lookup chain competing
-    for its nodes (a tree the head can fill); more rows, a CPU, or another draft: Chain(4). compile(tree=None)
-    takes it."""
+def test_tree_none_takes_the_drafts_default_for_the_device_and_batch(monkeypatch):
+    """EAGLE-3 on one CUDA row: the measured best, DynamicTree(3, 8, 32) with a 16-deep lookup chain competing
+    for its nodes where 32-row steps fold (PDL), DynamicTree(2, 8, 16) with a 12-deep chain where they do not
+    (trees the head can fill); more rows, a CPU, or another draft: Chain(4). compile(tree=None) takes it."""
     from specgraph import WithLookup
     from specgraph.api import draft_tree
+    from specgraph.drafts import eagle3 as eagle3_module
 
     model = tiny_model("llama")
     eagle3, eagle = make_draft("eagle3", model), make_draft("eagle", model)
-    best = WithLookup(DynamicTree(2, 8, 16), 12, shared=True)
-    assert eagle3.default_tree(torch.device("cuda"), 1) == best
-    assert eagle3.tree_problems(draft_tree(best)) == []
-    assert eagle3.default_tree(torch.device("cuda"), 4) == Chain(4)
+    for pdl, best in ((True, WithLookup(DynamicTree(3, 8, 32), 16, shared=True)),
+                      (False, WithLookup(DynamicTree(2, 8, 16), 12, shared=True))):
+        monkeypatch.setattr(eagle3_module, "pdl_launch", lambda device, pdl=pdl: pdl)
+        assert eagle3.default_tree(torch.device("cuda"), 1) == best
+        assert eagle3.tree_problems(draft_tree(best)) == []
+        assert eagle3.default_tree(torch.device("cuda"), 4) == Chain(4)
     assert eagle3.default_tree(torch.device("cpu"), 1) == Chain(4)
     assert eagle.default_tree(torch.device("cuda"), 1) == Chain(4)
     assert specgraph.compile(model, eagle3, max_cache_len=64).config.tree == Chain(4)  # the model is on the CPU
