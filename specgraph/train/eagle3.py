@@ -205,15 +205,17 @@ def new_eagle3_for(model, examples: list[dict] | None = None, draft_vocab_size: 
         draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
     draft.embed_tokens.weight.requires_grad_(False)
     if init_from is not None:
-        warm_start(draft, init_from)
+        warm_start(draft, init_from, model.get_output_embeddings().weight)
     return draft.to(device=next(model.parameters()).device, dtype=torch.float32)
 
 
-def warm_start(draft: Eagle3, source: Eagle3) -> list[str]:
+def warm_start(draft: Eagle3, source: Eagle3, target_head: torch.Tensor | None = None) -> list[str]:
     """Copy ``source``'s trained weights into ``draft`` (a new head for the same target): every
     tensor of the same name and shape, and LM-head rows by target token id, so a head can grow its
-    draft vocabulary and keep what it learnt; rows of tokens new to the vocabulary keep their
-    initialisation. Returns the names copied; raises if the two read other target features."""
+    draft vocabulary and keep what it learnt. Rows of tokens new to the vocabulary: with ``target_head``
+    (the target's LM head, [V, H]) its rows mapped into the source head's space by the least-squares map
+    that takes its rows of the shared tokens to the source's (``mapped_rows``), else their initialisation.
+    Returns the names copied; raises if the two read other target features."""
     if (tuple(source.aux_layer_ids or ()), source.aux_convention) != (tuple(draft.aux_layer_ids or ()),
                                                                      draft.aux_convention):
         raise ValueError(f"init_from taps layers {source.aux_layer_ids} ({source.aux_convention}), the new head "
@@ -237,7 +239,28 @@ def warm_start(draft: Eagle3, source: Eagle3) -> list[str]:
                 new_rows, old_rows = (torch.tensor(x) for x in zip(*pairs))
                 draft.lm_head.weight[new_rows] = source.lm_head.weight[old_rows].to(draft.lm_head.weight)
                 copied.append(f"lm_head.weight ({len(pairs)} of {draft.draft_vocab_size} rows)")
+                fresh = torch.ones(draft.draft_vocab_size, dtype=torch.bool)
+                fresh[new_rows] = False
+                if target_head is not None and bool(fresh.any()):
+                    ids, head = target_ids(draft).cpu(), target_head.detach().cpu()
+                    rows = mapped_rows(head[ids[new_rows]], source.lm_head.weight[old_rows].cpu(), head[ids[fresh]])
+                    draft.lm_head.weight[fresh.to(draft.lm_head.weight.device)] = rows.to(draft.lm_head.weight)
+                    copied.append(f"lm_head.weight ({int(fresh.sum())} new rows mapped from the target's)")
     missing = [n for n in mine if not n.startswith(skip) and n not in copied]
     if missing:
         raise ValueError(f"init_from has no weights of the new head's shape for {missing}")
     return copied
+
+
+def mapped_rows(target_shared: torch.Tensor, head_shared: torch.Tensor, target_new: torch.Tensor,
+                ridge: float = 1e-3) -> torch.Tensor:
+    """Rows for tokens new to a grown draft vocabulary: ``target_new`` [n, H] (the target's LM-head rows of
+    those tokens) through the ridge least-squares map A [H, H] with ``target_shared @ A ≈ head_shared`` (the
+    two heads' rows of the tokens both have, [m, H] each; float64; ``ridge`` relative to the mean of
+    ``target_shared``'s Gram diagonal, so the map does not depend on the rows' scale): a trained head's rows
+    are not the target's, but a linear map of them predicts its rows far better than a random start."""
+    x, y = target_shared.double(), head_shared.double()
+    gram = x.T @ x
+    damping = ridge * gram.diagonal().mean().clamp_min(torch.finfo(x.dtype).tiny)
+    a = torch.linalg.solve(gram + damping * torch.eye(x.shape[1], dtype=x.dtype, device=x.device), x.T @ y)
+    return target_new.double() @ a

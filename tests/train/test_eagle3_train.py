@@ -214,6 +214,51 @@ def test_a_warm_start_keeps_what_the_source_head_learnt_and_grows_its_vocabulary
         warm_start(other, source)
 
 
+def test_mapped_rows_recover_a_linear_map_of_the_target_rows():
+    """Where the head's rows are a linear map of the target's (float64 oracle: T @ A), the map fitted on the
+    shared rows gives the new rows to rounding, whatever the rows' scale; a huge ridge does not (control)."""
+    from specgraph.train.eagle3 import mapped_rows
+
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(300, 16, generator=g, dtype=torch.float64)
+    a = torch.randn(16, 16, generator=g, dtype=torch.float64)
+    for scale in (1e-3, 1.0, 50.0):
+        t = target * scale
+        got = mapped_rows(t[:200], t[:200] @ a, t[200:], ridge=1e-12)
+        torch.testing.assert_close(got, t[200:] @ a, rtol=1e-6, atol=1e-9 * scale)
+    shrunk = mapped_rows(target[:200], target[:200] @ a, target[200:], ridge=1e3)
+    assert (shrunk - target[200:] @ a).norm() > 0.5 * (target[200:] @ a).norm()
+
+
+@torch.no_grad()
+def test_a_grown_vocabularys_new_rows_start_from_the_target_rows_mapped():
+    """init_from growing the vocabulary: where the source's LM-head rows are a linear map of the target's,
+    the new tokens' rows come out close to that map of their target rows, where warm_start without the
+    target's rows leaves them at their random initialisation (control); the carried rows stay the source's."""
+    from specgraph.train.eagle3 import warm_start
+
+    model = frozen_target()
+    examples = self_distilled(model, 16)
+    torch.manual_seed(2)
+    source = new_eagle3_for(model, examples, draft_vocab_size=70, aux_layer_ids=(0, 1, 1))
+    target_rows = model.get_output_embeddings().weight.double()
+    planted = torch.randn(target_rows.shape[1], target_rows.shape[1], dtype=torch.float64)
+    source_ids = torch.arange(70) + source.d2t
+    source.lm_head.weight.copy_((target_rows[source_ids] @ planted).float())
+    grown = new_eagle3_for(model, examples, draft_vocab_size=100, init_from=source)
+    control = new_eagle3_for(model, examples, draft_vocab_size=100, aux_layer_ids=(0, 1, 1))
+    warm_start(control, source)
+    grown_ids = torch.arange(100) + grown.d2t
+    fresh = torch.tensor([t not in source_ids.tolist() for t in grown_ids.tolist()])
+    assert fresh.sum() == 30
+    expected = target_rows[grown_ids] @ planted
+    torch.testing.assert_close(grown.lm_head.weight[~fresh].double(), expected[~fresh], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(control.lm_head.weight[~fresh], grown.lm_head.weight[~fresh])
+    cosine = torch.nn.functional.cosine_similarity
+    assert cosine(grown.lm_head.weight[fresh].double(), expected[fresh], dim=1).mean() > 0.9
+    assert cosine(control.lm_head.weight[fresh].double(), expected[fresh], dim=1).abs().mean() < 0.3
+
+
 @torch.no_grad()
 def test_padding_to_the_width_multiple_changes_no_loss_or_metric():
     """collate pads T up to PAD_MULTIPLE (fewer shapes for per-shape kernel plans): the padded rows carry
