@@ -383,8 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "tokens); 0: the full vocabulary through the target's own LM head (no vocabulary matrix)")
     train.add_argument("--ttt-steps", type=whole_number(1), default=7, help="EAGLE-3 training-time-test unroll")
     train.add_argument("--init-from", default=None, help="EAGLE-3: start from this trained head (a directory or hub "
-                       "id; same taps; LM-head rows carried over by token id, so --draft-vocab may grow: new tokens' rows start "
-                       "from the target's LM-head rows mapped into the head's space)")
+                       "id; same taps; LM-head rows carried over by token id, so --draft-vocab may grow: new "
+                       "tokens' rows start from the target's LM-head rows mapped into the head's space)")
     train.add_argument("--limit", type=whole_number(1), default=2000, help="ShareGPT conversations to use")
     train.add_argument("--max-length", type=whole_number(1), default=1024)
     train.add_argument("--max-new-tokens", type=whole_number(1), default=512, help="per regenerated assistant turn")

@@ -6,8 +6,8 @@ tokens of the training conversations (``train.eagle3.select_vocab``'s rule), cou
 A token outside the draft vocabulary is never drafted, so at T = 1 (coupled drafts: the target's draw is one
 token) the share is a ceiling on the acceptance at every depth; greedy, on the first depth's.
 
-    python3 benchmarks/investigations/vocab_coverage.py --state DIR --head specgraph/heads/smollm2-135m-instruct-eagle3 \\
-        --sizes 8192 16384 24576 32768 --out FILE.json
+    python3 benchmarks/investigations/vocab_coverage.py --state DIR \\
+        --head specgraph/heads/smollm2-135m-instruct-eagle3 --sizes 8192 16384 24576 32768 --out FILE.json
 """
 from __future__ import annotations
 

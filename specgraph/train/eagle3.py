@@ -205,7 +205,8 @@ def new_eagle3_for(model, examples: list[dict] | None = None, draft_vocab_size: 
         draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
     draft.embed_tokens.weight.requires_grad_(False)
     if init_from is not None:
-        warm_start(draft, init_from, model.get_output_embeddings().weight)
+        target_head = model.get_output_embeddings()
+        warm_start(draft, init_from, None if target_head is None else target_head.weight)
     return draft.to(device=next(model.parameters()).device, dtype=torch.float32)
 
 
