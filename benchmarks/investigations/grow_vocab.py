@@ -1,6 +1,6 @@
 """A trained EAGLE-3 head with a larger draft vocabulary and no further training: the K most frequent answer tokens
 of self-distilled data (``python -m specgraph.train.distill``'s ``state-{variant}.pt``, the held-out conversations
-left out, as training counts them), the head's own LM-head rows carried by token id, and the new tokens' rows
+left out: ``vocab_coverage.training_vocab``), the head's own LM-head rows carried by token id, and the new tokens' rows
 either mapped from the target's LM-head rows (``train.eagle3.warm_start`` as ``specgraph train --init-from``
 does) or left at a random initialisation. Measure the result with ``benchmarks/acceptance.py --eagle3 OUT``.
 
@@ -16,6 +16,7 @@ import torch
 from specgraph.drafts import Eagle3
 from specgraph.models import default_draft_path, load_gguf
 from specgraph.train.eagle3 import warm_start
+from vocab_coverage import answers, training_vocab  # this folder's
 
 
 def main() -> None:
@@ -32,14 +33,8 @@ def main() -> None:
     target = load_gguf()
     target = target[0] if isinstance(target, tuple) else target
     source = Eagle3.from_pretrained(args.head)
-    vocab_size = target.config.vocab_size
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for state in sorted(args.state.glob("state-*.pt")):
-        for conversation in torch.load(state, weights_only=False)["answers"][args.held_out:]:
-            for turn in conversation:
-                if turn:
-                    counts += torch.bincount(torch.tensor(turn, dtype=torch.int64), minlength=vocab_size)
-    vocab = torch.sort(-counts, stable=True).indices[: args.size].sort().values
+    variants = {path.stem: answers(path) for path in sorted(args.state.glob("state-*.pt"))}
+    vocab = training_vocab(variants, args.held_out, args.size, target.config.vocab_size)
     torch.manual_seed(args.seed)
     grown = Eagle3.for_target(target, draft_vocab=vocab, aux_layer_ids=source.aux_layer_ids,
                               aux_convention=source.aux_convention)

@@ -18,12 +18,22 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from specgraph.train.eagle3 import select_vocab
+
 
 def answers(state: Path) -> list[list[torch.Tensor]]:
     """Per conversation (distill's shuffled order: training holds out the first ones), its answers' ids."""
     progress = torch.load(state, weights_only=False)
     return [[torch.tensor(turn, dtype=torch.int64) for turn in conversation if turn]
             for conversation in progress["answers"]]
+
+
+def training_vocab(variants: dict[str, list[list[torch.Tensor]]], held_out: int, size: int,
+                   vocab_size: int) -> torch.Tensor:
+    """``select_vocab``'s ``size`` tokens over every variant's answers, the first ``held_out`` conversations left out."""
+    examples = [{"input_ids": turn, "loss_mask": torch.ones_like(turn, dtype=torch.bool)}
+                for convs in variants.values() for conversation in convs[held_out:] for turn in conversation]
+    return select_vocab(examples, size, vocab_size)
 
 
 def main() -> None:
@@ -40,13 +50,7 @@ def main() -> None:
     if not variants:
         raise SystemExit(f"--state {args.state}: no state-*.pt (written by python -m specgraph.train.distill)")
     held = {name: torch.cat([t for c in convs[: args.held_out] for t in c]) for name, convs in variants.items()}
-    counts = torch.zeros(args.vocab_size, dtype=torch.int64)
-    for convs in variants.values():
-        for conversation in convs[args.held_out:]:
-            for turn in conversation:
-                counts += torch.bincount(turn, minlength=args.vocab_size)
-    order = torch.sort(-counts, stable=True).indices
-    vocabs = {f"top {k}": order[:k] for k in args.sizes}
+    vocabs = {f"top {k}": training_vocab(variants, args.held_out, k, args.vocab_size) for k in args.sizes}
     if args.head is not None:
         weights = {}
         for file in sorted(args.head.glob("*.safetensors")):
