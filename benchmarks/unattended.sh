@@ -22,7 +22,8 @@
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
 #          rows, fixed batches against the stream, the stream's ms a step and its profile
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at each T of $SAMPLED_T
-#          (0.8) for $SAMPLED_MIN each (0: none); with DISTILL_STATE (a folder of sdata's parts), resumed from them
+#          (0.8) for $SAMPLED_MIN each (0: none); with DISTILL_STATE (a folder of sdata's parts), resumed from them;
+#          each box includes its first batch's compile (~1 minute on an H100): give each at least 2
 # sdata    sdistill's answers so far (its resumable state) packed into 15 MB parts, $RESULTS/sdata/
 #          distill-state.tgz.partNN, to bring back and carry to the next machine (DISTILL_STATE): the data grows
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides;
