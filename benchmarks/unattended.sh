@@ -27,7 +27,8 @@
 # sdata    sdistill's answers so far (its resumable state) packed into 15 MB parts, $RESULTS/sdata/
 #          distill-state.tgz.partNN, to bring back and carry to the next machine (DISTILL_STATE): the data grows
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides;
-#          $VOCAB draft tokens, 8192: a larger one keeps the shipped rows by token id)
+#          $VOCAB draft tokens, 8192: a larger one keeps the shipped rows by token id; the learning rate's cosine
+#          ends with the minutes, ANNEAL=1, unless ANNEAL=0)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # scompare1 the same at T = 1
 # smedusa  the Medusa heads retrained on sdistill's answers ($MEDUSA_MIN minutes, 4; $MEDUSA_STEPS steps, 2000), then
@@ -121,7 +122,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                 bash benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; done; [ -d $WORK/smol/data/greedy ]" ;;
     sdata) run sdata bash -c "cd $WORK/smol/data && tar czf - state-*.pt summary.json | split -b 15M -d - \
              $out/distill-state.tgz.part && ls -l $out" ;;
-    strain) run strain env WORK="$WORK/smol" MASK_REPEATS=16 VOCAB="${VOCAB:-8192}" BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" \
+    strain) run strain env WORK="$WORK/smol" ANNEAL="${ANNEAL:-1}" MASK_REPEATS=16 VOCAB="${VOCAB:-8192}" BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" \
               EVAL_EVERY=400 INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
               bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
     scompare|scompare1) run $phase python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
@@ -133,7 +134,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                benchmarks/acceptance.py --medusa \${head#*:} --trees chain1 chain1 --skip eagle3-chain1-T0 \
                eagle3-chain1-T1 --out $out/\${head%%:*} || exit; done" ;;
     qdistill) run qdistill env TARGET="$QWEN" WORK="$WORK/qwen" bash benchmarks/smollm2_heads.sh distill "${DISTILL_MIN:-4}" ;;
-    qtrain) run qtrain env TARGET="$QWEN" WORK="$WORK/qwen" MASK_REPEATS=16 VOCAB=16384 BATCH=16 LR=3e-4 \
+    qtrain) run qtrain env TARGET="$QWEN" WORK="$WORK/qwen" ANNEAL="${ANNEAL:-1}" MASK_REPEATS=16 VOCAB=16384 BATCH=16 LR=3e-4 \
               STEPS="${STEPS:-3000}" EVAL_EVERY=200 bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
     qtable) run qtable python3 benchmarks/generate.py --model "$QWEN" --prompt-set humaneval mt-bench --prompts 8 8 \
               --max-new-tokens 256 --methods sg_plain sg_default hf_static --eagle3 "$HEAD" --trees chain4 "$PREVIOUS" \

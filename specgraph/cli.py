@@ -149,6 +149,7 @@ def _train(args: argparse.Namespace) -> int:
                          eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
                          max_shard_bytes=None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20),
                          select=args.select, patience=args.patience, seed=args.seed,
+                         anneal_to_deadline=args.anneal_to_deadline,
                          run=dict(target=run_identity(model), draft=args.draft, ttt_steps=args.ttt_steps,
                                   mask_repeats=args.mask_repeats, max_length=args.max_length, data=args.data,
                                   shards=args.shards, limit=args.limit, draft_vocab=args.draft_vocab,
@@ -401,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep each conversation's first K exchanges")
     train.add_argument("--max-minutes", type=number(0.0, above=True), default=None,
                        help="stop cleanly after this long (regeneration chunks and training are saved; rerun resumes)")
+    train.add_argument("--anneal-to-deadline", action="store_true", help="with --max-minutes: the learning rate's "
+                       "cosine ends when the minutes do (or at --steps, if sooner), for a run that will not be resumed")
     train.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                        help="dtype of the saved head (the trainer state keeps fp32)")
     train.add_argument("--max-shard-mb", type=number(0.0, above=True), default=None,

@@ -81,7 +81,7 @@ SHARDS_ONLY = ("variants", "held_out")
 def check_train_flags(args, parser) -> None:
     """``specgraph train``'s flags that this command line sets (to other than ``parser``'s defaults) and the run
     would ignore, refused before any work: the other head's, --shards' without --shards; --patience without
-    --select."""
+    --select; --anneal-to-deadline without --max-minutes."""
     from .errors import SettingError
 
     def given(dests) -> list[str]:
@@ -97,6 +97,8 @@ def check_train_flags(args, parser) -> None:
                            f"specgraph.train.distill` writes); without it they would be ignored")
     if args.patience is not None and args.select is None:
         raise SettingError("--patience needs --select (the held-out metric to watch, e.g. eval_tau)")
+    if args.anneal_to_deadline and args.max_minutes is None:
+        raise SettingError("--anneal-to-deadline needs --max-minutes (the deadline the schedule ends at)")
 
 
 def check_train_data(args) -> None:

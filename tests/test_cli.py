@@ -92,6 +92,8 @@ def test_train_on_distilled_shards_keeps_the_best_head_by_held_out_tau(tmp_path)
     # the same command trains the same head (its initial weights are seeded); another --seed another one
     assert [h["loss"] for h in run(tmp_path / "again")] == [h["loss"] for h in history]
     assert run(tmp_path / "seed1", "--seed", "1")[0]["loss"] != history[0]["loss"]
+    run(tmp_path / "annealed", "--max-minutes", "10", "--anneal-to-deadline")  # the schedule ends at the deadline
+    assert torch.load(tmp_path / "annealed" / "trainer.pt", weights_only=False)["config"]["anneal_to_deadline"]
     import specgraph.cli as cli  # the same command again: nothing to train, so no model is even loaded
 
     def refuse(*args, **kwargs):
@@ -287,8 +289,9 @@ def test_export_checks_its_arguments_before_loading_the_target(tmp_path, capsys,
 
 
 def test_train_checks_its_inputs_and_flags_before_loading_the_target(tmp_path, capsys, no_target):
-    """--data (missing, not ShareGPT), --shards, --init-from, --cache, --patience without --select, and flags the
-    run would ignore (the other head's, --shards' without --shards): one line each, before the target loads."""
+    """--data (missing, not ShareGPT), --shards, --init-from, --cache, --patience without --select,
+    --anneal-to-deadline without --max-minutes, and flags the run would ignore (the other head's, --shards'
+    without --shards): one line each, before the target loads."""
     good = tmp_path / "good.json"
     good.write_text('[{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]')
     (tmp_path / "bad.csv").write_text("prompt,answer\n")
@@ -303,6 +306,7 @@ def test_train_checks_its_inputs_and_flags_before_loading_the_target(tmp_path, c
             (["eagle3", "--data", str(good), "--cache", str(tmp_path / "a-file" / "c")],
              "--cache .* cannot be written"),
             (["eagle3", "--data", str(good), "--patience", "2"], "--patience needs --select"),
+            (["eagle3", "--data", str(good), "--anneal-to-deadline"], "--anneal-to-deadline needs --max-minutes"),
             (["medusa", "--data", str(good), "--ttt-steps", "3", "--draft-vocab", "5"],
              "--draft-vocab, --ttt-steps: for EAGLE-3 heads; `specgraph train medusa` would ignore them"),
             (["medusa", "--data", str(good), "--init-from", str(tmp_path)], "--init-from: for EAGLE-3 heads"),

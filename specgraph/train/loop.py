@@ -1,5 +1,5 @@
 """The training loop every draft trainer shares: frozen target, AdamW with warm-up and cosine
-decay, gradient clipping, bf16 autocast on CUDA, tqdm, periodic held-out eval, checkpoints, resume,
+decay (over ``steps``, or ending at the deadline with ``anneal_to_deadline``), gradient clipping, bf16 autocast on CUDA, tqdm, periodic held-out eval, checkpoints, resume,
 early stopping. A step whose gradient is not finite is skipped (its history entry's ``skipped`` names the
 parameters whose gradient was).
 
@@ -57,6 +57,9 @@ class TrainConfig:
     patience: int | None = None  # evaluations without a new best before stopping (needs select)
     save_dtype: str | None = None  # e.g. "bfloat16": the checkpoint's weights (trainer.pt keeps full precision)
     max_shard_bytes: int | None = None  # split the checkpoint's safetensors (HF index) above this size
+    # with a deadline, the cosine ends at the deadline or at ``steps``, whichever comes first (a time-boxed run
+    # that stops mid-schedule keeps a learning rate near its peak to the end); see ``decay_progress``
+    anneal_to_deadline: bool = False
     # what else shapes the run, compared on resume like the fields above: the target's identity, the loss's
     # settings, the data (the CLI fills it)
     run: dict = field(default_factory=dict)
@@ -91,14 +94,28 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
+def lr_lambda(config: TrainConfig, progress: Callable[[], float] | None = None) -> Callable[[int], float]:
+    """Linear warm-up, then a cosine over ``progress()`` (default: the steps after warm-up over ``steps``)."""
     def factor(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        done = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, done if progress is None else progress())))
 
     return factor
+
+
+def decay_progress(progress: float, steps_done: int, config: TrainConfig, step_seconds: float,
+                   seconds_left: float) -> float:
+    """How far the cosine is after ``steps_done`` steps when it must end by a deadline ``seconds_left`` away:
+    the remaining part shrinks as if every step left took this one's ``step_seconds`` (1 / (remaining steps + 1)
+    of it per step, so at a steady pace progress is linear in time and reaches 1 at the deadline), and never
+    lags the count (``steps`` still ends it)."""
+    if steps_done <= config.warmup_steps:  # the decay starts after the warm-up's last step
+        return 0.0
+    by_count = (steps_done - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    by_time = 1.0 if seconds_left <= 0 else progress + (1 - progress) * step_seconds / (step_seconds + seconds_left)
+    return min(1.0, max(by_count, by_time))
 
 
 def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainConfig, out: str | Path,
@@ -106,7 +123,7 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
           deadline: float | None = None) -> list[dict]:
     """Optimise ``draft``'s trainable parameters; returns the logged history. Resumes from ``out``;
     ``stop_at`` (a step) or ``deadline`` (a ``time.time()``) ends this run early, checkpointed, e.g. to
-    split a run into time slots."""
+    split a run into time slots; a run the deadline ends has its last weights scored (``select``: kept if best)."""
     from ..cli_io import writable_dir
 
     out = Path(out)
@@ -124,9 +141,11 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         _check_select(draft, loss_fn, eval_examples, config.select, device)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     lengths = [len(e["input_ids"]) for e in examples]
-    state = {"step": 0, "history": [], "epoch": 0, "batch": 0, "best": None, "since_best": 0}
+    state = {"step": 0, "history": [], "epoch": 0, "batch": 0, "best": None, "since_best": 0, "progress": 0.0}
+    anneal = config.anneal_to_deadline and deadline is not None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, (lambda: state["progress"])
+                                                                         if anneal else None))
     state_file = out / "trainer.pt"
     if state_file.is_file():  # resume: draft weights, optimizer, schedule, data position, history
         saved = torch.load(state_file, weights_only=False)
@@ -142,9 +161,15 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
     last = min(config.steps, stop_at if stop_at is not None else config.steps)
     batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
     unsaved = False
+    tick = time.time()  # when the last step ended (annealing to the deadline paces itself by it)
     while state["step"] < last:
         if deadline is not None and time.time() > deadline:
             unsaved = True  # a checkpoint to resume from, even with no step taken
+            if eval_examples and history and "eval_loss" not in history[-1]:  # the weights it ends with, scored
+                with autocast:
+                    history[-1].update({f"eval_{k}": v for k, v in evaluate(
+                        draft, loss_fn, eval_examples, config.batch_size, device).items()})
+                _track_best(draft, history[-1], state, config, out)
             break
         if state["batch"] >= len(batches):
             state["epoch"], state["batch"] = state["epoch"] + 1, 0
@@ -161,6 +186,11 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
         finite = bool(torch.isfinite(grad_norm))
         if finite:  # AdamW would carry one batch's inf/nan gradient into every weight: skip the step
             optimizer.step()
+        if anneal:
+            now = time.time()
+            state["progress"] = decay_progress(state["progress"], state["step"] + 1, config, now - tick,
+                                               deadline - now)
+            tick = now
         scheduler.step()
         state["step"] += 1
         step = state["step"]
@@ -219,7 +249,8 @@ def check_config(config: TrainConfig) -> None:
         raise SettingError(f"TrainConfig.max_shard_bytes={config.max_shard_bytes!r}: a whole number >= 1, or None")
 
 
-RUN_FIELDS = ("steps", "batch_size", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed")  # shape the run
+RUN_FIELDS = ("steps", "batch_size", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed",  # shape the run
+              "anneal_to_deadline")
 
 
 def _check_resumable(saved: dict, config: TrainConfig, draft, out: Path) -> None:

@@ -119,7 +119,7 @@ def test_a_checkpoint_resumes_only_its_own_run(tmp_path):
     config = TrainConfig(steps=4, batch_size=2, lr=0.1, warmup_steps=1, save_every=2)
     draft = Scalar()
     train(draft, scripted(draft, {}, [0]), examples, config, tmp_path, stop_at=2)
-    for changed in (dict(lr=1e-6), dict(batch_size=4), dict(steps=8)):
+    for changed in (dict(lr=1e-6), dict(batch_size=4), dict(steps=8), dict(anneal_to_deadline=True)):
         with pytest.raises(SettingError, match=f"{next(iter(changed))}=.* -> "):
             train(draft, scripted(draft, {}, [0]), examples, TrainConfig(**{**config.__dict__, **changed}), tmp_path)
     # what TrainConfig.run names (the CLI: the target's identity, the loss's settings, the data): the same
@@ -174,3 +174,62 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_not_taken(tmp_path):
     assert all(math.isfinite(w) for w in weights.values()) and math.isfinite(float(draft.w))
     assert weights[4] == weights[3] != weights[2]  # step 3 changed nothing; step 2 did
     assert weights[5] != weights[4]
+
+
+class Clock:
+    """time.time for the loop: a training step takes one second (the loss function advances it)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_annealing_to_the_deadline_ends_the_cosine_when_the_time_does(tmp_path, monkeypatch):
+    """20 one-second steps fit before the deadline of a 1,000-step schedule: annealed, the learning rate falls
+    with the time left and reaches 0 at the deadline; by the count (the control) it is still ~0.99 of its peak.
+    Either way the weights the run ends with are scored, and kept as best if they are."""
+    import specgraph.train.loop as loop
+
+    clock = Clock()
+    monkeypatch.setattr(loop, "time", clock)
+    examples = [{"input_ids": torch.ones(3, dtype=torch.int64), "loss_mask": torch.ones(3, dtype=torch.bool)}] * 5
+    lrs = {}
+    for anneal in (True, False):
+        draft, step = Scalar(), [0]
+
+        def loss_fn(batch, draft=draft, step=step):
+            if draft.training:
+                step[0] += 1
+                clock.now += 1.0
+            return (draft.w - 1.0) ** 2, {"tau": torch.tensor(float(step[0]))}  # the latest weights score best
+
+        config = TrainConfig(steps=1000, batch_size=2, lr=0.1, warmup_steps=2, eval_every=8, save_every=1000,
+                             select="eval_tau", anneal_to_deadline=anneal)
+        history = train(draft, loss_fn, examples, config, tmp_path / str(anneal), eval_examples=examples[:1],
+                        deadline=clock.now + 20)
+        assert history[-1]["step"] == 21  # stopped by the deadline (checked before each step), not by the count
+        lrs[anneal] = [h["lr"] for h in history]
+        assert history[-1]["eval_tau"] == 21  # the last weights scored at the deadline, not only at step 16
+        best = torch.load(tmp_path / str(anneal) / "trainer.pt", weights_only=False)["best"]
+        assert best == {"step": 21, "value": 21}
+    annealed, counted = lrs[True], lrs[False]
+    assert annealed[:2] == counted[:2]  # the warm-up is the same
+    assert all(a >= b for a, b in zip(annealed[1:], annealed[2:]))  # falls, and only after the warm-up
+    assert annealed[19] == 0.0 and annealed[9] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 8 / 18)))
+    assert min(counted[2:]) > 0.099  # the control: by the count, 21 of 1,000 steps leave it near its peak
+
+
+def test_decay_progress_is_linear_in_time_at_a_steady_pace_and_never_lags_the_count():
+    from specgraph.train.loop import decay_progress
+
+    config = TrainConfig(steps=100, warmup_steps=10)
+    progress, trail = 0.0, []
+    for done in range(1, 41):  # one second a step, the deadline 30 s after the warm-up
+        progress = decay_progress(progress, done, config, 1.0, max(0.0, 40.0 - done))
+        trail.append(progress)
+    assert trail[:10] == [0.0] * 10  # no decay during the warm-up
+    assert trail[9:] == pytest.approx([(done - 10) / 30 for done in range(10, 41)])
+    assert decay_progress(0.0, 95, config, 1.0, 1e9) == pytest.approx(85 / 90)  # far deadline: the count rules
+    assert decay_progress(0.2, 50, config, 5.0, 0.0) == 1.0  # the deadline passed
