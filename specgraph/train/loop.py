@@ -1,7 +1,7 @@
 """The training loop every draft trainer shares: frozen target, AdamW with warm-up and cosine
-decay (over ``steps``, or ending at the deadline with ``anneal_to_deadline``), gradient clipping, bf16 autocast on CUDA, tqdm, periodic held-out eval, checkpoints, resume,
-early stopping. A step whose gradient is not finite is skipped (its history entry's ``skipped`` names the
-parameters whose gradient was).
+decay (over ``steps``, or ending at the deadline with ``anneal_to_deadline``), gradient clipping,
+bf16 autocast on CUDA, tqdm, periodic held-out eval, checkpoints, resume, early stopping. A step whose
+gradient is not finite is skipped (its history entry's ``skipped`` names the parameters whose gradient was).
 
 A trainer supplies ``loss_fn(batch) -> (loss, metrics)`` over batches of
 examples (``{"input_ids": [T], "loss_mask": [T]}``) and the draft module to
