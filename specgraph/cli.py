@@ -114,10 +114,11 @@ def _train(args: argparse.Namespace) -> int:
 
         try:
             shards = load_shards(args.shards, args.variants)
+            extra = [e for folder in args.extra_shards or () for e in load_shards(folder)]
         except FileNotFoundError as err:  # no shards there (of those variants): named with its flag
-            raise SettingError(f"--shards {err}") from None
+            raise SettingError(f"--shards / --extra-shards {err}") from None
         examples, held = split_held_out(shards, args.held_out)
-        examples = held + examples  # held-out first, as below
+        examples = held + examples + extra  # held-out first, as below; the extra folders train only
         held_out = len(held)
     model, tokenizer = load_target(args.target)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
@@ -152,8 +153,9 @@ def _train(args: argparse.Namespace) -> int:
                          anneal_to_deadline=args.anneal_to_deadline,
                          run=dict(target=run_identity(model), draft=args.draft, ttt_steps=args.ttt_steps,
                                   mask_repeats=args.mask_repeats, max_length=args.max_length, data=args.data,
-                                  shards=args.shards, limit=args.limit, draft_vocab=args.draft_vocab,
-                                  heads=args.heads, held_out_first_answer=args.held_out_first_answer))
+                                  shards=args.shards, extra_shards=args.extra_shards, limit=args.limit,
+                                  draft_vocab=args.draft_vocab, heads=args.heads,
+                                  held_out_first_answer=args.held_out_first_answer))
     torch.manual_seed(args.seed)  # the new head's weights: the same command trains the same head
     if args.draft == "medusa":
         draft = new_medusa_for(model, num_heads=args.heads, own_lm_head=not args.shared_lm_head)
@@ -411,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--shards", default=None, help="train on the token shards that `python -m "
                        "specgraph.train.distill` wrote in this folder (instead of --data/--limit/regeneration)")
     train.add_argument("--variants", nargs="+", default=None, help="with --shards: only these variants (greedy, t0.8, ...)")
+    train.add_argument("--extra-shards", nargs="+", default=None, metavar="DIR", help="with --shards: more distill "
+                       "folders to train on (every variant; e.g. answers to self-written prompts), none held out")
     train.add_argument("--held-out", type=whole_number(0), default=200,  # train.distill.HELD_OUT_CONVERSATIONS
                        help="with --shards: conversations held out (evaluated on "
                        "their greedy variant)")

@@ -75,7 +75,7 @@ def writable_dir(path, flag: str):
 
 EAGLE3_ONLY = ("draft_vocab", "ttt_steps", "init_from")  # `specgraph train` flags only one head, or --shards, reads
 MEDUSA_ONLY = ("heads", "shared_lm_head")
-SHARDS_ONLY = ("variants", "held_out")
+SHARDS_ONLY = ("variants", "held_out", "extra_shards")
 
 
 def check_train_flags(args, parser) -> None:

@@ -94,6 +94,13 @@ def test_train_on_distilled_shards_keeps_the_best_head_by_held_out_tau(tmp_path)
     assert run(tmp_path / "seed1", "--seed", "1")[0]["loss"] != history[0]["loss"]
     run(tmp_path / "annealed", "--max-minutes", "10", "--anneal-to-deadline")  # the schedule ends at the deadline
     assert torch.load(tmp_path / "annealed" / "trainer.pt", weights_only=False)["config"]["anneal_to_deadline"]
+    # --extra-shards: another distill folder trains too (it holds nothing out): one batch of 2 more an epoch
+    more = [{"input_ids": torch.randint(0, 49152, (24,), generator=g).numpy(), "loss_mask": (torch.arange(24) >= 8)
+             .numpy(), "conversation": c} for c in range(2)]
+    write_shards(more, tmp_path / "more" / "t1", vocab_size=49152)
+    extra = run(tmp_path / "extra", "--extra-shards", str(tmp_path / "more"), "--steps", "3")
+    assert [h["epoch"] for h in extra] == [0, 0, 0] and [h["epoch"] for h in run(tmp_path / "plain3", "--steps", "3")
+                                                          ] == [0, 0, 1]  # 6 examples: 3 batches; 4: 2
     import specgraph.cli as cli  # the same command again: nothing to train, so no model is even loaded
 
     def refuse(*args, **kwargs):
