@@ -155,6 +155,16 @@ def load_target(name: str | None, tokenizer: bool = True):
     return model, tokenizer
 
 
+def generation_target(name: str | None, dtype: str):
+    """``load_target(name)`` for decoding: on CUDA when there is one, in ``dtype`` (a torch dtype's name), in
+    eval mode (what ``python -m specgraph.train.distill`` and ``.magpie`` generate with)."""
+    import torch
+
+    model, tokenizer = load_target(name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device, getattr(torch, dtype)).eval(), tokenizer
+
+
 def _check_weights(name: str, info: dict) -> None:
     """Refuse a target whose checkpoint lacks weights its config describes: transformers would start them at random
     (a draft head's directory loaded as a random model). The weights transformers ties (an LM head sharing the

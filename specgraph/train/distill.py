@@ -388,7 +388,7 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
 def main(argv: list[str] | None = None) -> int:
     """``python -m specgraph.train.distill``: see the module docstring. Exit status 3: out of time
     (what is done is saved; run the same command again to continue)."""
-    from ..cli_io import load_target
+    from ..cli_io import generation_target
     from ..cli_args import number, whole_number
 
     _positive = whole_number(1)
@@ -413,9 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
-    model, tokenizer = load_target(args.target)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(device, getattr(torch, args.dtype)).eval()
+    model, tokenizer = generation_target(args.target, args.dtype)
     config = DistillConfig(tuple(args.temperatures), args.batch_size, args.max_new_tokens, args.max_prompt_tokens,
                            args.max_length, args.limit, args.seed, args.backend)
     summary = distill(model, tokenizer, args.out, config, args.data, deadline, args.workers)

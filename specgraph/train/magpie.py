@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     import specgraph
 
     from ..cli_args import number, whole_number
-    from ..cli_io import load_target
+    from ..cli_io import generation_target
     from .data import write_sharegpt
 
     positive = whole_number(1)
@@ -132,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
-    model, tokenizer = load_target(args.target)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(device, getattr(torch, args.dtype)).eval()
+    model, tokenizer = generation_target(args.target, args.dtype)
     spec = specgraph.compile(model, None, backend=args.backend, max_batch=args.batch_size,
                              max_cache_len=-(-(len(pre_query(tokenizer)) + args.max_prompt_tokens) // 64) * 64)
     kept, stats = self_prompts(spec, tokenizer, args.prompts, args.temperature, args.max_prompt_tokens,
