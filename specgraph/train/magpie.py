@@ -44,7 +44,7 @@ class PromptStats:
     cut_off: int = 0  # rows that reached max_prompt_tokens without closing the turn
     empty: int = 0
     repeated: int = 0  # prompts already kept
-    kept: int = 0
+    kept: int = 0  # distinct new prompts (the first ``prompts`` of them returned)
     tokens: int = 0  # tokens decoded in kept and dropped rows
     seconds: float = 0.0
 
@@ -79,8 +79,9 @@ def self_prompts(spec, tokenizer, prompts: int, temperature: float = 1.0, max_pr
                  idle_rounds: int = 3) -> tuple[list[str], PromptStats]:
     """Up to ``prompts`` distinct prompts from ``spec`` (a ``specgraph.compile`` of the target, no draft): rounds
     of ``batch_size`` rows of the pre-query, round k sampled with seed ``seed * 2**32 + k`` (no two seeds share a
-    round; temperature 0: greedy, one round), until enough are kept, ``deadline`` (a ``time.time()``) passes, or ``idle_rounds`` rounds in a
-    row keep none (a target that does not close its turns within ``max_prompt_tokens``, or only repeats)."""
+    round; temperature 0: greedy, one round), until enough are kept, ``deadline`` (a ``time.time()``) passes,
+    or ``idle_rounds`` rounds in a row keep none (a target that does not close its turns within
+    ``max_prompt_tokens``, or only repeats)."""
     gen = spec.model.generation_config
     eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
