@@ -10,7 +10,8 @@ the held-out loss and step-0 accuracy.
 ``--shards``: the held-out conversations of a ``python -m specgraph.train.distill`` folder (the first
 ``--held-out`` of its seeded order, their greedy variant, as ``specgraph train`` holds them out; with
 ``--first-answer N`` only the first N tokens of each first answer).
-``--prompt-set``: first turns answered here by the target (fp32, greedy, ``model.generate``); with
+``--prompt-set``: first turns answered here by the target (fp32, greedy, ``model.generate``; ``--prompt-file``:
+the first turns of ShareGPT-format files too); with
 ``--generate`` the chain also runs end to end (``specgraph.compile(target, head, tree=Chain(steps))``) on
 the same prompts, whose τ the offline ``tau`` should equal (fp32: the same greedy tokens).
 """
@@ -30,11 +31,14 @@ from specgraph.train.evaluate import prompt_set  # noqa: E402
 from specgraph.train.loop import evaluate  # noqa: E402
 
 
-def greedy_examples(model, tokenizer, name: str, n: int, max_new_tokens: int) -> list[dict]:
-    """Prompt + the target's greedy answer (eos included, as generation commits it), loss on the answer.
-    One prompt a call: padding moves near-ties, and the chain would then write another answer."""
+def greedy_examples(model, tokenizer, name: str, n: int, max_new_tokens: int,
+                    questions: list[dict] | None = None) -> list[dict]:
+    """Prompt + the target's greedy answer (eos included, as generation commits it), loss on the answer, for
+    the first ``n`` of prompt set ``name`` (or of ``questions``). One prompt a call: padding moves near-ties,
+    and the chain would then write another answer."""
     out = []
-    for question in tqdm(prompt_set(name, n), desc=f"{name} answers", leave=False):
+    for question in tqdm(questions[:n] if questions is not None else prompt_set(name, n), desc=f"{name} answers",
+                         leave=False):
         prompt = first_turn_ids(tokenizer, question)
         with torch.no_grad():
             answer = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
@@ -83,6 +87,9 @@ def main() -> None:
                         help="held-out examples cut after N tokens of their first answer (specgraph train "
                         "--held-out-first-answer)")
     parser.add_argument("--prompt-set", nargs="*", default=[], help="mt-bench, humaneval, sharegpt-held-out")
+    parser.add_argument("--prompt-file", nargs="*", default=[], metavar="FILE",
+                        help="ShareGPT-format files whose first turns are prompt sets too (e.g. python -m "
+                        "specgraph.train.magpie's)")
     parser.add_argument("--prompts", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=7, help="TTT steps: the chain's depth")
@@ -97,6 +104,11 @@ def main() -> None:
         sets["held-out shards"] = held_out_examples(args.shards, args.held_out, args.limit, args.first_answer)
     for name in args.prompt_set:
         sets[name] = greedy_examples(model, tokenizer, name, args.prompts, args.max_new_tokens)
+    for path in args.prompt_file:
+        from specgraph.train.data import load_sharegpt
+
+        questions = [{"turns": [c[0]["content"]]} for c in load_sharegpt(path)]
+        sets[path] = greedy_examples(model, tokenizer, path, args.prompts, args.max_new_tokens, questions)
     results = []
     for spec in args.heads:
         label, _, path = spec.partition("=")
