@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from common import first_turn_ids, load_target  # first: sys.path
 from specgraph.drafts import Eagle3  # noqa: E402
+from specgraph.train.data import load_sharegpt  # noqa: E402
 from specgraph.train.eagle3 import eagle3_loss  # noqa: E402
 from specgraph.train.evaluate import prompt_set  # noqa: E402
 from specgraph.train.loop import evaluate  # noqa: E402
@@ -105,8 +106,6 @@ def main() -> None:
     for name in args.prompt_set:
         sets[name] = greedy_examples(model, tokenizer, name, args.prompts, args.max_new_tokens)
     for path in args.prompt_file:
-        from specgraph.train.data import load_sharegpt
-
         questions = [{"turns": [c[0]["content"]]} for c in load_sharegpt(path)]
         sets[path] = greedy_examples(model, tokenizer, path, args.prompts, args.max_new_tokens, questions)
     results = []

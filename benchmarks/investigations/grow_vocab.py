@@ -30,8 +30,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
 
-    target = load_gguf()
-    target = target[0] if isinstance(target, tuple) else target
+    target, _ = load_gguf()
     source = Eagle3.from_pretrained(args.head)
     variants = {path.stem: answers(path) for path in sorted(args.state.glob("state-*.pt"))}
     vocab = training_vocab(variants, args.held_out, args.size, target.config.vocab_size)

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from specgraph.drafts import Eagle3
 from specgraph.train.eagle3 import select_vocab
 
 
@@ -30,7 +30,8 @@ def answers(state: Path) -> list[list[torch.Tensor]]:
 
 def training_vocab(variants: dict[str, list[list[torch.Tensor]]], held_out: int, size: int,
                    vocab_size: int) -> torch.Tensor:
-    """``select_vocab``'s ``size`` tokens over every variant's answers, the first ``held_out`` conversations left out."""
+    """``select_vocab``'s ``size`` tokens over every variant's answers, the first ``held_out`` conversations
+    left out."""
     examples = [{"input_ids": turn, "loss_mask": torch.ones_like(turn, dtype=torch.bool)}
                 for convs in variants.values() for conversation in convs[held_out:] for turn in conversation]
     return select_vocab(examples, size, vocab_size)
@@ -52,10 +53,8 @@ def main() -> None:
     held = {name: torch.cat([t for c in convs[: args.held_out] for t in c]) for name, convs in variants.items()}
     vocabs = {f"top {k}": training_vocab(variants, args.held_out, k, args.vocab_size) for k in args.sizes}
     if args.head is not None:
-        weights = {}
-        for file in sorted(args.head.glob("*.safetensors")):
-            weights.update(load_file(file))
-        vocabs[f"{args.head.name} ({int(weights['t2d'].sum())})"] = weights["t2d"].bool().nonzero().flatten()
+        inside = Eagle3.from_pretrained(args.head).t2d.nonzero().flatten().cpu()
+        vocabs[f"{args.head.name} ({len(inside)})"] = inside
     rows = {}
     for label, ids in vocabs.items():
         inside = torch.zeros(args.vocab_size, dtype=torch.bool)

@@ -232,8 +232,7 @@ def warm_start(draft: Eagle3, source: Eagle3, target_head: torch.Tensor | None =
             copied.append(name)
         if draft.lm_head is not None and source.lm_head is not None:
             def target_ids(head: Eagle3) -> torch.Tensor:  # draft row i -> its target token id
-                rows = torch.arange(head.draft_vocab_size, device=head.lm_head.weight.device)
-                return rows if head.d2t is None else rows + head.d2t
+                return head.to_target(torch.arange(head.draft_vocab_size, device=head.lm_head.weight.device))
             row_of = {int(t): i for i, t in enumerate(target_ids(source).tolist())}
             pairs = [(i, row_of[int(t)]) for i, t in enumerate(target_ids(draft).tolist()) if int(t) in row_of]
             if pairs:

@@ -162,13 +162,16 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
     batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
     unsaved = False
     tick = time.time()  # when the last step ended (annealing to the deadline paces itself by it)
+
+    def score(entry: dict) -> None:  # the held-out metrics of the weights now, into a history entry
+        with autocast:
+            entry.update({f"eval_{k}": v for k, v in evaluate(draft, loss_fn, eval_examples, config.batch_size,
+                                                               device).items()})
     while state["step"] < last:
         if deadline is not None and time.time() > deadline:
             unsaved = True  # a checkpoint to resume from, even with no step taken
             if eval_examples and history and "eval_loss" not in history[-1]:  # the weights it ends with, scored
-                with autocast:
-                    history[-1].update({f"eval_{k}": v for k, v in evaluate(
-                        draft, loss_fn, eval_examples, config.batch_size, device).items()})
+                score(history[-1])
                 _track_best(draft, history[-1], state, config, out)
             break
         if state["batch"] >= len(batches):
@@ -199,9 +202,7 @@ def train(draft: torch.nn.Module, loss_fn, examples: list[dict], config: TrainCo
                  **({} if finite else {"skipped": _non_finite_grads(draft)})}
         stop = False
         if eval_examples and (step % config.eval_every == 0 or step == config.steps):
-            with autocast:
-                entry.update({f"eval_{k}": v for k, v in evaluate(draft, loss_fn, eval_examples, config.batch_size,
-                                                                   device).items()})
+            score(entry)
             stop = _track_best(draft, entry, state, config, out)
         history.append(entry)
         bar.update(1)
