@@ -24,8 +24,9 @@
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at each T of $SAMPLED_T
 #          (0.8) for $SAMPLED_MIN each (0: none); with DISTILL_STATE (a folder of sdata's parts), resumed from them;
 #          each box includes its first batch's compile (~1 minute on an H100): give each at least 2
-# sdata    sdistill's answers so far (its resumable state) packed into 15 MB parts, $RESULTS/sdata/
-#          distill-state.tgz.partNN, to bring back and carry to the next machine (DISTILL_STATE): the data grows
+# sdata    sdistill's and smdistill's answers so far (their resumable states, each where present) packed into 15 MB
+#          parts, $RESULTS/sdata/{distill,magpie}-state.tgz.partNN, to bring back and carry to the next machine
+#          (DISTILL_STATE): the data grows
 # smagpie  prompts SmolLM2 writes itself (python -m specgraph.train.magpie: $MAGPIE_PROMPTS, 20000, in at most
 #          $MAGPIE_MIN minutes, 2) -> $WORK/smol/magpie-prompts.json.gz (kept if there: restored by sdistill)
 # smdistill SmolLM2 answers them, greedy, for $MAGPIE_DISTILL_MIN minutes (3) -> $WORK/smol/magpie/data; sdata packs
@@ -128,10 +129,10 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                 WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill ${DISTILL_MIN:-4}; \
                 [ ${SAMPLED_MIN:-2} = 0 ] || for t in ${SAMPLED_T:-0.8}; do env WORK=$WORK/smol TEMPERATURES=\$t \
                 bash benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; done; [ -d $WORK/smol/data/greedy ]" ;;
-    sdata) run sdata bash -c "cd $WORK/smol/data && tar czf - state-*.pt summary.json | split -b 15M -d - \
-             $out/distill-state.tgz.part && cd $WORK/smol && if [ -f magpie/data/summary.json ]; then tar czf - \
-             magpie-prompts.json.gz magpie/data/state-*.pt magpie/data/summary.json | split -b 15M -d - \
-             $out/magpie-state.tgz.part; fi && ls -l $out" ;;
+    sdata) run sdata bash -c "cd $WORK/smol || exit; if [ -f data/summary.json ]; then (cd data && tar czf - \
+             state-*.pt summary.json | split -b 15M -d - $out/distill-state.tgz.part) || exit; fi; if [ -f \
+             magpie/data/summary.json ]; then tar czf - magpie-prompts.json.gz magpie/data/state-*.pt \
+             magpie/data/summary.json | split -b 15M -d - $out/magpie-state.tgz.part || exit; fi; ls -l $out" ;;
     smagpie) run smagpie bash -c "[ -f $WORK/smol/magpie-prompts.json.gz ] || python3 -m specgraph.train.magpie \
                --out $WORK/smol/magpie-prompts.json.gz --prompts ${MAGPIE_PROMPTS:-20000} --max-minutes \
                ${MAGPIE_MIN:-2}" ;;
