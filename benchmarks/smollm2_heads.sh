@@ -7,6 +7,7 @@
 # distill: every ShareGPT conversation, all turns, answered again by the target on specgraph's batched
 #          plain decoding (inductor, 256 rows a batch), greedy and sampled at T = 0.8 -> token shards in
 #          $WORK/data (python -m specgraph.train.distill; exit 3: out of time, rerun to continue).
+# shards:  only the shards of the answers saved in $WORK/data (a state carried to a new machine): nothing generated.
 # eagle3:  the EAGLE-3 head on those shards (TTT 7), the held-out τ (a 7-deep chain writing the held-out first
 #          answers) every EVAL_EVERY steps, $OUT_HEAD/best kept at the best held-out τ. VOCAB=0: the full vocabulary through the target's LM head;
 #          VOCAB=N: the N most frequent answer tokens with an LM head of its own.
@@ -36,14 +37,16 @@ VOCAB=${VOCAB:-0}
 OUT_HEAD=${OUT_HEAD:-$WORK/eagle3-vocab$VOCAB}
 data=(${DATA:+--data "$DATA"})
 target=(${TARGET:+--target "$TARGET"})
+distill=(--out "$WORK/data" "${target[@]}" "${data[@]}" --temperatures ${TEMPERATURES:-0 0.8} --batch-size 256
+         --max-new-tokens 512 --max-prompt-tokens 1536 --max-length 2048)
 train=(--shards "$WORK/data" --held-out 200 --held-out-first-answer "${HELD_OUT_TOKENS:-256}" --max-minutes "$minutes" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" --warmup-steps 200
        --steps "${STEPS:-20000}" --eval-every "${EVAL_EVERY:-500}" --save-every 500 --max-shard-mb 15
        ${MASK_REPEATS:+--mask-repeats "$MASK_REPEATS"})
 if [ "${ANNEAL:-0}" = 1 ]; then train+=(--anneal-to-deadline); fi
 if [ -n "${EXTRA_SHARDS:-}" ]; then train+=(--extra-shards $EXTRA_SHARDS); fi
 case $phase in
-  distill) python3 -m specgraph.train.distill --out "$WORK/data" "${target[@]}" "${data[@]}" --temperatures ${TEMPERATURES:-0 0.8} --batch-size 256 \
-             --max-new-tokens 512 --max-prompt-tokens 1536 --max-length 2048 --max-minutes "$minutes" ;;
+  distill) python3 -m specgraph.train.distill "${distill[@]}" --max-minutes "$minutes" ;;
+  shards) python3 -m specgraph.train.distill "${distill[@]}" --shards-only ;;
   eagle3) python3 -m specgraph train eagle3 "${target[@]}" "${train[@]}" --out "$OUT_HEAD" --draft-vocab "$VOCAB" --ttt-steps 7 \
             --select eval_tau ${INIT:+--init-from "$INIT"} ;;
   medusa) python3 -m specgraph train medusa "${target[@]}" "${train[@]}" --out "$WORK/medusa" --shared-lm-head --heads 4 ;;
@@ -55,5 +58,5 @@ case $phase in
        bash "$0" distill "${DISTILL_MIN:-$(share 0.3)}" || [ $? -eq 3 ]  # 3: out of time, the shards made are kept
        bash "$0" eagle3 "${TRAIN_MIN:-$(share 0.55)}"
        bash "$0" eval "${EVAL_MIN:-$(share 0.15)}" ;;
-  *) echo "phase: distill | eagle3 | medusa | eval | compare | all" >&2; exit 2 ;;
+  *) echo "phase: distill | shards | eagle3 | medusa | eval | compare | all" >&2; exit 2 ;;
 esac

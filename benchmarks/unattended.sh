@@ -23,7 +23,8 @@
 #          rows, fixed batches against the stream, the stream's ms a step and its profile
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at each T of $SAMPLED_T
 #          (0.8) for $SAMPLED_MIN each (0: none); with DISTILL_STATE (a folder of sdata's parts), resumed from them;
-#          each box includes its first batch's compile (~1 minute on an H100): give each at least 2
+#          each box includes its first batch's compile (~1 minute on an H100): give each at least 2; DISTILL_MIN=0:
+#          nothing generated, only the shards of every carried variant; carried magpie answers get theirs too
 # sdata    sdistill's and smdistill's answers so far (their resumable states, each where present) packed into 15 MB
 #          parts, $RESULTS/sdata/{distill,magpie}-state.tgz.partNN, to bring back and carry to the next machine
 #          (DISTILL_STATE): the data grows
@@ -125,10 +126,14 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     sdistill) run sdistill bash -c "mkdir -p $WORK/smol/data; if [ -n '${DISTILL_STATE:-}' ]; then cat \
                 ${DISTILL_STATE:-}/distill-state.tgz.part* | tar xzf - -C $WORK/smol/data || exit; ! ls \
                 ${DISTILL_STATE:-}/magpie-state.tgz.part* > /dev/null 2>&1 || cat ${DISTILL_STATE:-}/magpie-state.tgz.part* \
-                | tar xzf - -C $WORK/smol || exit; fi; env \
-                WORK=$WORK/smol TEMPERATURES=0 bash benchmarks/smollm2_heads.sh distill ${DISTILL_MIN:-4}; \
-                [ ${SAMPLED_MIN:-2} = 0 ] || for t in ${SAMPLED_T:-0.8}; do env WORK=$WORK/smol TEMPERATURES=\$t \
-                bash benchmarks/smollm2_heads.sh distill ${SAMPLED_MIN:-2}; done; [ -d $WORK/smol/data/greedy ]" ;;
+                | tar xzf - -C $WORK/smol || exit; fi; saved() { ls \$1/state-*.pt | sed 's/.*state-//; s/[.]pt//; \
+                s/greedy/0/; s/^t//'; }; if [ ${DISTILL_MIN:-4} = 0 ]; then env WORK=$WORK/smol TEMPERATURES=\"\$(saved \
+                $WORK/smol/data)\" bash benchmarks/smollm2_heads.sh shards || exit; else env WORK=$WORK/smol TEMPERATURES=0 \
+                bash benchmarks/smollm2_heads.sh distill ${DISTILL_MIN:-4}; [ ${SAMPLED_MIN:-2} = 0 ] || for t in \
+                ${SAMPLED_T:-0.8}; do env WORK=$WORK/smol TEMPERATURES=\$t bash benchmarks/smollm2_heads.sh distill \
+                ${SAMPLED_MIN:-2}; done; fi; if [ -f $WORK/smol/magpie/data/summary.json ]; then env WORK=$WORK/smol/magpie \
+                DATA=$WORK/smol/magpie-prompts.json.gz TEMPERATURES=0 bash benchmarks/smollm2_heads.sh shards || exit; fi; \
+                [ -d $WORK/smol/data/greedy ]" ;;
     sdata) run sdata bash -c "cd $WORK/smol || exit; if [ -f data/summary.json ]; then (cd data && tar czf - \
              state-*.pt summary.json | split -b 15M -d - $out/distill-state.tgz.part) || exit; fi; if [ -f \
              magpie/data/summary.json ]; then tar czf - magpie-prompts.json.gz magpie/data/state-*.pt \

