@@ -351,6 +351,9 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     import specgraph
 
     out = Path(out)
+    if not generate and not any((out / f"state-{variant_name(t)}.pt").is_file() for t in config.temperatures):
+        raise SettingError(f"{out}: no state-*.pt of --temperatures {list(config.temperatures)} to write shards "
+                           f"from: unpack a distill state there, or run without --shards-only")
     out.mkdir(parents=True, exist_ok=True)
     conversations = load_sharegpt(source)
     conversations = [conversations[i] for i in conversation_order(len(conversations), config.seed)[: config.limit]]
@@ -388,9 +391,6 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
         log.info("%s: %s", name, summary["variants"][name])
         if not finished and generate:
             break
-    if not generate and not any((out / f"state-{variant_name(t)}.pt").is_file() for t in config.temperatures):
-        raise SettingError(f"{out}: no state-*.pt of --temperatures {list(config.temperatures)} to write shards "
-                           f"from: unpack a distill state there, or run without --shards-only")
     written.write_text(json.dumps(summary, indent=2))
     return summary
 
