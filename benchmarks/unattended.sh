@@ -82,6 +82,29 @@ run() {  # PHASE COMMAND...: the command's console to the log, its status to the
   ( "$@" ) > "$LOGS/$phase.log" 2>&1
   echo $? > "$LOGS/$phase.done"
 }
+sdistill() {  # unpack DISTILL_STATE's parts; answer more (DISTILL_MIN > 0) or only write the carried shards
+  local heads=benchmarks/smollm2_heads.sh state=${DISTILL_STATE:-} t
+  mkdir -p "$WORK/smol/data"
+  if [ -n "$state" ]; then
+    cat "$state"/distill-state.tgz.part* | tar xzf - -C "$WORK/smol/data" || return
+    if ls "$state"/magpie-state.tgz.part* > /dev/null 2>&1; then
+      cat "$state"/magpie-state.tgz.part* | tar xzf - -C "$WORK/smol" || return
+    fi
+  fi
+  if [ "${DISTILL_MIN:-4}" = 0 ]; then  # every carried variant: state-greedy.pt -> 0, state-t1.pt -> 1
+    t=$(ls "$WORK"/smol/data/state-*.pt | sed 's/.*state-//; s/[.]pt//; s/greedy/0/; s/^t//')
+    WORK=$WORK/smol TEMPERATURES="$t" bash $heads shards || return
+  else
+    WORK=$WORK/smol TEMPERATURES=0 bash $heads distill "${DISTILL_MIN:-4}"
+    if [ "${SAMPLED_MIN:-2}" != 0 ]; then
+      for t in ${SAMPLED_T:-0.8}; do WORK=$WORK/smol TEMPERATURES=$t bash $heads distill "${SAMPLED_MIN:-2}"; done
+    fi
+  fi
+  if [ -f "$WORK/smol/magpie/data/summary.json" ]; then
+    DATA=$WORK/smol/magpie-prompts.json.gz WORK=$WORK/smol/magpie TEMPERATURES=0 bash $heads shards || return
+  fi
+  [ -d "$WORK/smol/data/greedy" ]
+}
 smol() {  # [--temperature T]
   python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 "$@" \
     --methods sg_plain sg_default --trees "$PREVIOUS"
@@ -123,17 +146,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                  \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;
-    sdistill) run sdistill bash -c "mkdir -p $WORK/smol/data; if [ -n '${DISTILL_STATE:-}' ]; then cat \
-                ${DISTILL_STATE:-}/distill-state.tgz.part* | tar xzf - -C $WORK/smol/data || exit; ! ls \
-                ${DISTILL_STATE:-}/magpie-state.tgz.part* > /dev/null 2>&1 || cat ${DISTILL_STATE:-}/magpie-state.tgz.part* \
-                | tar xzf - -C $WORK/smol || exit; fi; saved() { ls \$1/state-*.pt | sed 's/.*state-//; s/[.]pt//; \
-                s/greedy/0/; s/^t//'; }; if [ ${DISTILL_MIN:-4} = 0 ]; then env WORK=$WORK/smol TEMPERATURES=\"\$(saved \
-                $WORK/smol/data)\" bash benchmarks/smollm2_heads.sh shards || exit; else env WORK=$WORK/smol TEMPERATURES=0 \
-                bash benchmarks/smollm2_heads.sh distill ${DISTILL_MIN:-4}; [ ${SAMPLED_MIN:-2} = 0 ] || for t in \
-                ${SAMPLED_T:-0.8}; do env WORK=$WORK/smol TEMPERATURES=\$t bash benchmarks/smollm2_heads.sh distill \
-                ${SAMPLED_MIN:-2}; done; fi; if [ -f $WORK/smol/magpie/data/summary.json ]; then env WORK=$WORK/smol/magpie \
-                DATA=$WORK/smol/magpie-prompts.json.gz TEMPERATURES=0 bash benchmarks/smollm2_heads.sh shards || exit; fi; \
-                [ -d $WORK/smol/data/greedy ]" ;;
+    sdistill) run sdistill sdistill ;;
     sdata) run sdata bash -c "cd $WORK/smol || exit; if [ -f data/summary.json ]; then (cd data && tar czf - \
              state-*.pt summary.json | split -b 15M -d - $out/distill-state.tgz.part) || exit; fi; if [ -f \
              magpie/data/summary.json ]; then tar czf - magpie-prompts.json.gz magpie/data/state-*.pt \

@@ -61,6 +61,19 @@ class DistillConfig:
     max_shard_bytes: int = SHARD_BYTES
 
 
+def stop_ids(model, tokenizer) -> set[int]:
+    """The token ids that end an answer: the model's generation config's eos (one or a list), else the
+    tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
+
+
+def cache_length(tokens: int) -> int:
+    """A decode cache for ``tokens`` positions, rounded up to a multiple of 64."""
+    return -(-tokens // 64) * 64
+
+
 def variant_name(temperature: float) -> str:
     return "greedy" if temperature == 0 else f"t{temperature:g}"
 
@@ -112,9 +125,7 @@ def regenerate_variant(spec, tokenizer, conversations: list[list[dict]], tempera
     conversation's following turn, all through one stream of ``batch_size`` rows (``runtime.stream``: a
     finished row's slot takes the next prompt). ``save`` is called every SAVE_EVERY_S seconds of answers and at the
     end. returns: finished."""
-    gen = spec.model.generation_config
-    eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_ids = stop_ids(spec.model, tokenizer)
     sampling = Sampling(temperature=temperature) if temperature > 0 else None
 
     def next_prompt(c: int) -> list[int] | None:
@@ -357,8 +368,8 @@ def distill(model, tokenizer, out: str | Path, config: DistillConfig, source: st
     out.mkdir(parents=True, exist_ok=True)
     conversations = load_sharegpt(source)
     conversations = [conversations[i] for i in conversation_order(len(conversations), config.seed)[: config.limit]]
-    length = -(-(config.max_prompt_tokens + config.max_new_tokens + 2) // 64) * 64
-    spec = (specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size, max_cache_len=length)
+    spec = (specgraph.compile(model, None, backend=config.backend, max_batch=config.batch_size,
+                              max_cache_len=cache_length(config.max_prompt_tokens + config.max_new_tokens + 2))
             if generate else None)
     written = out / "summary.json"  # variants made by earlier runs into this folder (other --temperatures) stay
     kept = json.loads(written.read_text()).get("variants", {}) if written.is_file() else {}

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import SettingError
+from .distill import cache_length, stop_ids
 
 log = logging.getLogger(__name__)
 MARK = "\x00specgraph-user-text\x00"  # stands for the user's text while the template is rendered
@@ -82,9 +83,7 @@ def self_prompts(spec, tokenizer, prompts: int, temperature: float = 1.0, max_pr
     round; temperature 0: greedy, one round), until enough are kept, ``deadline`` (a ``time.time()``) passes,
     or ``idle_rounds`` rounds in a row keep none (a target that does not close its turns within
     ``max_prompt_tokens``, or only repeats)."""
-    gen = spec.model.generation_config
-    eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_ids = stop_ids(spec.model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     device = next(spec.model.parameters()).device
     ids = torch.tensor([pre_query(tokenizer)] * batch_size, device=device)
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
     model, tokenizer = generation_target(args.target, args.dtype)
     spec = specgraph.compile(model, None, backend=args.backend, max_batch=args.batch_size,
-                             max_cache_len=-(-(len(pre_query(tokenizer)) + args.max_prompt_tokens) // 64) * 64)
+                             max_cache_len=cache_length(len(pre_query(tokenizer)) + args.max_prompt_tokens))
     kept, stats = self_prompts(spec, tokenizer, args.prompts, args.temperature, args.max_prompt_tokens,
                                args.batch_size, args.seed, deadline)
     write_sharegpt([[{"role": "user", "content": p}, {"role": "assistant", "content": ""}] for p in kept], args.out,
