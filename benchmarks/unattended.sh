@@ -30,8 +30,8 @@
 #          (DISTILL_STATE): the data grows
 # smagpie  prompts SmolLM2 writes itself (python -m specgraph.train.magpie: $MAGPIE_PROMPTS, 20000, in at most
 #          $MAGPIE_MIN minutes, 2) -> $WORK/smol/magpie-prompts.json.gz (kept if there: restored by sdistill)
-# smdistill SmolLM2 answers them, greedy, for $MAGPIE_DISTILL_MIN minutes (3) -> $WORK/smol/magpie/data; sdata packs
-#          both (magpie-state.tgz.partNN) and sdistill restores them from DISTILL_STATE
+# smdistill SmolLM2 answers them at each T of $MAGPIE_T (0) for $MAGPIE_DISTILL_MIN minutes (3) ->
+#          $WORK/smol/magpie/data; sdata packs both (magpie-state.tgz.partNN), sdistill restores them from DISTILL_STATE
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides;
 #          $VOCAB draft tokens, 8192: a larger one keeps the shipped rows by token id; the learning rate's cosine
 #          ends with the minutes, ANNEAL=1, unless ANNEAL=0; smdistill's answers train too where they exist,
@@ -62,7 +62,7 @@
 # (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4), TRAIN_MIN (10),
 # SAMPLED_MIN (2), SAMPLED_T (0.8), DISTILL_STATE, VOCAB (8192), STEPS (the schedule's length, 3000), INIT (the head
 # strain or qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000), ANNEAL (1), EXTRA_SHARDS, MAGPIE_PROMPTS (20000),
-# MAGPIE_MIN (2), MAGPIE_DISTILL_MIN (3).
+# MAGPIE_MIN (2), MAGPIE_DISTILL_MIN (3), MAGPIE_T (0).
 set -uo pipefail
 export PYTHONFAULTHANDLER=1  # `kill -ABRT PID` prints every thread's Python stack into the phase log (a hang)
 cd "$(dirname "$0")/.."
@@ -154,7 +154,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     smagpie) run smagpie bash -c "[ -f $WORK/smol/magpie-prompts.json.gz ] || python3 -m specgraph.train.magpie \
                --out $WORK/smol/magpie-prompts.json.gz --prompts ${MAGPIE_PROMPTS:-20000} --max-minutes \
                ${MAGPIE_MIN:-2}" ;;
-    smdistill) run smdistill env WORK="$WORK/smol/magpie" DATA="$WORK/smol/magpie-prompts.json.gz" TEMPERATURES=0 \
+    smdistill) run smdistill env WORK="$WORK/smol/magpie" DATA="$WORK/smol/magpie-prompts.json.gz" TEMPERATURES="${MAGPIE_T:-0}" \
                  bash benchmarks/smollm2_heads.sh distill "${MAGPIE_DISTILL_MIN:-3}" ;;
     strain) magpie=$([ -d "$WORK/smol/magpie/data/greedy" ] && echo "$WORK/smol/magpie/data")
             run strain env WORK="$WORK/smol" ANNEAL="${ANNEAL:-1}" EXTRA_SHARDS="${EXTRA_SHARDS-$magpie}" \
