@@ -38,7 +38,8 @@
 #          EXTRA_SHARDS overrides: held out are ShareGPT's only)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # scompare1 the same at T = 1
-# smedusa  the Medusa heads retrained on sdistill's answers ($MEDUSA_MIN minutes, 4; $MEDUSA_STEPS steps, 2000), then
+# smedusa  the Medusa heads retrained on sdistill's answers and smdistill's where they exist, as strain's ($MEDUSA_MIN
+#          minutes, 4; $MEDUSA_STEPS steps, 2000; the schedule annealed to the minutes unless ANNEAL=0), then
 #          the shipped and the new heads' acceptance on all 80 MT-bench first turns, 256 tokens, greedy and T = 1
 #          (benchmarks/acceptance.py)
 # gtests   tree attention's tests natively, the GPU tests of programmatic dependent launch, of the continuous-
@@ -164,9 +165,10 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     scompare|scompare1) run $phase python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
                 --max-new-tokens 256 --methods sg_plain sg_default --heads "new=$WORK/smol/eagle3-vocab${VOCAB:-8192}/best" \
                 $([ $phase = scompare1 ] && echo --temperature 1) --out "$out" ;;
-    smedusa) run smedusa bash -c "env WORK=$WORK/smol MASK_REPEATS=16 STEPS=${MEDUSA_STEPS:-2000} bash \
-               benchmarks/smollm2_heads.sh medusa ${MEDUSA_MIN:-4} || exit; for head in \
-               shipped:specgraph/heads/smollm2-135m-instruct-medusa new:$WORK/smol/medusa/best; do python3 \
+    smedusa) magpie=$([ -d "$WORK/smol/magpie/data/greedy" ] && echo "$WORK/smol/magpie/data")
+             run smedusa bash -c "env WORK=$WORK/smol ANNEAL=${ANNEAL:-1} EXTRA_SHARDS='${EXTRA_SHARDS-$magpie}' \
+               MASK_REPEATS=16 STEPS=${MEDUSA_STEPS:-2000} bash benchmarks/smollm2_heads.sh medusa ${MEDUSA_MIN:-4} || exit
+               for head in shipped:specgraph/heads/smollm2-135m-instruct-medusa new:$WORK/smol/medusa; do python3 \
                benchmarks/acceptance.py --medusa \${head#*:} --trees chain1 chain1 --skip eagle3-chain1-T0 \
                eagle3-chain1-T1 --out $out/\${head%%:*} || exit; done" ;;
     qdistill) run qdistill env TARGET="$QWEN" WORK="$WORK/qwen" bash benchmarks/smollm2_heads.sh distill "${DISTILL_MIN:-4}" ;;
