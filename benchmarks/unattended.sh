@@ -26,15 +26,16 @@
 #          each box includes its first batch's compile (~1 minute on an H100): give each at least 2; DISTILL_MIN=0:
 #          nothing generated, only the shards of every carried variant; carried magpie answers get theirs too
 # sdata    sdistill's and smdistill's answers so far (their resumable states, each where present) packed into 15 MB
-#          parts, $RESULTS/sdata/{distill,magpie}-state.tgz.partNN, to bring back and carry to the next machine
+#          parts, $RESULTS/sdata/{distill,SET}-state.tgz.partNN, to bring back and carry to the next machine
 #          (DISTILL_STATE): the data grows
 # smagpie  prompts SmolLM2 writes itself (python -m specgraph.train.magpie: $MAGPIE_PROMPTS, 20000, in at most
-#          $MAGPIE_MIN minutes, 2) -> $WORK/smol/magpie-prompts.json.gz (kept if there: restored by sdistill)
-# smdistill SmolLM2 answers them at each T of $MAGPIE_T (0) for $MAGPIE_DISTILL_MIN minutes (3) ->
-#          $WORK/smol/magpie/data; sdata packs both (magpie-state.tgz.partNN), sdistill restores them from DISTILL_STATE
+#          $MAGPIE_MIN minutes, 2, seed $MAGPIE_SEED, 0) -> $WORK/smol/SET-prompts.json.gz, SET = magpie (seed 0) or
+#          magpieSEED: a new seed is a new set beside the carried ones (a set's file is kept if there)
+# smdistill SmolLM2 answers SET's prompts at each T of $MAGPIE_T (0) for $MAGPIE_DISTILL_MIN minutes (3) ->
+#          $WORK/smol/SET/data; sdata packs each set (SET-state.tgz.partNN), sdistill restores them from DISTILL_STATE
 # strain   the EAGLE-3 head on those answers, warm-started from the shipped one ($TRAIN_MIN minutes, INIT overrides;
 #          $VOCAB draft tokens, 8192: a larger one keeps the shipped rows by token id; the learning rate's cosine
-#          ends with the minutes, ANNEAL=1, unless ANNEAL=0; smdistill's answers train too where they exist,
+#          ends with the minutes, ANNEAL=1, unless ANNEAL=0; every magpie set's answers train too where they exist,
 #          EXTRA_SHARDS overrides: held out are ShareGPT's only)
 # scompare the shipped head against the new one under compile's default, 80 MT-bench + 40 HumanEval, 256 tokens
 # scompare1 the same at T = 1
@@ -63,7 +64,7 @@
 # (default $HOME/specgraph-runs), LOGS ($WORK/log), RESULTS ($WORK/results), DISTILL_MIN (4), TRAIN_MIN (10),
 # SAMPLED_MIN (2), SAMPLED_T (0.8), DISTILL_STATE, VOCAB (8192), STEPS (the schedule's length, 3000), INIT (the head
 # strain or qtrain starts from), MEDUSA_MIN (4), MEDUSA_STEPS (2000), ANNEAL (1), EXTRA_SHARDS, MAGPIE_PROMPTS (20000),
-# MAGPIE_MIN (2), MAGPIE_DISTILL_MIN (3), MAGPIE_T (0).
+# MAGPIE_MIN (2), MAGPIE_DISTILL_MIN (3), MAGPIE_T (0), MAGPIE_SEED (0).
 set -uo pipefail
 export PYTHONFAULTHANDLER=1  # `kill -ABRT PID` prints every thread's Python stack into the phase log (a hang)
 cd "$(dirname "$0")/.."
@@ -73,6 +74,7 @@ RESULTS=${RESULTS:-$WORK/results}
 QWEN=${QWEN_GGUF:-qwen-coder-1.5b}
 HEAD=$WORK/qwen/eagle3-vocab16384/best
 PREVIOUS=dynamic:2,8,16+lookup12:shared  # compile's default tree on one CUDA row before (3, 8, 32) + lookup 16
+MAGPIE=magpie$([ "${MAGPIE_SEED:-0}" = 0 ] || echo "${MAGPIE_SEED}")  # this run's set of the target's own prompts
 mkdir -p "$LOGS" "$RESULTS"
 if [ -n "${WAIT_FOR:-}" ]; then
   while [ ! -e "$WAIT_FOR" ]; do sleep 2; done
@@ -83,27 +85,38 @@ run() {  # PHASE COMMAND...: the command's console to the log, its status to the
   ( "$@" ) > "$LOGS/$phase.log" 2>&1
   echo $? > "$LOGS/$phase.done"
 }
+variants() {  # DIR: the temperatures of its carried states (state-greedy.pt -> 0, state-t1.pt -> 1)
+  ls "$1"/state-*.pt | sed 's/.*state-//; s/[.]pt//; s/greedy/0/; s/^t//'
+}
+magpie_sets() {  # the sets of the target's own prompts answered so far
+  local d
+  for d in "$WORK"/smol/magpie*/data/summary.json; do [ -f "$d" ] && basename "${d%/data/summary.json}"; done
+}
+magpie_shards() {  # their shard folders, one line: strain's and smedusa's --extra-shards
+  local set
+  for set in $(magpie_sets); do [ -d "$WORK/smol/$set/data/greedy" ] && printf '%s ' "$WORK/smol/$set/data"; done
+}
 sdistill() {  # unpack DISTILL_STATE's parts; answer more (DISTILL_MIN > 0) or only write the carried shards
-  local heads=benchmarks/smollm2_heads.sh state=${DISTILL_STATE:-} t
+  local heads=benchmarks/smollm2_heads.sh state=${DISTILL_STATE:-} part set t
   mkdir -p "$WORK/smol/data"
   if [ -n "$state" ]; then
     cat "$state"/distill-state.tgz.part* | tar xzf - -C "$WORK/smol/data" || return
-    if ls "$state"/magpie-state.tgz.part* > /dev/null 2>&1; then
-      cat "$state"/magpie-state.tgz.part* | tar xzf - -C "$WORK/smol" || return
-    fi
+    for part in "$state"/magpie*-state.tgz.part00; do
+      [ -f "$part" ] && { cat "${part%00}"* | tar xzf - -C "$WORK/smol" || return; }
+    done
   fi
-  if [ "${DISTILL_MIN:-4}" = 0 ]; then  # every carried variant: state-greedy.pt -> 0, state-t1.pt -> 1
-    t=$(ls "$WORK"/smol/data/state-*.pt | sed 's/.*state-//; s/[.]pt//; s/greedy/0/; s/^t//')
-    WORK=$WORK/smol TEMPERATURES="$t" bash $heads shards || return
+  if [ "${DISTILL_MIN:-4}" = 0 ]; then  # every carried variant
+    t=$(variants "$WORK/smol/data") && WORK=$WORK/smol TEMPERATURES="$t" bash $heads shards || return
   else
     WORK=$WORK/smol TEMPERATURES=0 bash $heads distill "${DISTILL_MIN:-4}"
     if [ "${SAMPLED_MIN:-2}" != 0 ]; then
       for t in ${SAMPLED_T:-0.8}; do WORK=$WORK/smol TEMPERATURES=$t bash $heads distill "${SAMPLED_MIN:-2}"; done
     fi
   fi
-  if [ -f "$WORK/smol/magpie/data/summary.json" ]; then
-    DATA=$WORK/smol/magpie-prompts.json.gz WORK=$WORK/smol/magpie TEMPERATURES=0 bash $heads shards || return
-  fi
+  for set in $(magpie_sets); do
+    t=$(variants "$WORK/smol/$set/data") || return
+    DATA=$WORK/smol/$set-prompts.json.gz WORK=$WORK/smol/$set TEMPERATURES="$t" bash $heads shards || return
+  done
   [ -d "$WORK/smol/data/greedy" ]
 }
 smol() {  # [--temperature T]
@@ -149,15 +162,15 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                 --profile "$out" --out "$out/stream.json" ;;
     sdistill) run sdistill sdistill ;;
     sdata) run sdata bash -c "cd $WORK/smol || exit; if [ -f data/summary.json ]; then (cd data && tar czf - \
-             state-*.pt summary.json | split -b 15M -d - $out/distill-state.tgz.part) || exit; fi; if [ -f \
-             magpie/data/summary.json ]; then tar czf - magpie-prompts.json.gz magpie/data/state-*.pt \
-             magpie/data/summary.json | split -b 15M -d - $out/magpie-state.tgz.part || exit; fi; ls -l $out" ;;
-    smagpie) run smagpie bash -c "[ -f $WORK/smol/magpie-prompts.json.gz ] || python3 -m specgraph.train.magpie \
-               --out $WORK/smol/magpie-prompts.json.gz --prompts ${MAGPIE_PROMPTS:-20000} --max-minutes \
-               ${MAGPIE_MIN:-2}" ;;
-    smdistill) run smdistill env WORK="$WORK/smol/magpie" DATA="$WORK/smol/magpie-prompts.json.gz" TEMPERATURES="${MAGPIE_T:-0}" \
-                 bash benchmarks/smollm2_heads.sh distill "${MAGPIE_DISTILL_MIN:-3}" ;;
-    strain) magpie=$([ -d "$WORK/smol/magpie/data/greedy" ] && echo "$WORK/smol/magpie/data")
+             state-*.pt summary.json | split -b 15M -d - $out/distill-state.tgz.part) || exit; fi; for set in \
+             $(magpie_sets | tr '\n' ' '); do tar czf - \$set-prompts.json.gz \$set/data/state-*.pt \
+             \$set/data/summary.json | split -b 15M -d - $out/\$set-state.tgz.part || exit; done; ls -l $out" ;;
+    smagpie) run smagpie bash -c "[ -f $WORK/smol/$MAGPIE-prompts.json.gz ] || python3 -m specgraph.train.magpie \
+               --out $WORK/smol/$MAGPIE-prompts.json.gz --prompts ${MAGPIE_PROMPTS:-20000} --max-minutes \
+               ${MAGPIE_MIN:-2} --seed ${MAGPIE_SEED:-0}" ;;
+    smdistill) run smdistill env WORK="$WORK/smol/$MAGPIE" DATA="$WORK/smol/$MAGPIE-prompts.json.gz" \
+                 TEMPERATURES="${MAGPIE_T:-0}" bash benchmarks/smollm2_heads.sh distill "${MAGPIE_DISTILL_MIN:-3}" ;;
+    strain) magpie=$(magpie_shards)
             run strain env WORK="$WORK/smol" ANNEAL="${ANNEAL:-1}" EXTRA_SHARDS="${EXTRA_SHARDS-$magpie}" \
               MASK_REPEATS=16 VOCAB="${VOCAB:-8192}" BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" EVAL_EVERY=400 \
               INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
@@ -165,7 +178,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     scompare|scompare1) run $phase python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
                 --max-new-tokens 256 --methods sg_plain sg_default --heads "new=$WORK/smol/eagle3-vocab${VOCAB:-8192}/best" \
                 $([ $phase = scompare1 ] && echo --temperature 1) --out "$out" ;;
-    smedusa) magpie=$([ -d "$WORK/smol/magpie/data/greedy" ] && echo "$WORK/smol/magpie/data")
+    smedusa) magpie=$(magpie_shards)
              run smedusa bash -c "env WORK=$WORK/smol ANNEAL=${ANNEAL:-1} EXTRA_SHARDS='${EXTRA_SHARDS-$magpie}' \
                MASK_REPEATS=16 STEPS=${MEDUSA_STEPS:-2000} bash benchmarks/smollm2_heads.sh medusa ${MEDUSA_MIN:-4} || exit
                for head in shipped:specgraph/heads/smollm2-135m-instruct-medusa new:$WORK/smol/medusa; do python3 \
