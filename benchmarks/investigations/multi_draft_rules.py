@@ -86,7 +86,8 @@ def top_k(p, q, k: int) -> torch.Tensor:
 
 
 def rrs(p, q, k: int, draws: int, generator) -> torch.Tensor:
-    """[M]: recursive rejection with k children of q without replacement, exact given the children."""
+    """[M]: recursive rejection with k children of q without replacement, exact given the children (the
+    acceptance probability itself, where ``kernels.verify.verify_sample`` draws one verdict: less noise)."""
     total = torch.zeros(p.shape[0], dtype=torch.float64)
     rows = torch.arange(p.shape[0])
     for _ in range(draws):
@@ -100,7 +101,8 @@ def rrs(p, q, k: int, draws: int, generator) -> torch.Tensor:
             accepted += rejected_so_far * a
             rejected_so_far = rejected_so_far * (1 - a)
             residual = (r - qi).clamp_min(0)
-            r = torch.where(residual.sum(-1, keepdim=True) > 0, residual / residual.sum(-1, keepdim=True).clamp_min(1e-300), r)
+            mass = residual.sum(-1, keepdim=True)
+            r = torch.where(mass > 0, residual / mass.clamp_min(1e-300), r)
             left[rows, x] = 0
         total += accepted
     return total / draws
