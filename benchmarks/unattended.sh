@@ -119,6 +119,18 @@ sdistill() {  # unpack DISTILL_STATE's parts; answer more (DISTILL_MIN > 0) or o
   done
   [ -d "$WORK/smol/data/greedy" ]
 }
+sdata() {  # OUT: every answered set's resumable state in 15 MB parts (sdistill unpacks them from DISTILL_STATE)
+  local set
+  cd "$WORK/smol" || return
+  if [ -f data/summary.json ]; then
+    (cd data && tar czf - state-*.pt summary.json | split -b 15M -d - "$1/distill-state.tgz.part") || return
+  fi
+  for set in $(magpie_sets); do
+    tar czf - "$set-prompts.json.gz" "$set"/data/state-*.pt "$set/data/summary.json" \
+      | split -b 15M -d - "$1/$set-state.tgz.part" || return
+  done
+  ls -l "$1"
+}
 smol() {  # [--temperature T]
   python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 "$@" \
     --methods sg_plain sg_default --trees "$PREVIOUS"
@@ -161,10 +173,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;
     sdistill) run sdistill sdistill ;;
-    sdata) run sdata bash -c "cd $WORK/smol || exit; if [ -f data/summary.json ]; then (cd data && tar czf - \
-             state-*.pt summary.json | split -b 15M -d - $out/distill-state.tgz.part) || exit; fi; for set in \
-             $(magpie_sets | tr '\n' ' '); do tar czf - \$set-prompts.json.gz \$set/data/state-*.pt \
-             \$set/data/summary.json | split -b 15M -d - $out/\$set-state.tgz.part || exit; done; ls -l $out" ;;
+    sdata) run sdata sdata "$out" ;;
     smagpie) run smagpie bash -c "[ -f $WORK/smol/$MAGPIE-prompts.json.gz ] || python3 -m specgraph.train.magpie \
                --out $WORK/smol/$MAGPIE-prompts.json.gz --prompts ${MAGPIE_PROMPTS:-20000} --max-minutes \
                ${MAGPIE_MIN:-2} --seed ${MAGPIE_SEED:-0}" ;;
