@@ -15,10 +15,16 @@
 # strees   SmolLM2 + the shipped head: compile's default tree against 24-32-row trees of 3-4 draft steps (the CPU's
 #          ranking at 4 steps), 80 MT-bench + 40 HumanEval, 256 tokens, one run
 # sprofile where a step of compile's default on SmolLM2's shape goes (random weights, the shipped head's draft
-#          vocabulary, a 512-token prompt): plain, a 16-node verify, the default tree's whole step (e2e.py profiles)
-# sinductor the step of compile's default tree and of a 32-node one (e2e.py profile_draft, random weights) with
-#          inductor's own kernels as they are, launched with PDL (triton.enable_pdl), and fused where independent
-#          (combo_kernels): $RESULTS/sinductor/1, 2, 3
+#          vocabulary, a 512-token prompt): plain, a 32-node verify, the default tree's whole step (e2e.py profiles)
+# sinductor the step of compile's default tree (e2e.py profile_draft, random weights) with inductor's own kernels
+#          as they are, launched with PDL (triton.enable_pdl), and fused where independent (combo_kernels):
+#          $RESULTS/sinductor/1, 2, 3
+# scombo   SmolLM2 + the shipped head, plain decoding and compile's default with inductor's kernels as they are,
+#          then fused where independent (--inductor combo_kernels=1), 80 MT-bench + 40 HumanEval, a process each
+# sdeep    SmolLM2 + the shipped head: compile's default against the 64-row trees of $DEEP_TREES (greedy tau at
+#          <= 64 nodes), 80 MT-bench + 40 HumanEval, 256 tokens, one run
+# sfirst   time to the first token of compile's default on SmolLM2 in a cold, then a warm process
+#          (benchmarks/first_token.py --runs 2), then a fresh process's first 10 calls
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
 #          rows, fixed batches against the stream, the stream's ms a step and its profile
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at each T of $SAMPLED_T
@@ -74,6 +80,7 @@ RESULTS=${RESULTS:-$WORK/results}
 QWEN=${QWEN_GGUF:-qwen-coder-1.5b}
 HEAD=$WORK/qwen/eagle3-vocab16384/best
 PREVIOUS=dynamic:2,8,16+lookup12:shared  # compile's default tree on one CUDA row before (3, 8, 32) + lookup 16
+DEFAULT=dynamic:3,8,32+lookup16:shared  # compile's default tree on one CUDA row (under PDL)
 MAGPIE=magpie$([ "${MAGPIE_SEED:-0}" = 0 ] || echo "${MAGPIE_SEED}")  # this run's set of the target's own prompts
 mkdir -p "$LOGS" "$RESULTS"
 if [ -n "${WAIT_FOR:-}" ]; then
@@ -165,11 +172,17 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               --methods sg_plain sg_default --trees dynamic:4,8,24+lookup16:shared dynamic:4,8,32+lookup16:shared \
               dynamic:3,8,32+lookup16:shared --out "$out" ;;
     sprofile) run sprofile python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile profile_verify \
-                profile_draft --profile-verify-n 16 --profile-draft-trees dynamic:2,8,16+lookup12:shared --out "$out" ;;
+                profile_draft --profile-verify-n 32 --profile-draft-trees "$DEFAULT" --out "$out" ;;
     sinductor) run sinductor bash -c "i=0; for opts in '' 'triton.enable_pdl=1' 'triton.enable_pdl=1 combo_kernels=1'; do \
                  i=\$((i + 1)); SPECGRAPH_CAPTURE_CACHE=0 python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
-                 profile_draft --profile-draft-trees dynamic:2,8,16+lookup12:shared dynamic:4,8,32+lookup16:shared \
-                 \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
+                 profile_draft --profile-draft-trees $DEFAULT \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
+    scombo) run scombo bash -c "i=0; for opts in '' 'combo_kernels=1'; do i=\$((i + 1)); python3 benchmarks/generate.py \
+              --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 --methods sg_plain sg_default \
+              \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
+    sdeep) run sdeep python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
+             --methods sg_plain sg_default --trees ${DEEP_TREES:-dynamic:6,8,64+lookup16:shared} --out "$out" ;;
+    sfirst) run sfirst bash -c "python3 benchmarks/first_token.py --runs 2 --out $out/first.json && python3 \
+              benchmarks/first_token.py --runs 1 --calls 10 --out $out/calls.json" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;
     sdistill) run sdistill sdistill ;;
