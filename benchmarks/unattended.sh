@@ -21,6 +21,8 @@
 #          $RESULTS/sinductor/1, 2, 3
 # scombo   SmolLM2 + the shipped head, plain decoding and compile's default with inductor's kernels as they are,
 #          then fused where independent (--inductor combo_kernels=1), 80 MT-bench + 40 HumanEval, a process each
+# ssplit   the target's products at 24 and 32 rows with K split over 2-6 programs a tile (a tile's 6th entry; no
+#          model: SmolLM2's shapes, random weights): its tests natively, then benchmarks/investigations/few_row_tiles.py
 # sdeep    SmolLM2 + the shipped head: compile's default against the 64-row trees of $DEEP_TREES (greedy tau at
 #          <= 64 nodes), 80 MT-bench + 40 HumanEval, 256 tokens, one run
 # sfirst   time to the first token of compile's default on SmolLM2 in a cold, then a warm process
@@ -176,6 +178,8 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     sinductor) run sinductor bash -c "i=0; for opts in '' 'triton.enable_pdl=1' 'triton.enable_pdl=1 combo_kernels=1'; do \
                  i=\$((i + 1)); SPECGRAPH_CAPTURE_CACHE=0 python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
                  profile_draft --profile-draft-trees $DEFAULT \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
+    ssplit) run ssplit bash -c "python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_linear.py -k split && \
+              python3 benchmarks/investigations/few_row_tiles.py --rows 24 32 --tiles split-k --out $out" ;;
     scombo) run scombo bash -c "i=0; for opts in '' 'combo_kernels=1'; do i=\$((i + 1)); python3 benchmarks/generate.py \
               --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 --methods sg_plain sg_default \
               \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;

@@ -6,6 +6,7 @@ a program per row) are what tile_config takes up to ROW_GRID_PROGRAMS; docs/benc
 
   python3 benchmarks/investigations/few_row_tiles.py --rows 4 16 --tiles wide --out DIR
   python3 benchmarks/investigations/few_row_tiles.py --rows 2 3 5 6 8 12 --tiles row-grid --out DIR
+  python3 benchmarks/investigations/few_row_tiles.py --rows 24 32 --tiles split-k --out DIR
   python3 benchmarks/investigations/few_row_tiles.py --plot RESULTS.txt OUT.png   (µs against rows, per product:
       the best 16-row tile, the best row-grid tile, cuBLAS's bare product)
 """
@@ -27,6 +28,11 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); None: tile_config's cho
              (1, 16, 512, 4, 3), (1, 32, 512, 8, 2)],
     "row-grid": [None, (16, 16, 256, 4, 4), (1, 16, 512, 4, 3), (1, 8, 1024, 4, 3), (1, 8, 512, 4, 3),
                  (1, 16, 512, 8, 3), (1, 8, 512, 8, 3)],
+    # 17-32 rows (one 32-row tile) with K split over 2-6 programs a tile (a 6th entry): the step's 36-96 programs
+    # a product, each walking all of K, against more programs walking less of it
+    "split-k": [None, (32, 16, 128, 4, 3, 2), (32, 16, 128, 4, 3, 3), (32, 16, 64, 4, 3, 3), (32, 16, 32, 4, 3, 4),
+                (32, 16, 64, 4, 2, 4), (32, 16, 32, 4, 2, 6), (32, 32, 64, 4, 3, 4), (32, 16, 256, 4, 2, 2),
+                (32, 16, 128, 8, 3, 4)],
 }
 
 

@@ -49,6 +49,12 @@ where it paid (``max_rows``: a small weight under PDL, where the cuBLAS path's l
 between kernels: SmolLM2's 24-node step 1.336 -> 1.212 ms); other calls take the reference (the norm, a
 cuBLAS product, the add).
 
+A tile's optional 6th entry splits K over that many programs a tile (tl.dot tiles only): each stores its
+float32 partial, and the tile's last program to arrive (an arrival counter, as tree attention's merge) sums them
+in split order, deterministically, and runs the epilogue. An experiment for the 17-32-row verify products, which
+run 36-96 programs each walking all of K (benchmarks/investigations/few_row_tiles.py --tiles split-k); no
+tile_config choice takes it yet.
+
 Measured (``benchmarks/fused_linear.py``, H200, 2026-12-01, docs/benchmarks.md), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
 SmolLM2 2.6-3.9 us against 3.8-5.4; Llama-3.1-8B q/k/v + norm 15.6 against 16.2, o + add 11.5 against
@@ -87,12 +93,14 @@ def _prefetch_l2(W, weight_rows, K, stride_wn, LINES: tl.constexpr, LINE: tl.con
 
 
 @triton.jit
-def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma, Scaled, SquaresOut, M, N, K, P, eps,
+def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma, Scaled, SquaresOut, Partials, Arrived,
+                         M, N, K, P, eps,
                          stride_xm, stride_wn, stride_rm, stride_om, stride_sim, stride_som,
                          NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                          SILU_MUL: tl.constexpr,
                          ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, SQUARE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                         SPLIT_K: tl.constexpr = 1,
                          PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # grid axis 1: the row blocks
     row_ok = rows < M
@@ -122,7 +130,9 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
     lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row: per-lane partial sums, reduced once after the loop
     lanes_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     row_squares = tl.zeros([1, BLOCK_K], tl.float32)  # one row with NORM: per-lane sums of x ** 2, same pass
-    for k0 in range(0, K, BLOCK_K):
+    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # grid axis 2: this program's share of K
+    k_start = tl.program_id(2) * k_span
+    for k0 in range(k_start, tl.minimum(k_start + k_span, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, BK]
@@ -156,6 +166,10 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
     if BLOCK_M == 1:
         acc += tl.sum(lanes, 1)[None, :]
         acc_up += tl.sum(lanes_up, 1)[None, :]
+    last = row_ok  # the programs that write the output: all of them, or each tile's last split to arrive
+    if SPLIT_K > 1:  # split over K: partials out, then the tile's last program sums them in split order
+        acc, acc_up, last = _sum_splits(acc, acc_up, Partials, Arrived, rows, cols, row_ok, col_ok, M, N,
+                                        SILU_MUL, SPLIT_K)
     if NORM and BLOCK_M == 1:  # the row's mean square, in float32 as HF
         rstd_row = 1.0 / tl.sqrt(tl.sum(row_squares, 1)[:, None] / K + eps)
         acc *= rstd_row
@@ -177,7 +191,7 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
         gate = out.to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty)
         out = (act.to(tl.float32) * acc_up.to(Out.dtype.element_ty).to(tl.float32)).to(Out.dtype.element_ty)
-    ok = row_ok[:, None] & col_ok[None, :]
+    ok = last[:, None] & col_ok[None, :]
     if RESIDUAL:  # residual + the product as x's dtype rounded it
         residual = tl.load(Residual + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=ok, other=0.0)
         out = (residual.to(tl.float32) + out.to(tl.float32)).to(Out.dtype.element_ty)
@@ -190,10 +204,52 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
         chunks = tl.program_id(0) * (BLOCK_N // SQUARE_COLS) + tl.arange(0, BLOCK_N // SQUARE_COLS)
         sums = tl.sum(tl.reshape(out32 * out32, [BLOCK_M, BLOCK_N // SQUARE_COLS, SQUARE_COLS]), 2)
         tl.store(SquaresOut + rows[:, None].to(tl.int64) * stride_som + chunks[None, :], sums,
-                 mask=row_ok[:, None] & (chunks * SQUARE_COLS < N)[None, :])
+                 mask=last[:, None] & (chunks * SQUARE_COLS < N)[None, :])
 
 
-TILE_OVERRIDE: dict[tuple[int, int], tuple[int, int, int, int, int]] | None = None  # benchmarks' sweeps
+@triton.jit
+def _sum_splits(acc, acc_up, Partials, Arrived, rows, cols, row_ok, col_ok, M, N, SILU_MUL: tl.constexpr,
+                SPLIT_K: tl.constexpr):
+    """Store this program's partial product(s) [M, BN] in float32, count it in, and return the sum of the
+    tile's SPLIT_K partials in split order (deterministic) with the row mask of the program that writes the
+    output: the tile's last to arrive, which also resets the tile's counter for the next launch."""
+    split = tl.program_id(2)
+    ok = row_ok[:, None] & col_ok[None, :]
+    cell = rows[:, None].to(tl.int64) * N + cols[None, :]  # Partials: [SPLIT_K, 2, M, N] float32
+    tl.store(Partials + (split * 2) * M * N + cell, acc, mask=ok)
+    if SILU_MUL:
+        tl.store(Partials + (split * 2 + 1) * M * N + cell, acc_up, mask=ok)
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.debug_barrier()  # every thread's partial stored before the release below (as tree attention's merge)
+    arrived = tl.atomic_add(Arrived + tile, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    last = arrived == SPLIT_K - 1
+    tl.store(Arrived + tile, 0, mask=last)
+    acc = tl.zeros_like(acc)
+    acc_up = tl.zeros_like(acc_up)
+    for s in tl.static_range(SPLIT_K):  # .cg: written by other programs of this launch (read past L1)
+        acc += tl.load(Partials + (s * 2) * M * N + cell, mask=ok & last, other=0.0, cache_modifier=".cg")
+        if SILU_MUL:
+            acc_up += tl.load(Partials + (s * 2 + 1) * M * N + cell, mask=ok & last, other=0.0, cache_modifier=".cg")
+    return acc, acc_up, row_ok & last
+
+
+TILE_OVERRIDE: dict[tuple[int, int], tuple[int, ...]] | None = None  # benchmarks' sweeps
+SPLIT_SLOTS = 1 << 14  # tiles (N blocks x row blocks) one split launch may count arrivals for
+_split_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """Per-device arrival counters of split-K launches ([SPLIT_SLOTS] int32, zero between launches: each tile's
+    last program resets its own; launches on one stream never count at once: under PDL a kernel counts only
+    after its wait for the one ahead). None for more tiles, or when first asked for inside a graph capture."""
+    if tiles > SPLIT_SLOTS:
+        return None
+    if device not in _split_arrivals:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _split_arrivals[device] = torch.zeros(SPLIT_SLOTS, dtype=torch.int32, device=device)
+    return _split_arrivals[device]
 
 
 def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
@@ -255,7 +311,8 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
     squares_in = row_squares.reshape(m, -1).contiguous() if row_squares is not None else None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = tiles or tile_config(m, n, k, weight.element_size(), norm=gamma is not None, silu_mul=silu_mul)
-    block_m, block_n, block_k, num_warps, num_stages = tiles
+    block_m, block_n, block_k, num_warps, num_stages = tiles[:5]
+    split_k = tiles[5] if len(tiles) > 5 else 1  # a 6th entry: K split over that many programs a tile
     block_m = 1 if block_m == 1 else max(16, block_m)  # BLOCK_M 1 with more rows: a program per row and BLOCK_N
     # columns; else tl.dot tiles of BLOCK_M rows (at least 16), the row blocks on grid axis 1
     scaled = squares_out = None
@@ -266,21 +323,31 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
             raise ValueError(f"fused_linear_triton: tiles={tiles}: next_gamma needs BLOCK_N a multiple of {SQUARE_COLS}")
         scaled = torch.empty_like(out)
         squares_out = torch.empty((m, triton.cdiv(n, SQUARE_COLS)), dtype=torch.float32, device=x.device)
+    partials, arrived = out, out  # unused unless split over K
+    if split_k > 1:
+        if block_m == 1:
+            raise ValueError(f"fused_linear_triton: tiles={tiles}: a split of K needs tl.dot tiles (BLOCK_M >= 16); "
+                             "the one-row path sums the norm's squares in its K loop")
+        arrived = _split_counters(x.device, triton.cdiv(n, block_n) * triton.cdiv(m, block_m))
+        if arrived is None:  # first allocated inside a graph capture: this call unsplit
+            split_k, arrived = 1, out
+        else:
+            partials = torch.empty((split_k, 2, m, n), dtype=torch.float32, device=x.device)
     pdl = pdl_launch(x.device)
     line = 128 // weight.element_size()
     lines = min(PREFETCH_LINES, triton.next_power_of_2(triton.cdiv(k, line))) if pdl and config.pdl == "prefetch" else 0
-    _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)](
         rows, weight, gamma if gamma is not None else weight, bias if bias is not None else weight,
         res if res is not None else out, out,
         squares_in if squares_in is not None else out, next_gamma if next_gamma is not None else weight,
-        scaled if scaled is not None else out, squares_out if squares_out is not None else out,
+        scaled if scaled is not None else out, squares_out if squares_out is not None else out, partials, arrived,
         m, n, k, squares_in.shape[1] if squares_in is not None else 0, eps,
         rows.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
         squares_in.stride(0) if squares_in is not None else 0, squares_out.stride(0) if squares_out is not None else 0,
         NORM=gamma is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=res is not None, SILU_MUL=silu_mul,
         ROW_SCALE=squares_in is not None, NORM_OUT=next_gamma is not None, SQUARE_COLS=SQUARE_COLS,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps,
+        BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=num_warps,
         num_stages=num_stages, **pdl_kwargs(pdl, PREFETCH_LINES=lines, LINE=line))
     out = out.view(*x.shape[:-1], n)
     if next_gamma is None:

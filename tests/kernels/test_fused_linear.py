@@ -292,3 +292,48 @@ def test_bias_is_checked():
     gate_up = torch.randn(80, 96)
     with pytest.raises(ValueError, match="bias must be.*silu_mul"):
         torch.ops.specgraph.fused_linear(x, gate_up, None, 1e-6, None, silu_mul=True, bias=torch.zeros(40))
+
+
+# ----------------------------------------------------------------------------- K split over programs
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", ["norm_residual", "gated", "silu_mul", "norm_out_then_row_scale"])
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_matches_the_unsplit_kernel_and_the_reference(form, split, dtype):
+    """A 6th tile entry splits K over programs: each stores a float32 partial and the tile's last to arrive sums
+    them in split order and runs the epilogue; every form against the reference, and the counters left at zero
+    (the next launch counts from there: run twice)."""
+    from specgraph.kernels import fused_linear as fl
+
+    m, k, n = PAST_TILE, 200, 40  # 200 columns: splits of 112 and 96 (2), 80, 80, 40 (3) in 16-column steps
+    x, weight, gamma, residual = (t.to(DEVICE) for t in case(split + 31, m, k, n, dtype))
+    tiles = (32, 16, 16, 4, 2, split)
+    if form == "norm_residual":
+        calls = dict(gamma=gamma, eps=1e-6, residual=residual)
+    elif form == "gated":
+        x = torch.cat([x, x.flip(-1)], -1) * 0.3
+        calls = dict(gated=True)
+    elif form == "silu_mul":
+        weight = torch.cat([weight, weight.flip(0)], 0)
+        calls = dict(gamma=gamma, eps=1e-6, silu_mul=True)
+    else:
+        h, scaled, squares = fused_linear_norm_out_reference(x[..., :n], weight[:, :n], residual, gamma[:n])
+        got = fused_linear_triton(x[..., :n], weight[:, :n], None, 0.0, residual, tiles=tiles, next_gamma=gamma[:n])
+        for a, b in zip(got, (h, scaled, squares)):
+            torch.testing.assert_close(a.float(), b.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        x, weight = scaled, weight[:, :n]  # the next product reads gamma * h scaled by h's rstd
+        calls = dict(eps=1e-5, row_squares=squares)
+    want = fused_linear_reference(x, weight, **{a: v for a, v in calls.items()})
+    unsplit = fused_linear_triton(x, weight, tiles=tiles[:5], **calls)
+    for _ in range(2):
+        got = fused_linear_triton(x, weight, tiles=tiles, **calls)
+        scale = want.abs().max().item() if form == "silu_mul" and dtype == torch.bfloat16 else 1.0
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype] * scale, rtol=TOLERANCE[dtype])
+        torch.testing.assert_close(got.float(), unsplit.float(), atol=TOLERANCE[dtype] * scale, rtol=TOLERANCE[dtype])
+        assert not fl._split_arrivals[x.device].any(), "a tile's counter was not reset"
+
+
+def test_split_k_refuses_the_one_row_path():
+    x, weight, gamma, _ = case(5, 1, 96, 40)
+    with pytest.raises(ValueError, match="split of K needs tl.dot tiles"):
+        fused_linear_triton(x, weight, gamma, 1e-6, tiles=(1, 8, 64, 4, 3, 2))
