@@ -95,8 +95,8 @@ def copy_bandwidth() -> float:
 
 def run_settings() -> dict:
     """The settings a result depends on (passes skipped, the argmax's chunk, the draft fast paths skipped,
-    fold_rotary's row limits at 64- and 128-dim heads, programmatic dependent launch), for the results JSON
-    of every benchmark."""
+    fold_rotary's row limits at 64- and 128-dim heads, programmatic dependent launch, fused_linear's split of
+    K), for the results JSON of every benchmark."""
     # imported here, not above: transformers probes for a package named "kernels" while specgraph
     # imports it, which finds benchmarks/kernels.py, which imports this module (it must be complete)
     from specgraph import config
@@ -107,7 +107,7 @@ def run_settings() -> dict:
     return dict(skip_passes=",".join(sorted(config.skip_passes)),
                 argmax_chunk=ARGMAX_CHUNK, skip_fast_paths=skipped_fast_paths(),
                 fold_rotary_rows=dict(head_dim_64=fold_rotary_limit(64), head_dim_128=fold_rotary_limit(128)),
-                pdl=config.pdl)
+                pdl=config.pdl, split_k=config.split_k)
 
 
 def set_inductor_options(pairs: list[str]) -> dict:

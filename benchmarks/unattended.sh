@@ -22,7 +22,10 @@
 # scombo   SmolLM2 + the shipped head, plain decoding and compile's default with inductor's kernels as they are,
 #          then fused where independent (--inductor combo_kernels=1), 80 MT-bench + 40 HumanEval, a process each
 # ssplit   the target's products at 24 and 32 rows with K split over 2-6 programs a tile (a tile's 6th entry; no
-#          model: SmolLM2's shapes, random weights): its tests natively, then benchmarks/investigations/few_row_tiles.py
+#          model: SmolLM2's shapes, random weights): its tests natively, benchmarks/investigations/few_row_tiles.py,
+#          then sprofile's default step with SPECGRAPH_SPLIT_K=$SPLIT_K (3)
+# ssplit2e SmolLM2 + the shipped head, plain decoding and compile's default with SPECGRAPH_SPLIT_K 1 then $SPLIT_K
+#          (3), 80 MT-bench + 40 HumanEval, 256 tokens, a process each
 # sdeep    SmolLM2 + the shipped head: compile's default against the 64-row trees of $DEEP_TREES (greedy tau at
 #          <= 64 nodes), 80 MT-bench + 40 HumanEval, 256 tokens, one run
 # sfirst   time to the first token of compile's default on SmolLM2 in a cold, then a warm process
@@ -179,7 +182,12 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
                  i=\$((i + 1)); SPECGRAPH_CAPTURE_CACHE=0 python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
                  profile_draft --profile-draft-trees $DEFAULT \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
     ssplit) run ssplit bash -c "python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_linear.py -k split && \
-              python3 benchmarks/investigations/few_row_tiles.py --rows 24 32 --tiles split-k --out $out" ;;
+              python3 benchmarks/investigations/few_row_tiles.py --rows 24 32 --tiles split-k --out $out && \
+              SPECGRAPH_SPLIT_K=${SPLIT_K:-3} python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
+              profile_draft --profile-draft-trees $DEFAULT --out $out/profile" ;;
+    ssplit2e) run ssplit2e bash -c "for split in 1 ${SPLIT_K:-3}; do SPECGRAPH_SPLIT_K=\$split python3 \
+                benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
+                --methods sg_plain sg_default --out $out/split\$split || exit; done" ;;
     scombo) run scombo bash -c "i=0; for opts in '' 'combo_kernels=1'; do i=\$((i + 1)); python3 benchmarks/generate.py \
               --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 --methods sg_plain sg_default \
               \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;

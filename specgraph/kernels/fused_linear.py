@@ -52,8 +52,8 @@ cuBLAS product, the add).
 A tile's optional 6th entry splits K over that many programs a tile (tl.dot tiles only): each stores its
 float32 partial, and the tile's last program to arrive (an arrival counter, as tree attention's merge) sums them
 in split order, deterministically, and runs the epilogue. An experiment for the 17-32-row verify products, which
-run 36-96 programs each walking all of K (benchmarks/investigations/few_row_tiles.py --tiles split-k); no
-tile_config choice takes it yet.
+run 36-96 programs each walking all of K (benchmarks/investigations/few_row_tiles.py --tiles split-k); only
+``config.split_k`` (an experiment, off by default) makes tile_config take it.
 
 Measured (``benchmarks/fused_linear.py``, H200, 2026-12-01, docs/benchmarks.md), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
@@ -253,7 +253,7 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
-                silu_mul: bool = False) -> tuple[int, int, int, int, int]:
+                silu_mul: bool = False) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows of an [N, K] weight (silu_mul: N output
     columns of a [2N, K] weight), from the sweeps of ``benchmarks/fused_linear.py`` (H200; figures in
     docs/benchmarks.md). One row: on the CUDA cores in 8-row slices of the weight; small weights, and those
@@ -276,7 +276,10 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
     if small and not silu_mul and m * triton.cdiv(n, 8) <= ROW_GRID_PROGRAMS:
         return 1, 8, 512, 4, 3
     if m > 16:  # all the rows in one tile, so the weight streams once; 128 columns a step keep x's stages small
-        return min(MAX_ROWS, triton.next_power_of_2(m)), 16 if small else 32, min(128, triton.next_power_of_2(k)), 4, 3
+        block_m, block_n = min(MAX_ROWS, triton.next_power_of_2(m)), 16 if small else 32
+        if config.split_k > 1:  # the experiment: K over split_k programs a tile, 64 or 128 columns a step
+            return block_m, block_n, 64 if triton.cdiv(k, config.split_k) <= 256 else 128, 4, 3, config.split_k
+        return block_m, block_n, min(128, triton.next_power_of_2(k)), 4, 3
     return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
 

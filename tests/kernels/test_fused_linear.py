@@ -337,3 +337,20 @@ def test_split_k_refuses_the_one_row_path():
     x, weight, gamma, _ = case(5, 1, 96, 40)
     with pytest.raises(ValueError, match="split of K needs tl.dot tiles"):
         fused_linear_triton(x, weight, gamma, 1e-6, tiles=(1, 8, 64, 4, 3, 2))
+
+
+@needs_triton
+def test_split_k_setting_makes_tile_config_split_the_multi_row_tiles(settings):
+    """config.split_k (the experiment's switch) reaches the op: 17-64-row tiles split K, one row and 16-row tiles
+    do not, and the op's output is the reference's."""
+    from specgraph.kernels.fused_linear import tile_config
+
+    assert len(tile_config(24, 576, 576, 2)) == 5
+    settings(split_k=3)
+    assert tile_config(24, 576, 576, 2) == (32, 16, 64, 4, 3, 3)
+    assert tile_config(32, 576, 1536, 2)[2:] == (128, 4, 3, 3)
+    assert len(tile_config(1, 576, 576, 2)) == len(tile_config(16, 576, 576, 2)) == 5
+    x, weight, gamma, residual = (t.to(DEVICE) for t in case(9, PAST_TILE, 200, 40))
+    got = fused_linear_triton(x, weight, gamma, 1e-6, residual)
+    want = fused_linear_reference(x, weight, gamma, 1e-6, residual)
+    torch.testing.assert_close(got, want, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
