@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 benchmarks/tp.py [--tp 1 2 4 8] [--accept 4] [--prompt 512] [--out DIR]
     torchrun --nproc-per-node 2 benchmarks/tp.py --tiny          # CPU, gloo: a check of the script
+    torchrun --nproc-per-node 1 benchmarks/tp.py --tp 1 --one-rank-group   # one GPU: the sharded path too
 
 A Llama-3.1-8B-shaped target with random bf16 weights (``--tiny``: 4 layers, float32, CPU) on
 every rank of a process group of each TP size (ranks 0 .. TP-1 of the launch; the others wait),
@@ -15,6 +16,9 @@ size, on the same model:
 Steady state: the difference of two generation lengths (prefill and the first step drop out), the
 median of --repeats pairs, after a warm-up call (compile, CUDA-graph record). NCCL on GPUs (one
 GPU per rank: LOCAL_RANK), gloo on CPUs. Rank 0 prints the table and writes DIR/tp-DATE.json.
+``--one-rank-group``: TP 1 also through the sharded path, ``compile(..., tp=)`` over a group of one rank (the
+all-reduce pass, the collectives inside the compiled step and its CUDA graph; what one GPU can run of TP),
+against the single-device engine on the same model.
 """
 from __future__ import annotations
 
@@ -48,9 +52,10 @@ def make_target(shape: dict, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
-def measure(tp: int, group, args, shape, device, dtype) -> list[dict]:
-    """Plain and speculative figures at one TP size (every rank of ``group`` runs this)."""
-    tp_arg = group if tp > 1 else None
+def measure(tp: int, group, args, shape, device, dtype, sharded: bool) -> list[dict]:
+    """Plain and speculative figures at one TP size (every rank of ``group`` runs this); ``sharded``: through
+    ``compile(..., tp=group)`` (always past TP 1), else the single-device engine."""
+    tp_arg = group if sharded else None
     rows = []
     model = make_target(shape, device, dtype)
     torch.manual_seed(1)
@@ -65,7 +70,8 @@ def measure(tp: int, group, args, shape, device, dtype) -> list[dict]:
             spec = specgraph.compile(model, head, tree=specgraph.Chain(args.accept), backend=args.backend,
                                      max_cache_len=max_length, synthetic_accept=args.accept, tp=tp_arg)
         ms, tokens = step_ms(spec, prompt, args.short, args.long, device, args.repeats)
-        rows.append(dict(tp=tp, mode=mode, ms_per_step=ms, tokens_per_step=tokens, ms_per_token=ms / tokens))
+        rows.append(dict(tp=tp, sharded=sharded, mode=mode, ms_per_step=ms, tokens_per_step=tokens,
+                         ms_per_token=ms / tokens))
         del spec
     rows[1]["speedup_over_plain"] = rows[0]["ms_per_token"] / rows[1]["ms_per_token"]
     specgraph.capture.Capture.release(model)
@@ -85,6 +91,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="auto", help="compile's backend (auto: inductor on CUDA)")
     parser.add_argument("--tiny", action="store_true", help="a 4-layer float32 model on the CPU (gloo): a check")
+    parser.add_argument("--one-rank-group", action="store_true",
+                        help="TP 1 also sharded over a group of one rank (the TP code path on one device)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -103,12 +111,13 @@ def main() -> None:
     for tp in sizes:
         group = dist.new_group(list(range(tp)))  # every rank takes part in making each group
         if rank < tp:
-            results += measure(tp, group, args, shape, device, dtype)
+            for sharded in ([False, True] if tp == 1 and args.one_rank_group else [tp > 1]):
+                results += measure(tp, group, args, shape, device, dtype, sharded)
         dist.barrier()
     if rank == 0:
-        print(f"{'TP':>3} {'mode':<12} {'ms/step':>9} {'tok/step':>8} {'ms/token':>9} {'x plain':>8}")
+        print(f"{'TP':>3} {'sharded':>7} {'mode':<12} {'ms/step':>9} {'tok/step':>8} {'ms/token':>9} {'x plain':>8}")
         for r in results:
-            print(f"{r['tp']:>3} {r['mode']:<12} {r['ms_per_step']:>9.3f} {r['tokens_per_step']:>8.2f} "
+            print(f"{r['tp']:>3} {str(r['sharded']):>7} {r['mode']:<12} {r['ms_per_step']:>9.3f} {r['tokens_per_step']:>8.2f} "
                   f"{r['ms_per_token']:>9.3f} {r.get('speedup_over_plain', 1.0):>8.2f}")
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"tp{'-tiny' if args.tiny else ''}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -26,6 +26,8 @@
 #          then sprofile's default step with SPECGRAPH_SPLIT_K=$SPLIT_K (3)
 # ssplit2e SmolLM2 + the shipped head, plain decoding and compile's default with SPECGRAPH_SPLIT_K 1 then $SPLIT_K
 #          (3), 80 MT-bench + 40 HumanEval, 256 tokens, a process each
+# tp1      the 8B shape at TP 1 through the single-device engine and sharded over a group of one rank (the TP
+#          code path on one GPU: the all-reduce pass, NCCL collectives inside the compiled step and its CUDA graph)
 # sdeep    SmolLM2 + the shipped head: compile's default against the 64-row trees of $DEEP_TREES (greedy tau at
 #          <= 64 nodes), 80 MT-bench + 40 HumanEval, 256 tokens, one run
 # sfirst   time to the first token of compile's default on SmolLM2 in a cold, then a warm process
@@ -188,6 +190,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     ssplit2e) run ssplit2e bash -c "for split in 1 ${SPLIT_K:-3}; do SPECGRAPH_SPLIT_K=\$split python3 \
                 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
                 --methods sg_plain sg_default --out $out/split\$split || exit; done" ;;
+    tp1) run tp1 torchrun --nproc-per-node 1 benchmarks/tp.py --tp 1 --one-rank-group --out "$out" ;;
     scombo) run scombo bash -c "i=0; for opts in '' 'combo_kernels=1'; do i=\$((i + 1)); python3 benchmarks/generate.py \
               --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 --methods sg_plain sg_default \
               \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
