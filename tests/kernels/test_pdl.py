@@ -35,15 +35,18 @@ CHILD = textwrap.dedent('''
 
     BF16 = "*bf16"
     linear_types = dict(X=BF16, W=BF16, Gamma=BF16, Bias=BF16, Residual=BF16, Out=BF16, SquaresIn="*fp32",
-                        NextGamma=BF16, Scaled=BF16, SquaresOut="*fp32", eps="fp32")
+                        NextGamma=BF16, Scaled=BF16, SquaresOut="*fp32", Partials="*fp32", Arrived="*i32", eps="fp32")
     flags = dict(NORM=False, GATED=False, BIAS=False, RESIDUAL=False, SILU_MUL=False, ROW_SCALE=False,
-                 NORM_OUT=False, SQUARE_COLS=16, UPCAST=False, LINE=64)
+                 NORM_OUT=False, SQUARE_COLS=16, UPCAST=False, LINE=64, SPLIT_K=1)
     variants = {  # name: (tile, flags): the products a decode step runs
         "qkv_norm_bias_1row": ((1, 8, 1024, 4, 3), dict(NORM=True, BIAS=True)),
         "o_residual_norm_out_1row": ((1, 16, 512, 8, 3), dict(RESIDUAL=True, NORM_OUT=True)),
         "down_silu_mul_1row": ((1, 8, 512, 8, 3), dict(SILU_MUL=True, RESIDUAL=True)),
         "qkv_norm_16rows": ((16, 32, 256, 4, 4), dict(NORM=True)),
         "gate_up_row_scale_16rows": ((16, 64, 128, 4, 3), dict(ROW_SCALE=True, SILU_MUL=True)),
+        # K split over programs (config.split_k): partials, an arrival counter, the last program's epilogue
+        "gate_up_row_scale_32rows_split3": ((32, 16, 64, 4, 3), dict(ROW_SCALE=True, SILU_MUL=True, SPLIT_K=3)),
+        "o_residual_norm_out_32rows_split4": ((32, 16, 64, 4, 3), dict(RESIDUAL=True, NORM_OUT=True, SPLIT_K=4)),
     }
     out = {}
     for name, ((bm, bn, bk, warps, stages), extra) in variants.items():
@@ -83,13 +86,28 @@ def _first(lines: list[str], needle: str) -> int | None:
 
 
 def test_the_variants_compiled(ptx):
-    assert len(ptx) == 5 * 3 + 2
+    assert len(ptx) == 7 * 3 + 2
+
+
+@pytest.mark.parametrize("kernel", ["fused_linear/gate_up_row_scale_32rows_split3",
+                                    "fused_linear/o_residual_norm_out_32rows_split4"])
+def test_split_k_counts_arrivals_with_release_and_acquire(ptx, kernel):
+    """A split-K tile's programs publish their partials with one acq_rel atomic on the arrival counter (gpu
+    scope) and read the others' through L2 (.cg); an unsplit tile has neither."""
+    for mode in ("off", "on"):
+        text = ptx[f"{kernel}/{mode}"]
+        assert re.search(r"atom\.(global\.)?(acq_rel\.)?(gpu\.)?.*add", text) and "acq_rel" in text
+        assert "ld.global.cg" in text
+    unsplit = ptx["fused_linear/gate_up_row_scale_16rows/off"]
+    assert "atom." not in unsplit and "ld.global.cg" not in unsplit
 
 
 @pytest.mark.parametrize("mode", ["on", "prefetch"])
 @pytest.mark.parametrize("kernel", ["fused_linear/qkv_norm_bias_1row", "fused_linear/o_residual_norm_out_1row",
                                     "fused_linear/down_silu_mul_1row", "fused_linear/qkv_norm_16rows",
-                                    "fused_linear/gate_up_row_scale_16rows", "tree_attention/write_rope_split"])
+                                    "fused_linear/gate_up_row_scale_16rows", "tree_attention/write_rope_split",
+                                    "fused_linear/gate_up_row_scale_32rows_split3",
+                                    "fused_linear/o_residual_norm_out_32rows_split4"])
 def test_no_global_memory_access_before_the_wait(ptx, kernel, mode):
     if kernel.startswith("tree_attention") and mode == "prefetch":
         pytest.skip("tree attention has no weights to prefetch")
