@@ -12,7 +12,9 @@ Why: ``torch.topk`` over a few long rows runs one block per row, and the
 chunked form in ``selection.top_k`` costs two launches of 9 + 4 µs at a draft
 level (a profile of a SmolLM2 EAGLE-2 step on the H200, 2026-12-01: 0.20 ms
 of its 0.82 ms draft). Here program (row, chunk) keeps its chunk in registers and
-takes its k best by k rounds of one int64 max over (value, lane) packed; rows longer
+takes its k best by k rounds of one int64 max over (value, lane) packed, the rounds touching registers
+only (the k values are gathered and stored once after them; a load and two stores a round before, untimed
+since on the GPU: the step's profile in docs/benchmarks.md has the earlier form); rows longer
 than one chunk write each chunk's k best and the same kernel picks the k
 best of those (chunk-major, so equal values stay in index order).
 """
@@ -28,8 +30,22 @@ CHUNK = 4096  # longer rows: chunks of this many, then a second launch over chun
 
 
 @triton.jit
+def _k_best(packed, lane, dead, BLOCK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr):
+    """The lanes [K_POW2] of the K largest ``packed`` entries, best first, by K rounds of one max; -1 where
+    fewer than K are alive (not ``dead``) and past K. Only registers in the loop: the caller gathers after."""
+    slots = tl.arange(0, K_POW2)
+    best = tl.full([K_POW2], -1, tl.int32)
+    for i in tl.static_range(K):
+        top = tl.max(packed, 0)
+        pos = BLOCK - 1 - (top & (BLOCK - 1)).to(tl.int32)
+        packed = tl.where(lane == pos, dead, packed)
+        best = tl.where(slots == i, tl.where(top != dead, pos, -1), best)
+    return best
+
+
+@triton.jit
 def _topk_kernel(X, IdxIn, Values, Indices, V, stride_xr, stride_ir, stride_or,
-                 K: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr):
+                 K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     lane = tl.arange(0, BLOCK)
@@ -46,20 +62,18 @@ def _topk_kernel(X, IdxIn, Values, Indices, V, stride_xr, stride_ir, stride_or,
     packed = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - lane).to(tl.int64)
     dead = -9223372036854775807 - 1  # -2**63: below every lane (-inf orders as -2**31 + 2**23 - 1)
     packed = tl.where(alive, packed, dead)
+    best = _k_best(packed, lane, dead, BLOCK, K, K_POW2)  # [K_POW2] lanes, -1: none
+    found = best >= 0
+    entry = chunk * BLOCK + tl.where(found, best, 0)
+    value = tl.load(X + row * stride_xr + entry, mask=found, other=float("-inf"))  # itself (NaN stays)
+    if HAS_IDX:
+        index = tl.load(IdxIn + row * stride_ir + entry, mask=found, other=-1)
+    else:
+        index = tl.where(found, entry.to(tl.int64), -1)
+    slots = tl.arange(0, K_POW2)
     out = (row * tl.num_programs(1) + chunk) * stride_or
-    for i in tl.static_range(K):
-        top = tl.max(packed, 0)
-        found = top != dead
-        pos = BLOCK - 1 - (top & (BLOCK - 1)).to(tl.int32)
-        packed = tl.where(lane == pos, dead, packed)
-        entry = chunk * BLOCK + pos
-        value = tl.load(X + row * stride_xr + entry, mask=found, other=float("-inf"))  # itself (NaN stays)
-        if HAS_IDX:
-            index = tl.load(IdxIn + row * stride_ir + entry, mask=found, other=-1)
-        else:
-            index = tl.where(found, entry.to(tl.int64), -1)
-        tl.store(Values + out + i, value)
-        tl.store(Indices + out + i, index)
+    tl.store(Values + out + slots, value, mask=slots < K)
+    tl.store(Indices + out + slots, index, mask=slots < K)
 
 
 def topk_triton(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,17 +84,19 @@ def topk_triton(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.empty(r, k, dtype=torch.int64, device=x.device)
     if v <= ONE_PASS:
         block = triton.next_power_of_2(v)
-        _topk_kernel[(r, 1)](rows, rows, values, indices, v, rows.stride(0), 0, k,
-                             K=k, BLOCK=block, HAS_IDX=False, num_warps=8 if block >= 4096 else 4)
+        _topk_kernel[(r, 1)](rows, rows, values, indices, v, rows.stride(0), 0, k, K=k,
+                             K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=False,
+                             num_warps=8 if block >= 4096 else 4)
     else:
         chunks = triton.cdiv(v, CHUNK)
         part_v = torch.empty(r, chunks * k, dtype=x.dtype, device=x.device)
         part_i = torch.empty(r, chunks * k, dtype=torch.int64, device=x.device)
-        _topk_kernel[(r, chunks)](rows, rows, part_v, part_i, v, rows.stride(0), 0, k,
-                                  K=k, BLOCK=CHUNK, HAS_IDX=False, num_warps=8)
+        _topk_kernel[(r, chunks)](rows, rows, part_v, part_i, v, rows.stride(0), 0, k, K=k,
+                                  K_POW2=triton.next_power_of_2(k), BLOCK=CHUNK, HAS_IDX=False, num_warps=8)
         block = triton.next_power_of_2(chunks * k)
         _topk_kernel[(r, 1)](part_v, part_i, values, indices, chunks * k, part_v.stride(0), part_i.stride(0), k,
-                             K=k, BLOCK=block, HAS_IDX=True, num_warps=8 if block >= 4096 else 4)
+                             K=k, K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=True,
+                             num_warps=8 if block >= 4096 else 4)
     return values.view(*x.shape[:-1], k), indices.view(*x.shape[:-1], k)
 
 

@@ -121,3 +121,39 @@ def test_kernel_signed_zeros_tie_by_index(vocab):
     values, indices = topk_triton(x, 3)
     assert indices.cpu().tolist() == [[2, 4, vocab - 1]]
     assert torch.equal(values.cpu().signbit(), torch.tensor([[True, False, True]]))
+
+
+@needs_triton
+@pytest.mark.parametrize("k", [1, 8, 31, 64])  # 31: the selection's N - 1 (a K below its power of two)
+@pytest.mark.parametrize("vocab", [152, 2 * 4096 + 70])
+def test_kernel_every_k_matches_oracle(k, vocab):
+    x = tied_rows(k + vocab, 2, vocab, torch.float32, special=True).to(DEVICE)
+    values, indices = topk_triton(x, k)
+    assert values.shape == indices.shape == (2, k)
+    assert_matches_oracle(x, values, indices, k)
+
+
+def test_kernel_compiles_for_hopper():
+    """The kernel as the GPU builds it (Triton's own ptxas for sm_90, in a child process without the
+    interpreter): one pass over 8,192 entries and the pass over chunks' candidates, k = 8 and 31."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("triton.backends.nvidia")
+    child = textwrap.dedent('''
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from specgraph.kernels.topk import _topk_kernel
+        types = dict(X="*fp32", IdxIn="*i64", Values="*fp32", Indices="*i64")
+        for k, block, has_idx in ((8, 8192, False), (31, 256, True)):
+            constexprs = dict(K=k, K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=has_idx)
+            signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in _topk_kernel.arg_names}
+            ptx = triton.compile(ASTSource(fn=_topk_kernel, signature=signature, constexprs=constexprs),
+                                 target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+            assert ".entry" in ptx
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
