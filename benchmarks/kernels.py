@@ -143,8 +143,9 @@ TOPK_CASES = ((1, 8192), (8, 8192), (64, 8192), (8, 49152), (8, 128256), (64, 12
 def topk_sweep(bandwidth: float, k: int, out: Path) -> list[dict]:
     """A draft level's top k of float32 log-probs: ``torch.topk``, ``selection.top_k`` (chunked torch, what the
     drafts run) and ``specgraph::topk`` (the Triton kernel), each a CUDA-graph replay, against the
-    floor (the rows read once / copy bandwidth); the kernel's indices checked against its reference."""
-    from specgraph.kernels.topk import topk_reference
+    floor (the rows read once / copy bandwidth); the kernel's indices checked against its reference. Also the
+    kernel with each row in chunks of 512-4,096 programs merged by the row's last (``topk_triton(chunk=)``)."""
+    from specgraph.kernels.topk import topk_reference, topk_triton
     from specgraph.selection import top_k
 
     rows = []
@@ -156,9 +157,15 @@ def topk_sweep(bandwidth: float, k: int, out: Path) -> list[dict]:
                    torch_topk_us=graphed_ms(lambda: x.topk(k, -1)) * 1e3,
                    chunked_us=graphed_ms(lambda: top_k(x, k)) * 1e3,
                    kernel_us=graphed_ms(lambda: torch.ops.specgraph.topk(x, k)) * 1e3)
+        for chunk in (c for c in (512, 1024, 2048, 4096) if c < vocab):
+            merged = topk_triton(x, k, chunk=chunk)
+            row[f"merged_{chunk}_exact"] = bool(torch.equal(merged[1], want[1]) and torch.equal(merged[0], want[0]))
+            row[f"merged_{chunk}_us"] = graphed_ms(lambda: topk_triton(x, k, chunk=chunk)) * 1e3  # noqa: B023
         rows.append(row)
         print(f"# topk rows={r} V={vocab} k={k}: floor {row['floor_us']:.2f} us | torch.topk {row['torch_topk_us']:.2f} | "
-              f"selection.top_k {row['chunked_us']:.2f} | specgraph::topk {row['kernel_us']:.2f} | exact {row['exact']}")
+              f"selection.top_k {row['chunked_us']:.2f} | specgraph::topk {row['kernel_us']:.2f} | exact {row['exact']} | "
+              + " | ".join(f"{key} {value:.2f}" if isinstance(value, float) else f"{key} {value}"
+                           for key, value in row.items() if key.startswith("merged_")))
     out.write_text(json.dumps(dict(bandwidth=bandwidth, topk=rows), indent=1))
     return rows
 

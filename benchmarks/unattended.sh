@@ -24,6 +24,8 @@
 # ssplit   the target's products at 24 and 32 rows with K split over 2-6 programs a tile (a tile's 6th entry; no
 #          model: SmolLM2's shapes, random weights): its tests natively, benchmarks/investigations/few_row_tiles.py,
 #          then sprofile's default step with SPECGRAPH_SPLIT_K=$SPLIT_K (3)
+# stopk    the draft's top-k kernel (one program a row, and a row's chunks merged by its last program) against
+#          torch.topk and the chunked torch path, 1-64 rows of 8k-128k entries (benchmarks/kernels.py --topk)
 # ssplit2e SmolLM2 + the shipped head, plain decoding and compile's default with SPECGRAPH_SPLIT_K 1 then $SPLIT_K
 #          (3), 80 MT-bench + 40 HumanEval, 256 tokens, a process each
 # tp1      the 8B shape at TP 1 through the single-device engine and sharded over a group of one rank (the TP
@@ -187,6 +189,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               python3 benchmarks/investigations/few_row_tiles.py --rows 24 32 --tiles split-k --out $out && \
               SPECGRAPH_SPLIT_K=${SPLIT_K:-3} python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
               profile_draft --profile-draft-trees $DEFAULT --out $out/profile" ;;
+    stopk) run stopk python3 benchmarks/kernels.py --topk 8 --out "$out" ;;
     ssplit2e) run ssplit2e bash -c "for split in 1 ${SPLIT_K:-3}; do SPECGRAPH_SPLIT_K=\$split python3 \
                 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
                 --methods sg_plain sg_default --out $out/split\$split || exit; done" ;;

@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from .. import config
+from .arrivals import arrival_counters
 from .pdl import pdl_kwargs, pdl_launch
 from .tree_attention import _dot
 
@@ -235,21 +236,6 @@ def _sum_splits(acc, acc_up, Partials, Arrived, rows, cols, row_ok, col_ok, M, N
 
 
 TILE_OVERRIDE: dict[tuple[int, int], tuple[int, ...]] | None = None  # benchmarks' sweeps
-SPLIT_SLOTS = 1 << 14  # tiles (N blocks x row blocks) one split launch may count arrivals for
-_split_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """Per-device arrival counters of split-K launches ([SPLIT_SLOTS] int32, zero between launches: each tile's
-    last program resets its own; launches on one stream never count at once: under PDL a kernel counts only
-    after its wait for the one ahead). None for more tiles, or when first asked for inside a graph capture."""
-    if tiles > SPLIT_SLOTS:
-        return None
-    if device not in _split_arrivals:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _split_arrivals[device] = torch.zeros(SPLIT_SLOTS, dtype=torch.int32, device=device)
-    return _split_arrivals[device]
 
 
 def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
@@ -331,7 +317,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tens
         if block_m == 1:
             raise ValueError(f"fused_linear_triton: tiles={tiles}: a split of K needs tl.dot tiles (BLOCK_M >= 16); "
                              "the one-row path sums the norm's squares in its K loop")
-        arrived = _split_counters(x.device, triton.cdiv(n, block_n) * triton.cdiv(m, block_m))
+        arrived = arrival_counters("fused_linear", x.device, triton.cdiv(n, block_n) * triton.cdiv(m, block_m))
         if arrived is None:  # first allocated inside a graph capture: this call unsplit
             split_k, arrived = 1, out
         else:

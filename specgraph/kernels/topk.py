@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import arrival_counters
+
 MAX_K = 64
 ONE_PASS = 8192  # rows up to this many entries: one program a row, one launch
 CHUNK = 4096  # longer rows: chunks of this many, then a second launch over chunks * k
@@ -44,16 +46,24 @@ def _k_best(packed, lane, dead, BLOCK: tl.constexpr, K: tl.constexpr, K_POW2: tl
 
 
 @triton.jit
-def _topk_kernel(X, IdxIn, Values, Indices, V, stride_xr, stride_ir, stride_or,
-                 K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+def _load(pointers, mask, other, CG: tl.constexpr):
+    if CG:  # written by other programs of this launch: read through L2
+        return tl.load(pointers, mask=mask, other=other, cache_modifier=".cg")
+    return tl.load(pointers, mask=mask, other=other)
+
+
+@triton.jit
+def _pass(Src, IdxIn, Values, Indices, n, row, chunk, stride_src, stride_idx, out, active,
+          K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr, CG: tl.constexpr):
+    """Entries ``chunk * BLOCK ..`` of ``row`` of Src (n a row): their K best into Values/Indices at ``out``,
+    where ``active``. HAS_IDX: a pass over candidates that carry their row index in IdxIn (-1: none). CG: read
+    through L2 (.cg: written by other programs of this launch)."""
     lane = tl.arange(0, BLOCK)
     offs = chunk * BLOCK + lane
-    alive = offs < V
-    x = tl.load(X + row * stride_xr + offs, mask=alive, other=0.0).to(tl.float32)
-    if HAS_IDX:  # the second pass: candidates carry their index in the row (-1: none)
-        alive = alive & (tl.load(IdxIn + row * stride_ir + offs, mask=alive, other=-1) >= 0)
+    alive = (offs < n) & active
+    x = _load(Src + row * stride_src + offs, alive, 0.0, CG).to(tl.float32)
+    if HAS_IDX:  # candidates carry their index in the row (-1: none)
+        alive = alive & (_load(IdxIn + row * stride_idx + offs, alive, -1, CG) >= 0)
     key = tl.where(x != x, float("inf"), tl.where(x == 0.0, 0.0, x))  # NaN ranks with +inf; -0.0 ties +0.0
     # one int64 a lane: the float's bits made order-preserving as a signed int, over the lane reversed,
     # so a single max finds the largest value and, among equal ones, the lowest lane
@@ -65,37 +75,72 @@ def _topk_kernel(X, IdxIn, Values, Indices, V, stride_xr, stride_ir, stride_or,
     best = _k_best(packed, lane, dead, BLOCK, K, K_POW2)  # [K_POW2] lanes, -1: none
     found = best >= 0
     entry = chunk * BLOCK + tl.where(found, best, 0)
-    value = tl.load(X + row * stride_xr + entry, mask=found, other=float("-inf"))  # itself (NaN stays)
+    value = _load(Src + row * stride_src + entry, found, float("-inf"), CG)
     if HAS_IDX:
-        index = tl.load(IdxIn + row * stride_ir + entry, mask=found, other=-1)
+        index = _load(IdxIn + row * stride_idx + entry, found, -1, CG)
     else:
         index = tl.where(found, entry.to(tl.int64), -1)
     slots = tl.arange(0, K_POW2)
-    out = (row * tl.num_programs(1) + chunk) * stride_or
-    tl.store(Values + out + slots, value, mask=slots < K)
-    tl.store(Indices + out + slots, index, mask=slots < K)
+    tl.store(Values + out + slots, value, mask=(slots < K) & active)  # the value itself (NaN stays)
+    tl.store(Indices + out + slots, index, mask=(slots < K) & active)
 
 
-def topk_triton(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _topk_kernel(X, IdxIn, Values, Indices, PartV, PartI, Arrived, V, stride_xr, stride_ir, stride_or,
+                 K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
+                 MERGE: tl.constexpr = False, MERGE_BLOCK: tl.constexpr = 1):
+    """Program (row, chunk): the chunk's K best; without MERGE into Values/Indices [R, chunks * K] (a second
+    launch over them, HAS_IDX, or the answer with one chunk), with MERGE into PartV/PartI, then the row's last
+    program to arrive takes the K best of the row's chunks * K candidates (one launch)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    if MERGE:
+        _pass(X, IdxIn, PartV, PartI, V, row, chunk, stride_xr, stride_ir, (row * chunks + chunk) * K, True,
+              K, K_POW2, BLOCK, False, False)
+        tl.debug_barrier()  # every thread's candidates stored before the release below (as tree attention's merge)
+        arrived = tl.atomic_add(Arrived + row, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        last = arrived == chunks - 1
+        tl.store(Arrived + row, 0, mask=last)
+        _pass(PartV, PartI, Values, Indices, chunks * K, row, 0, chunks * K, chunks * K, row * stride_or, last,
+              K, K_POW2, MERGE_BLOCK, True, True)  # chunk-major: equal values stay in index order
+    else:
+        _pass(X, IdxIn, Values, Indices, V, row, chunk, stride_xr, stride_ir, (row * chunks + chunk) * stride_or,
+              True, K, K_POW2, BLOCK, HAS_IDX, False)
+
+
+def topk_triton(x: torch.Tensor, k: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk`` (a power of two; benchmarks): every row in chunks of that many entries, one program each, the
+    row's last to finish picking from their candidates (one launch). None: rows up to ONE_PASS in one program,
+    longer ones in CHUNK-entry chunks and a second launch."""
     v = x.shape[-1]
     rows = x.reshape(-1, v).contiguous()  # [R, V]
     r = rows.shape[0]
     values = torch.empty(r, k, dtype=x.dtype, device=x.device)
     indices = torch.empty(r, k, dtype=torch.int64, device=x.device)
-    if v <= ONE_PASS:
+    k_pow2 = triton.next_power_of_2(k)
+    arrived = arrival_counters("topk", x.device, r) if chunk is not None else None
+    if arrived is not None:
+        chunks = triton.cdiv(v, chunk)
+        part_v = torch.empty(r, chunks * k, dtype=x.dtype, device=x.device)
+        part_i = torch.empty(r, chunks * k, dtype=torch.int64, device=x.device)
+        _topk_kernel[(r, chunks)](rows, rows, values, indices, part_v, part_i, arrived, v, rows.stride(0), 0, k,
+                                  K=k, K_POW2=k_pow2, BLOCK=chunk, HAS_IDX=False, MERGE=True,
+                                  MERGE_BLOCK=triton.next_power_of_2(chunks * k), num_warps=8 if chunk >= 4096 else 4)
+    elif v <= ONE_PASS:
         block = triton.next_power_of_2(v)
-        _topk_kernel[(r, 1)](rows, rows, values, indices, v, rows.stride(0), 0, k, K=k,
-                             K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=False,
-                             num_warps=8 if block >= 4096 else 4)
+        _topk_kernel[(r, 1)](rows, rows, values, indices, rows, rows, rows, v, rows.stride(0), 0, k, K=k,
+                             K_POW2=k_pow2, BLOCK=block, HAS_IDX=False, num_warps=8 if block >= 4096 else 4)
     else:
         chunks = triton.cdiv(v, CHUNK)
         part_v = torch.empty(r, chunks * k, dtype=x.dtype, device=x.device)
         part_i = torch.empty(r, chunks * k, dtype=torch.int64, device=x.device)
-        _topk_kernel[(r, chunks)](rows, rows, part_v, part_i, v, rows.stride(0), 0, k, K=k,
-                                  K_POW2=triton.next_power_of_2(k), BLOCK=CHUNK, HAS_IDX=False, num_warps=8)
+        _topk_kernel[(r, chunks)](rows, rows, part_v, part_i, rows, rows, rows, v, rows.stride(0), 0, k, K=k,
+                                  K_POW2=k_pow2, BLOCK=CHUNK, HAS_IDX=False, num_warps=8)
         block = triton.next_power_of_2(chunks * k)
-        _topk_kernel[(r, 1)](part_v, part_i, values, indices, chunks * k, part_v.stride(0), part_i.stride(0), k,
-                             K=k, K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=True,
+        _topk_kernel[(r, 1)](part_v, part_i, values, indices, rows, rows, rows, chunks * k, part_v.stride(0),
+                             part_i.stride(0), k, K=k, K_POW2=k_pow2, BLOCK=block, HAS_IDX=True,
                              num_warps=8 if block >= 4096 else 4)
     return values.view(*x.shape[:-1], k), indices.view(*x.shape[:-1], k)
 

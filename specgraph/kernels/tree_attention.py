@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .. import config
+from .arrivals import arrival_counters
 from .bitmask import bit_at, bit_or, mask_to_matrix, popcount64
 from .pdl import pdl_kwargs, pdl_launch
 
@@ -244,25 +245,6 @@ def _merge_splits_kernel(PartO, PartLse, Out, ROWS, H, R, stride_ob, stride_oh, 
 
 SMALL_TILE_ROWS = 32  # rows a KV head up to which a grid short of the SMs takes 16-row tiles (measured: D 128)
 SMALL_TILE_ROWS_D64 = 96  # the same at head dim <= 64 (SmolLM2)
-ARRIVAL_SLOTS = 1 << 16  # tiles (b, kv head, m tile) one launch may split: B * H_kv * m_tiles
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The per-device arrival counters of split programs ([ARRIVAL_SLOTS] int32, zero between launches:
-    each tile's merging program resets its own). None for more tiles (then a merge launch runs).
-
-    Launches on one stream never overlap, so they may share the counters; kernels of this module must
-    not run concurrently on two streams of one device."""
-    if tiles > ARRIVAL_SLOTS:
-        return None
-    if device not in _arrivals:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # allocated inside a graph capture they would live in its pool: merge by launch this once
-        _arrivals[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    return _arrivals[device]
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -334,7 +316,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
     cos, sin = rope if rope is not None else (q, q)  # unused without ROPE
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    arrived = _arrival_counters(q.device, m_tiles * b * h_kv) if splits > 1 and merge_here else None
+    # counters per (b, kv head, m tile); None (too many tiles, or first asked for inside a capture): a merge launch
+    arrived = arrival_counters("tree_attention", q.device, m_tiles * b * h_kv) if splits > 1 and merge_here else None
     _tree_attention_kernel[(m_tiles, b * h_kv, splits)](
         q, k_cache, v_cache, cache_len, tree_mask, out, part_o, part_lse, new_k, new_v,
         arrived if arrived is not None else cache_len, cos, sin,

@@ -303,7 +303,7 @@ def test_split_k_matches_the_unsplit_kernel_and_the_reference(form, split, dtype
     """A 6th tile entry splits K over programs: each stores a float32 partial and the tile's last to arrive sums
     them in split order and runs the epilogue; every form against the reference, and the counters left at zero
     (the next launch counts from there: run twice)."""
-    from specgraph.kernels import fused_linear as fl
+    from specgraph.kernels import arrivals
 
     m, k, n = PAST_TILE, 200, 40  # 200 columns: splits of 112 and 96 (2), 80, 80, 40 (3) in 16-column steps
     x, weight, gamma, residual = (t.to(DEVICE) for t in case(split + 31, m, k, n, dtype))
@@ -330,7 +330,7 @@ def test_split_k_matches_the_unsplit_kernel_and_the_reference(form, split, dtype
         scale = want.abs().max().item() if form == "silu_mul" and dtype == torch.bfloat16 else 1.0
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype] * scale, rtol=TOLERANCE[dtype])
         torch.testing.assert_close(got.float(), unsplit.float(), atol=TOLERANCE[dtype] * scale, rtol=TOLERANCE[dtype])
-        assert not fl._split_arrivals[x.device].any(), "a tile's counter was not reset"
+        assert not arrivals._counters["fused_linear", x.device].any(), "a tile's counter was not reset"
 
 
 def test_split_k_refuses_the_one_row_path():

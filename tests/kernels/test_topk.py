@@ -135,7 +135,8 @@ def test_kernel_every_k_matches_oracle(k, vocab):
 
 def test_kernel_compiles_for_hopper():
     """The kernel as the GPU builds it (Triton's own ptxas for sm_90, in a child process without the
-    interpreter): one pass over 8,192 entries and the pass over chunks' candidates, k = 8 and 31."""
+    interpreter): one pass over 8,192 entries, the pass over chunks' candidates (k = 8 and 31), and chunks of
+    1,024 merged in the launch by the row's last program (one gpu-scope acq_rel atomic)."""
     import subprocess
     import sys
     import textwrap
@@ -146,14 +147,33 @@ def test_kernel_compiles_for_hopper():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from specgraph.kernels.topk import _topk_kernel
-        types = dict(X="*fp32", IdxIn="*i64", Values="*fp32", Indices="*i64")
-        for k, block, has_idx in ((8, 8192, False), (31, 256, True)):
-            constexprs = dict(K=k, K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=has_idx)
+        types = dict(X="*fp32", IdxIn="*i64", Values="*fp32", Indices="*i64", PartV="*fp32", PartI="*i64",
+                     Arrived="*i32")
+        for k, block, has_idx, merge in ((8, 8192, False, False), (31, 256, True, False), (8, 1024, False, True)):
+            constexprs = dict(K=k, K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=has_idx, MERGE=merge,
+                              MERGE_BLOCK=64)
             signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in _topk_kernel.arg_names}
             ptx = triton.compile(ASTSource(fn=_topk_kernel, signature=signature, constexprs=constexprs),
                                  target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-            assert ".entry" in ptx
+            assert ".entry" in ptx and ("atom.global.gpu.acq_rel.add" in ptx) == merge
     ''')
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@needs_triton
+@pytest.mark.parametrize("k", [1, 5, 31])
+@pytest.mark.parametrize("vocab, chunk", [(8192, 1024), (300, 64), (3 * 4096 + 17, 4096), (40, 64)])
+def test_kernel_merged_in_one_launch_matches_oracle(k, vocab, chunk):
+    """``chunk``: a row's chunks in programs of their own, the last to finish picking the row's k best from
+    theirs (ties across chunks by index; a last chunk with fewer than k entries); the counters reset."""
+    from specgraph.kernels import arrivals
+
+    k = min(k, vocab)
+    for special in (False, True):
+        x = tied_rows(k * vocab + chunk, 3, vocab, torch.float32, special).to(DEVICE)
+        for _ in range(2):  # the counters a launch leaves are the next one's start
+            values, indices = topk_triton(x, k, chunk=chunk)
+            assert_matches_oracle(x, values, indices, k)
+        assert not arrivals._counters["topk", x.device].any()

@@ -133,7 +133,7 @@ def test_48_rows_in_16_row_tiles_merged_in_the_kernel():
 @needs_triton
 @pytest.mark.parametrize("seed", range(3))
 def test_splits_merged_by_their_last_program_or_a_second_launch(seed):
-    from specgraph.kernels import tree_attention as module
+    from specgraph.kernels import arrivals
 
     device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     case = make_case(300 + seed, dtype=torch.float32).to(device=device)
@@ -143,7 +143,7 @@ def test_splits_merged_by_their_last_program_or_a_second_launch(seed):
         launched = tree_attention_triton(*case.args(), num_splits=splits, merge_here=False)
         torch.testing.assert_close(here, want, atol=TOLERANCE[torch.float32], rtol=0)
         torch.testing.assert_close(here, launched, atol=1e-6, rtol=0)
-    assert not module._arrivals[case.q.device].any()  # every tile reset its counter for the next launch
+    assert not arrivals._counters["tree_attention", case.q.device].any()  # every tile reset its counter
 
 
 def test_op_errors_name_the_argument():
