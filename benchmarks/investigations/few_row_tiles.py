@@ -29,10 +29,12 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); None: tile_config's cho
     "row-grid": [None, (16, 16, 256, 4, 4), (1, 16, 512, 4, 3), (1, 8, 1024, 4, 3), (1, 8, 512, 4, 3),
                  (1, 16, 512, 8, 3), (1, 8, 512, 8, 3)],
     # 17-32 rows (one 32-row tile) with K split over 2-6 programs a tile (a 6th entry): the step's 36-96 programs
-    # a product, each walking all of K, against more programs walking less of it
+    # a product, each walking all of K, against more programs walking less of it; and 16-row tiles (two row
+    # blocks: twice the programs, the weight read twice, from L2 the second time), split or not
     "split-k": [None, (32, 16, 128, 4, 3, 2), (32, 16, 128, 4, 3, 3), (32, 16, 64, 4, 3, 3), (32, 16, 32, 4, 3, 4),
                 (32, 16, 64, 4, 2, 4), (32, 16, 32, 4, 2, 6), (32, 32, 64, 4, 3, 4), (32, 16, 256, 4, 2, 2),
-                (32, 16, 128, 8, 3, 4)],
+                (32, 16, 128, 8, 3, 4), (16, 16, 256, 4, 4), (16, 16, 128, 4, 3), (16, 16, 128, 4, 3, 2),
+                (16, 16, 64, 4, 3, 3)],
 }
 
 
