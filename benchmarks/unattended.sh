@@ -147,15 +147,21 @@ sdata() {  # OUT: every answered set's resumable state in 15 MB parts (sdistill 
   done
   ls -l "$1"
 }
-smol() {  # [--temperature T]
-  python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 "$@" \
-    --methods sg_plain sg_default --trees "$PREVIOUS"
+pair() {  # ARGS...: plain decoding and compile's default (and ARGS' trees or heads), 80 MT-bench + 40 HumanEval
+  python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
+    --methods sg_plain sg_default "$@"
+}
+ab() {  # PHASE OUT: scombo's (inductor's kernels as they are, then fused) or ssplit2e's (K unsplit, then split) runs
+  case $1 in
+    scombo) pair --out "$2/1" && pair --inductor combo_kernels=1 --out "$2/2" ;;
+    ssplit2e) SPECGRAPH_SPLIT_K=1 pair --out "$2/split1" && SPECGRAPH_SPLIT_K=${SPLIT_K:-3} pair --out "$2/split${SPLIT_K:-3}" ;;
+  esac
 }
 for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
   out=$RESULTS/$phase
   case $phase in
-    smol) run smol smol --out "$out" ;;
-    smolt1) run smolt1 smol --temperature 1 --out "$out" ;;
+    smol) run smol pair --trees "$PREVIOUS" --out "$out" ;;
+    smolt1) run smolt1 pair --trees "$PREVIOUS" --temperature 1 --out "$out" ;;
     gtests) run gtests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_tree_attention.py \
               tests/kernels/test_kernels_gpu.py::test_pdl_chain_replayed_in_a_cuda_graph_equals_plain_launches \
               tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers \
@@ -173,12 +179,10 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               --shape qwen1.5b --sections floor plain --prompt 512 --out $out/\$mode || exit; done" ;;
     policy) run policy bash -c "for b in ${BATCHES:-16 4}; do python3 benchmarks/e2e.py --sections batch \
               --batch-policy --batches \$b --batch-trees chain --out $out/b\$b || exit; done" ;;
-    ssweep) run ssweep python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
-              --methods sg_plain sg_default --trees dynamic:3,8,16+lookup12:shared dynamic:2,8,24+lookup12:shared \
+    ssweep) run ssweep pair --trees dynamic:3,8,16+lookup12:shared dynamic:2,8,24+lookup12:shared \
               dynamic:3,8,24+lookup12:shared dynamic:4,8,32+lookup16:shared dynamic:4,8,48+lookup16:shared \
               dynamic:6,8,64+lookup16:shared --out "$out" ;;
-    strees) run strees python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
-              --methods sg_plain sg_default --trees dynamic:4,8,24+lookup16:shared dynamic:4,8,32+lookup16:shared \
+    strees) run strees pair --trees dynamic:4,8,24+lookup16:shared dynamic:4,8,32+lookup16:shared \
               dynamic:3,8,32+lookup16:shared --out "$out" ;;
     sprofile) run sprofile python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile profile_verify \
                 profile_draft --profile-verify-n 32 --profile-draft-trees "$DEFAULT" --out "$out" ;;
@@ -190,15 +194,9 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               SPECGRAPH_SPLIT_K=${SPLIT_K:-3} python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
               profile_draft --profile-draft-trees $DEFAULT --out $out/profile" ;;
     stopk) run stopk python3 benchmarks/kernels.py --topk 8 --out "$out" ;;
-    ssplit2e) run ssplit2e bash -c "for split in 1 ${SPLIT_K:-3}; do SPECGRAPH_SPLIT_K=\$split python3 \
-                benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
-                --methods sg_plain sg_default --out $out/split\$split || exit; done" ;;
+    ssplit2e|scombo) run $phase ab $phase "$out" ;;
     tp1) run tp1 torchrun --nproc-per-node 1 benchmarks/tp.py --tp 1 --one-rank-group --out "$out" ;;
-    scombo) run scombo bash -c "i=0; for opts in '' 'combo_kernels=1'; do i=\$((i + 1)); python3 benchmarks/generate.py \
-              --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 --methods sg_plain sg_default \
-              \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
-    sdeep) run sdeep python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
-             --methods sg_plain sg_default --trees ${DEEP_TREES:-dynamic:6,8,64+lookup16:shared} --out "$out" ;;
+    sdeep) run sdeep pair --trees ${DEEP_TREES:-dynamic:6,8,64+lookup16:shared} --out "$out" ;;
     sfirst) run sfirst bash -c "python3 benchmarks/first_token.py --runs 2 --out $out/first.json && python3 \
               benchmarks/first_token.py --runs 1 --calls 10 --out $out/calls.json" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
@@ -215,8 +213,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               MASK_REPEATS=16 VOCAB="${VOCAB:-8192}" BATCH=32 LR=5e-4 STEPS="${STEPS:-3000}" EVAL_EVERY=400 \
               INIT="${INIT:-specgraph/heads/smollm2-135m-instruct-eagle3}" \
               bash benchmarks/smollm2_heads.sh eagle3 "${TRAIN_MIN:-10}" ;;
-    scompare|scompare1) run $phase python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 \
-                --max-new-tokens 256 --methods sg_plain sg_default --heads "new=$WORK/smol/eagle3-vocab${VOCAB:-8192}/best" \
+    scompare|scompare1) run $phase pair --heads "new=$WORK/smol/eagle3-vocab${VOCAB:-8192}/best" \
                 $([ $phase = scompare1 ] && echo --temperature 1) --out "$out" ;;
     smedusa) magpie=$(magpie_shards)
              run smedusa bash -c "env WORK=$WORK/smol ANNEAL=${ANNEAL:-1} EXTRA_SHARDS='${EXTRA_SHARDS-$magpie}' \
