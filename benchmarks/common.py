@@ -95,19 +95,41 @@ def copy_bandwidth() -> float:
 
 def run_settings() -> dict:
     """The settings a result depends on (passes skipped, the argmax's chunk, the draft fast paths skipped,
-    fold_rotary's row limits at 64- and 128-dim heads, programmatic dependent launch, fused_linear's split of
-    K), for the results JSON of every benchmark."""
+    fold_rotary's row limits at 64- and 128-dim heads, programmatic dependent launch, fused_linear's tiles
+    set by ``--tiles``), for the results JSON of every benchmark."""
     # imported here, not above: transformers probes for a package named "kernels" while specgraph
     # imports it, which finds benchmarks/kernels.py, which imports this module (it must be complete)
     from specgraph import config
     from specgraph.fast_paths import skipped_fast_paths
+    from specgraph.kernels import fused_linear
     from specgraph.passes.fold_rotary import max_rows as fold_rotary_limit
     from specgraph.runtime.step import ARGMAX_CHUNK
 
     return dict(skip_passes=",".join(sorted(config.skip_passes)),
                 argmax_chunk=ARGMAX_CHUNK, skip_fast_paths=skipped_fast_paths(),
                 fold_rotary_rows=dict(head_dim_64=fold_rotary_limit(64), head_dim_128=fold_rotary_limit(128)),
-                pdl=config.pdl, split_k=config.split_k)
+                pdl=config.pdl, tiles={",".join(map(str, key)): list(tile)
+                                        for key, tile in (fused_linear.TILE_OVERRIDE or {}).items()})
+
+
+def set_tile_overrides(specs: list[str]) -> None:
+    """``--tiles M,N,K=TILE ...``: fused_linear's tile for the products of an [N, K] weight at M rows (or at
+    every row count: ``N,K=TILE``), TILE = BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES[,SPLIT_K] (a 6th entry splits
+    K over that many programs a tile); e.g. ``32,576,1536=32,16,128,4,3,3`` splits SmolLM2's down product in a
+    32-row verify. run_settings records them."""
+    from specgraph.kernels import fused_linear
+
+    overrides = {}
+    for spec in specs:
+        key, sep, tile = spec.partition("=")
+        try:
+            key, tile = tuple(int(v) for v in key.split(",")), tuple(int(v) for v in tile.split(","))
+        except ValueError:
+            key = tile = ()
+        if not sep or len(key) not in (2, 3) or len(tile) not in (5, 6):
+            raise SystemExit(f"--tiles {spec!r}: want [M,]N,K=BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES[,SPLIT_K]")
+        overrides[key] = tile
+    fused_linear.TILE_OVERRIDE = overrides or None
 
 
 def set_inductor_options(pairs: list[str]) -> dict:

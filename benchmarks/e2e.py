@@ -60,8 +60,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (LLAMA_8B, QWEN_1_5B, SMOLLM2, TINY, copy_bandwidth, run_settings, set_inductor_options, step_ms,  # first: sys.path
-                    sync)
+from common import (LLAMA_8B, QWEN_1_5B, SMOLLM2, TINY, copy_bandwidth, run_settings,  # first: sys.path
+                    set_inductor_options, set_tile_overrides, step_ms, sync)
 import specgraph  # noqa: E402
 from specgraph import config  # noqa: E402
 from specgraph.cli_args import Parser, RawDescriptionDefaultsShown  # noqa: E402
@@ -276,8 +276,12 @@ def main() -> None:
                         help="trees profile_draft records (chainK, dynamic:STEPS,TOPK,NODES)")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config values for an experiment, e.g. combo_kernels=1 triton.enable_pdl=1")
+    parser.add_argument("--tiles", nargs="*", default=[], metavar="[M,]N,K=TILE",
+                        help="fused_linear's tile for an [N, K] weight's products at M rows (all row counts without "
+                        "M): BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES[,SPLIT_K], e.g. 32,576,1536=32,16,128,4,3,3")
     args = parser.parse_args()
     inductor = set_inductor_options(args.inductor)
+    set_tile_overrides(args.tiles)
     begin = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape_name, shape = SHAPES["tiny" if args.tiny else args.shape]

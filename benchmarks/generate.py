@@ -65,7 +65,8 @@ import torch
 from tqdm import tqdm
 from transformers import StaticCache
 
-from common import MODELS, copy_bandwidth, load_target, run_settings, set_inductor_options  # first: sys.path
+from common import (MODELS, copy_bandwidth, load_target, run_settings,  # first: sys.path
+                    set_inductor_options, set_tile_overrides)
 import specgraph  # noqa: E402
 from specgraph.cli_args import Parser, RawDescriptionDefaultsShown  # noqa: E402
 from specgraph.train.evaluate import PROMPT_SETS, prompt_set as questions  # noqa: E402
@@ -314,8 +315,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="write a per-kernel profile per specgraph method")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config values for an experiment, e.g. combo_kernels=1 triton.enable_pdl=1")
+    parser.add_argument("--tiles", nargs="*", default=[], metavar="[M,]N,K=TILE",
+                        help="fused_linear's tile for an [N, K] weight's products at M rows (all row counts without "
+                        "M): BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES[,SPLIT_K], e.g. 32,576,1536=32,16,128,4,3,3")
     args = parser.parse_args()
     inductor = set_inductor_options(args.inductor)
+    set_tile_overrides(args.tiles)
     bad = [n for n in args.budgets if not 2 <= n <= 64]
     if bad:
         parser.error(f"--budgets {bad}: a tree budget counts nodes, root included: 2 .. 64")

@@ -21,13 +21,15 @@
 #          $RESULTS/sinductor/1, 2, 3
 # scombo   SmolLM2 + the shipped head, plain decoding and compile's default with inductor's kernels as they are,
 #          then fused where independent (--inductor combo_kernels=1), 80 MT-bench + 40 HumanEval, a process each
-# ssplit   the target's products at 24 and 32 rows with K split over 2-6 programs a tile (a tile's 6th entry; no
-#          model: SmolLM2's shapes, random weights): its tests natively, benchmarks/investigations/few_row_tiles.py,
-#          then sprofile's default step with SPECGRAPH_SPLIT_K=$SPLIT_K (3)
+# ssplit   sprofile's default step (random weights) with the verify's 32-row products in other tiles (e2e.py
+#          --tiles): as tile_config has them, down split over 3 programs, down in 16-row tiles, and q/k/v, o and
+#          down split (the winners of benchmarks/investigations/few_row_tiles.py --tiles split-k alone): $RESULTS/
+#          ssplit/1 .. 4
 # stopk    the draft's top-k kernel (one program a row, and a row's chunks merged by its last program) against
 #          torch.topk and the chunked torch path, 1-64 rows of 8k-128k entries (benchmarks/kernels.py --topk)
-# ssplit2e SmolLM2 + the shipped head, plain decoding and compile's default with SPECGRAPH_SPLIT_K 1 then $SPLIT_K
-#          (3), 80 MT-bench + 40 HumanEval, 256 tokens, a process each
+# ssplit2e SmolLM2 + the shipped head, plain decoding and compile's default as they are, then with fused_linear's
+#          tiles of $TILES (e2e.py's --tiles, e.g. 32,576,1536=16,16,256,4,4), 80 MT-bench + 40 HumanEval, 256
+#          tokens, a process each
 # tp1      the 8B shape at TP 1 through the single-device engine and sharded over a group of one rank (the TP
 #          code path on one GPU: the all-reduce pass, NCCL collectives inside the compiled step and its CUDA graph)
 # sdeep    SmolLM2 + the shipped head: compile's default against the 64-row trees of $DEEP_TREES (greedy tau at
@@ -151,10 +153,10 @@ pair() {  # ARGS...: plain decoding and compile's default (and ARGS' trees or he
   python3 benchmarks/generate.py --prompt-set mt-bench humaneval --prompts 80 40 --max-new-tokens 256 \
     --methods sg_plain sg_default "$@"
 }
-ab() {  # PHASE OUT: scombo's (inductor's kernels as they are, then fused) or ssplit2e's (K unsplit, then split) runs
+ab() {  # PHASE OUT: scombo's (inductor's kernels as they are, then fused) or ssplit2e's (tiles as they are, then $TILES) runs
   case $1 in
     scombo) pair --out "$2/1" && pair --inductor combo_kernels=1 --out "$2/2" ;;
-    ssplit2e) SPECGRAPH_SPLIT_K=1 pair --out "$2/split1" && SPECGRAPH_SPLIT_K=${SPLIT_K:-3} pair --out "$2/split${SPLIT_K:-3}" ;;
+    ssplit2e) pair --out "$2/default" && pair --tiles ${TILES:?TILES: the tiles to time} --out "$2/tiles" ;;
   esac
 }
 for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
@@ -189,10 +191,11 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     sinductor) run sinductor bash -c "i=0; for opts in '' 'triton.enable_pdl=1' 'triton.enable_pdl=1 combo_kernels=1'; do \
                  i=\$((i + 1)); SPECGRAPH_CAPTURE_CACHE=0 python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
                  profile_draft --profile-draft-trees $DEFAULT \${opts:+--inductor \$opts} --out $out/\$i || exit; done" ;;
-    ssplit) run ssplit bash -c "python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_linear.py -k split && \
-              python3 benchmarks/investigations/few_row_tiles.py --rows 24 32 --tiles split-k --out $out && \
-              SPECGRAPH_SPLIT_K=${SPLIT_K:-3} python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections \
-              profile_draft --profile-draft-trees $DEFAULT --out $out/profile" ;;
+    ssplit) down=32,576,1536 split3=32,16,64,4,3,3
+            run ssplit bash -c "i=0; for tiles in '' $down=32,16,128,4,3,3 $down=16,16,256,4,4 \
+              '$down=32,16,128,4,3,3 32,576,576=$split3 32,960,576=$split3'; do i=\$((i + 1)); python3 \
+              benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile_draft --profile-draft-trees $DEFAULT \
+              \${tiles:+--tiles \$tiles} --out $out/\$i || exit; done" ;;
     stopk) run stopk python3 benchmarks/kernels.py --topk 8 --out "$out" ;;
     ssplit2e|scombo) run $phase ab $phase "$out" ;;
     tp1) run tp1 torchrun --nproc-per-node 1 benchmarks/tp.py --tp 1 --one-rank-group --out "$out" ;;

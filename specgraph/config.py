@@ -46,15 +46,6 @@ def _pdl_mode(name: str, text: str) -> str:
     return text
 
 
-def _split_count(name: str, text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= MAX_SPLIT_K:
-        raise SettingError(f"{name}={text!r}: a whole number of programs, 1 (off) .. {MAX_SPLIT_K}")
-    return int(text)
-
-
-MAX_SPLIT_K = 8
-
-
 def _path(name: str, text: str) -> Path:
     return Path(text).expanduser()
 
@@ -100,10 +91,6 @@ class Settings:
                         "with programmatic dependent launch, each kernel waiting in-kernel for the one before (on), "
                         "and with fused_linear asking L2 for its first weight lines before it waits (prefetch, the "
                         "fastest measured end to end: docs/benchmarks.md); off: plain launches", developer=True)
-
-    split_k: int = _setting(1, _split_count, "an experiment until timed end to end: fused_linear's tl.dot tiles of "
-                            "17-64 rows (a verify step past 16 nodes) split K over this many programs a tile "
-                            "(1: off, the default)", developer=True)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
@@ -151,8 +138,6 @@ def _checked(name: str, value):
         return Path(value)
     if name == "overlap" and value is not None and not isinstance(value, bool):
         raise TypeError(f"config.patch(overlap={value!r}): True, False or None (auto)")
-    if name == "split_k" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SPLIT_K):
-        raise TypeError(f"config.patch(split_k={value!r}): a whole number 1 .. {MAX_SPLIT_K}")
     if name == "pdl" and value not in PDL_MODES:
         raise TypeError(f"config.patch(pdl={value!r}): one of {', '.join(PDL_MODES)}")
     if FIELDS[name].type == "bool" and not isinstance(value, bool):

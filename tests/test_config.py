@@ -23,12 +23,11 @@ def test_each_variable_is_parsed_to_its_type():
     assert s.skip_passes == {"fold_rotary", "fold_norms"}
     assert s.gguf == Path("/m.gguf") and s.cache == Path("/c")
     assert Settings.from_environ({"SPECGRAPH_OVERLAP": "auto"}).overlap is None
-    assert Settings.from_environ({}).split_k == 1 and Settings.from_environ({"SPECGRAPH_SPLIT_K": "4"}).split_k == 4
 
 
 @pytest.mark.parametrize("name, value", [("SPECGRAPH_CUDA_GRAPHS", "trees"), ("SPECGRAPH_CUDA_GRAPHS", "yes"),
                                          ("SPECGRAPH_DEBUG", "true"), ("SPECGRAPH_OVERLAP", "on"),
-                                         ("SPECGRAPH_SPLIT_K", "0"), ("SPECGRAPH_SPLIT_K", "9"), ("SPECGRAPH_SPLIT_K", "two")])
+                                         ("SPECGRAPH_PDL", "yes")])
 def test_a_bad_value_is_refused_naming_the_variable(name, value):
     with pytest.raises(ValueError, match=f"{name}='{value}'"):
         Settings.from_environ({name: value})
@@ -60,8 +59,8 @@ def test_patch_refuses_unknown_names_and_wrong_types():
     with pytest.raises(TypeError, match=r"cuda_graphs='0'"):
         with config.patch(cuda_graphs="0"):
             pass
-    with pytest.raises(TypeError, match=r"split_k=0"):
-        with config.patch(split_k=0):
+    with pytest.raises(TypeError, match=r"pdl='yes'"):
+        with config.patch(pdl="yes"):
             pass
     with pytest.raises(AttributeError, match="no setting 'nope'"):
         config.nope

@@ -51,9 +51,10 @@ cuBLAS product, the add).
 
 A tile's optional 6th entry splits K over that many programs a tile (tl.dot tiles only): each stores its
 float32 partial, and the tile's last program to arrive (an arrival counter, as tree attention's merge) sums them
-in split order, deterministically, and runs the epilogue. An experiment for the 17-32-row verify products, which
-run 36-96 programs each walking all of K (benchmarks/investigations/few_row_tiles.py --tiles split-k); only
-``config.split_k`` (an experiment, off by default) makes tile_config take it.
+in split order, deterministically, and runs the epilogue. tile_config never takes it: alone, SmolLM2's 32-row
+o and down products ran 0.3 and 1.7 us faster split in three (few_row_tiles.py --tiles split-k), but splitting
+every 17-64-row tile made the default's whole step 0.19 ms slower (H100, 2026-12-07, docs/benchmarks.md); a
+benchmark passes such tiles per row count through TILE_OVERRIDE.
 
 Measured (``benchmarks/fused_linear.py``, H200, 2026-12-01, docs/benchmarks.md), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
@@ -84,10 +85,10 @@ FEW_PROGRAMS = 256  # one row of a large weight in fewer 8-row programs (two wav
 
 
 @triton.jit
-def _prefetch_l2(W, weight_rows, K, stride_wn, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines (LINE elements each) of each of ``weight_rows``: no
-    registers, no wait; addresses clamped into the weight."""
-    cols = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
+def _prefetch_l2(W, weight_rows, k_start, K, stride_wn, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines (LINE elements each) from column k_start of each of
+    ``weight_rows``: no registers, no wait; addresses clamped into the weight."""
+    cols = tl.minimum(k_start + tl.arange(0, LINES) * LINE, K - 1)
     ptrs = W + weight_rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
@@ -110,11 +111,13 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
     w_up_rows = W + (N + cols)[:, None].to(tl.int64) * stride_wn  # SILU_MUL: the up half's rows
+    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # grid axis 2: this program's share of K
+    k_start = tl.program_id(2) * k_span
     if PDL:  # launched before the kernel ahead ends: weights (never its output) may stream, the rest waits
         if PREFETCH_LINES > 0:
-            _prefetch_l2(W, tl.where(col_ok, cols, 0), K, stride_wn, PREFETCH_LINES, LINE)
+            _prefetch_l2(W, tl.where(col_ok, cols, 0), k_start, K, stride_wn, PREFETCH_LINES, LINE)
             if SILU_MUL:
-                _prefetch_l2(W, tl.where(col_ok, cols, 0) + N, K, stride_wn, PREFETCH_LINES, LINE)
+                _prefetch_l2(W, tl.where(col_ok, cols, 0) + N, k_start, K, stride_wn, PREFETCH_LINES, LINE)
         tl.extra.cuda.gdc_wait()
 
     rstd = tl.zeros([BLOCK_M], tl.float32)
@@ -131,8 +134,6 @@ def _fused_linear_kernel(X, W, Gamma, Bias, Residual, Out, SquaresIn, NextGamma,
     lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one row: per-lane partial sums, reduced once after the loop
     lanes_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     row_squares = tl.zeros([1, BLOCK_K], tl.float32)  # one row with NORM: per-lane sums of x ** 2, same pass
-    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # grid axis 2: this program's share of K
-    k_start = tl.program_id(2) * k_span
     for k0 in range(k_start, tl.minimum(k_start + k_span, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -235,7 +236,7 @@ def _sum_splits(acc, acc_up, Partials, Arrived, rows, cols, row_ok, col_ok, M, N
     return acc, acc_up, row_ok & last
 
 
-TILE_OVERRIDE: dict[tuple[int, int], tuple[int, ...]] | None = None  # benchmarks' sweeps
+TILE_OVERRIDE: dict[tuple[int, ...], tuple[int, ...]] | None = None  # benchmarks: (n, k) or (m, n, k) -> tile
 
 
 def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
@@ -248,8 +249,10 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
     gate/up), 512 in 8 without. More rows: 16-row tl.dot tiles (64 x 128 in 3 stages for a large gate/up
     with silu_mul), except a few rows of a small weight without silu_mul: a program per row while the grid
     stays within ROW_GRID_PROGRAMS (about one wave; past it the re-reads from L2 lose)."""
-    if TILE_OVERRIDE and (n, k) in TILE_OVERRIDE:
-        return TILE_OVERRIDE[(n, k)]
+    if TILE_OVERRIDE:
+        for key in ((m, n, k), (n, k)):
+            if key in TILE_OVERRIDE:
+                return TILE_OVERRIDE[key]
     small = n * k * itemsize <= SMALL_WEIGHT_BYTES
     if m == 1 and (small or triton.cdiv(n, 8) < FEW_PROGRAMS):  # few programs: each streams the whole of K fast
         return 1, 8, min(2048, max(1024, triton.next_power_of_2(k))), 8, 3
@@ -263,8 +266,6 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
         return 1, 8, 512, 4, 3
     if m > 16:  # all the rows in one tile, so the weight streams once; 128 columns a step keep x's stages small
         block_m, block_n = min(MAX_ROWS, triton.next_power_of_2(m)), 16 if small else 32
-        if config.split_k > 1:  # the experiment: K over split_k programs a tile, 64 or 128 columns a step
-            return block_m, block_n, 64 if triton.cdiv(k, config.split_k) <= 256 else 128, 4, 3, config.split_k
         return block_m, block_n, min(128, triton.next_power_of_2(k)), 4, 3
     return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
 

@@ -340,17 +340,18 @@ def test_split_k_refuses_the_one_row_path():
 
 
 @needs_triton
-def test_split_k_setting_makes_tile_config_split_the_multi_row_tiles(settings):
-    """config.split_k (the experiment's switch) reaches the op: 17-64-row tiles split K, one row and 16-row tiles
-    do not, and the op's output is the reference's."""
-    from specgraph.kernels.fused_linear import tile_config
+def test_a_tile_override_by_row_count_reaches_only_that_row_count(monkeypatch):
+    """Benchmarks pass a tile per (m, n, k) (e.g. a split of K for a verify's 32 rows only) or per (n, k): the
+    row count's key wins, other row counts keep tile_config's choice, and the op's output is the reference's."""
+    from specgraph.kernels import fused_linear as fl
 
-    assert len(tile_config(24, 576, 576, 2)) == 5
-    settings(split_k=3)
-    assert tile_config(24, 576, 576, 2) == (32, 16, 64, 4, 3, 3)
-    assert tile_config(32, 576, 1536, 2)[2:] == (128, 4, 3, 3)
-    assert len(tile_config(1, 576, 576, 2)) == len(tile_config(16, 576, 576, 2)) == 5
-    x, weight, gamma, residual = (t.to(DEVICE) for t in case(9, PAST_TILE, 200, 40))
+    n, k = 40, 200
+    default_24, default_1 = fl.tile_config(PAST_TILE, n, k, 4), fl.tile_config(1, n, k, 4)
+    monkeypatch.setattr(fl, "TILE_OVERRIDE", {(PAST_TILE, n, k): (32, 16, 16, 4, 2, 3), (n, 64): (16, 16, 32, 4, 2)})
+    assert fl.tile_config(PAST_TILE, n, k, 4) == (32, 16, 16, 4, 2, 3)
+    assert fl.tile_config(1, n, k, 4) == default_1 and fl.tile_config(PAST_TILE + 1, n, k, 4) == default_24
+    assert fl.tile_config(3, n, 64, 4) == fl.tile_config(PAST_TILE, n, 64, 4) == (16, 16, 32, 4, 2)
+    x, weight, gamma, residual = (t.to(DEVICE) for t in case(9, PAST_TILE, k, n))
     got = fused_linear_triton(x, weight, gamma, 1e-6, residual)
     want = fused_linear_reference(x, weight, gamma, 1e-6, residual)
     torch.testing.assert_close(got, want, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])

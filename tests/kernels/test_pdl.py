@@ -44,7 +44,7 @@ CHILD = textwrap.dedent('''
         "down_silu_mul_1row": ((1, 8, 512, 8, 3), dict(SILU_MUL=True, RESIDUAL=True)),
         "qkv_norm_16rows": ((16, 32, 256, 4, 4), dict(NORM=True)),
         "gate_up_row_scale_16rows": ((16, 64, 128, 4, 3), dict(ROW_SCALE=True, SILU_MUL=True)),
-        # K split over programs (config.split_k): partials, an arrival counter, the last program's epilogue
+        # K split over programs (a tile's 6th entry): partials, an arrival counter, the last program's epilogue
         "gate_up_row_scale_32rows_split3": ((32, 16, 64, 4, 3), dict(ROW_SCALE=True, SILU_MUL=True, SPLIT_K=3)),
         "o_residual_norm_out_32rows_split4": ((32, 16, 64, 4, 3), dict(RESIDUAL=True, NORM_OUT=True, SPLIT_K=4)),
     }
