@@ -158,7 +158,7 @@ def run_hf(model, rows, max_new, static_cache=None, temperature: float = 0.0, **
 
 
 def run_specgraph(spec, rows, max_new, temperature: float = 0.0) -> tuple[list[list[int]], float, float]:
-    outs, elapsed, steps = [], 0.0, 0
+    outs, elapsed, steps, tokens = [], 0.0, 0, 0
     for row in tqdm(rows, leave=False):
         ids = torch.tensor([row], device="cuda")
         torch.cuda.synchronize()
@@ -168,8 +168,8 @@ def run_specgraph(spec, rows, max_new, temperature: float = 0.0) -> tuple[list[l
         torch.cuda.synchronize()
         elapsed += time.perf_counter() - start
         outs.append(out["sequences"][0, len(row):].tolist())
-        steps += len(out["accept_lens"])
-    return outs, elapsed, sum(map(len, outs)) / max(steps, 1)
+        steps, tokens = steps + out["acceptance"].steps, tokens + out["acceptance"].tokens  # (no prefill token)
+    return outs, elapsed, tokens / max(steps, 1)
 
 
 @torch.no_grad()

@@ -73,7 +73,8 @@ def chain_tau(model, head: Eagle3, examples: list[dict], steps: int) -> tuple[fl
                             return_dict_in_generate=True)
         other += out["sequences"][0].tolist() != e["input_ids"].tolist()
         lens = [step[0] for step in out["accept_lens"]]
-        tokens, calls = tokens + n, calls + len(lens)  # the last step's tokens past n are not committed
+        # the first token is the prefill's; the last step's tokens past n are not committed
+        tokens, calls = tokens + n - 1, calls + len(lens)
     return tokens / calls, other
 
 

@@ -389,7 +389,9 @@ class SpecModel:
         if compiled:
             self._compiled.add(key)
         with self._choosing:
-            if isinstance(self.policy, MeasuredPolicy):
+            if not result.accept_lens:  # every row ended at the first token (the prefill's): no step to learn from
+                pass
+            elif isinstance(self.policy, MeasuredPolicy):
                 self.policy.record(b, mode, seconds, sum(map(len, result.sequences)))  # (never uncompiled)
             elif self.policy:
                 tau, running = self.last_stats.tau, getattr(draft_tree(tree), "nodes", 0)

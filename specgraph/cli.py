@@ -318,8 +318,8 @@ def _demo(args: argparse.Namespace) -> int:
                                do_sample=False)
     plain_s = time.perf_counter() - start
     new = out["sequences"].shape[1] - ids.shape[1]
-    steps = len(out["accept_lens"])
-    print(f"\ntokens {new} | verify steps {steps} | tau (tokens per target step) {new / steps:.2f}")
+    stats = out["acceptance"]  # the first token is the prefill's, the rest the verify steps'
+    print(f"\ntokens {new} | verify steps {stats.steps} | tau (tokens per target step) {stats.tau:.2f}")
     print(f"specgraph {new / spec_s:.1f} tok/s | plain model.generate {(plain.shape[1] - ids.shape[1]) / plain_s:.1f} tok/s"
           f" | speedup {plain_s / spec_s * new / max(plain.shape[1] - ids.shape[1], 1):.2f}x (measured in this run)")
     print(f"token-exact with model.generate: {torch.equal(out['sequences'], plain)}")

@@ -336,7 +336,7 @@ def test_cost_policy_runs_a_dynamic_trees_smaller_budgets_losslessly(tmp_path, s
         result = specgraph.runtime.generate.speculative_generate(spec.capture, d, t, [row], 16, set(), 160)
         assert result.sequences[0] == want, mode
         if isinstance(t, specgraph.DynamicTree):
-            tau = sum(map(len, result.sequences)) / sum(n > 0 for s in result.accept_lens for n in s)
+            tau = (sum(map(len, result.sequences)) - result.prefill_tokens) / sum(n > 0 for s in result.accept_lens for n in s)
             assert budget_taus(result.accepted_ranks, result.accept_lens, tau, [t.nodes])[t.nodes] == pytest.approx(tau)
             first_confidence[mode] = result.confidence[0][0]  # the first tree: the same drafting in every budget
             assert all(len(c) == 7 for step in result.confidence for c in step)

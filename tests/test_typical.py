@@ -103,7 +103,8 @@ def test_typical_generate_follows_medusas_rule_and_accepts_more_than_exact():
     out = typical.generate(ids, **sample)
     checked = 0
     for b in range(rows):
-        seq, produced = list(prompts[b]), out.sequences[b, 10:].tolist()
+        produced = out.sequences[b, 10:].tolist()
+        seq = list(prompts[b]) + produced[:1]  # the first token is the prefill's; steps start after it
         for step in out.accept_lens:
             if len(seq) - 10 >= new:
                 break

@@ -30,8 +30,9 @@ from specgraph.train.evaluate import PROMPT_SETS, prompt_set  # noqa: E402
 
 
 def chain_steps(prompt: list[int], answer: list[int], depth: int, max_ngram: int) -> int:
-    """Target steps an NGram(max_ngram) chain ``depth`` deep takes to emit ``answer`` after ``prompt``."""
-    draft, pos, steps = NGram(max_ngram=max_ngram), 0, 0
+    """Target steps an NGram(max_ngram) chain ``depth`` deep takes to emit ``answer`` after ``prompt`` (its
+    first token the prefill's)."""
+    draft, pos, steps = NGram(max_ngram=max_ngram), 1, 0
     while pos < len(answer):
         proposal = draft.propose(prompt + answer[:pos], depth)
         matched = 0
@@ -63,7 +64,7 @@ def main() -> None:
                             eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True)
         rows.append((prompt, out.sequences[0, len(prompt):].tolist()))
         engine_steps += len(out.accept_lens)
-    tokens = sum(len(a) for _, a in rows)
+    tokens = sum(len(a) - 1 for _, a in rows)  # the steps' tokens: each answer's first is the prefill's
     replayed = sum(chain_steps(p, a, 8, NGram().max_ngram) for p, a in rows)
     if replayed != engine_steps:  # the replay must be the engine's own run where both exist
         raise RuntimeError(f"replayed NGram Chain(8): {replayed} steps; the engine took {engine_steps}")

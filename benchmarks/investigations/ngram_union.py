@@ -36,8 +36,9 @@ from specgraph.trees import parse_tree  # noqa: E402
 
 
 def union_steps(prompt: list[int], answer: list[int], accept_lens: list[int], depth: int) -> list[tuple[int, int]]:
-    """Per verify step of the tree: (its accepted length, the n-gram chain's at the same start)."""
-    ngram, out, start = NGram(), [], 0
+    """Per verify step of the tree: (its accepted length, the n-gram chain's at the same start); the
+    answer's first token is the prefill's."""
+    ngram, out, start = NGram(), [], 1
     for accepted in accept_lens:
         if start >= len(answer):
             break

@@ -56,6 +56,7 @@ class Draft(ABC):
     """A draft kind: checks itself against the target and the tree at ``compile``, then opens sessions."""
 
     kind: str
+    taps: HiddenTaps | None = None  # the target states its sessions read (the prefill taps them); None: none
 
     @abstractmethod
     def session(self, tree, batch: int, max_length: int, device) -> DraftSession:

@@ -57,6 +57,7 @@ class Medusa(nn.Module, Draft):
 
     kind = "medusa"
     reads_hidden = True  # the target's final (post-norm) hidden state of the last accepted node
+    taps = HiddenTaps(final=True)
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
                  own_lm_head: bool = True, bias: bool = True):
@@ -301,7 +302,7 @@ def tree_index(tree, device) -> tuple[torch.Tensor, torch.Tensor]:
 class MedusaSession(DraftSession):
     """Per generate call: the target's final hidden state at each row's last committed token."""
 
-    taps = HiddenTaps(final=True)
+    taps = Medusa.taps
 
     def __init__(self, draft: Medusa, tree, batch: int, device):
         self.draft, self.tree = draft, tree

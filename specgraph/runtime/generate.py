@@ -1,13 +1,14 @@
 """The generate loop (host-driven for now).
 
 Per row, the cache holds every committed token but the last, which is the
-root of the next tree. One iteration: the draft session proposes a tree
-from each row's root -> one captured verify step over it -> verify (greedy
-or sampling) -> compact the KV cache -> the session commits the accepted
-path -> advance ``cache_len`` -> append the emitted tokens.
-Prefill writes each prompt but its last token in chain chunks of the
-prefill bucket (their logits are pruned away: the first verify step's root
-row yields the first new token).
+root of the next tree. The prefill writes each whole prompt in chain chunks
+of the prefill bucket and keeps the logits at its last token, from which the
+first new token is drawn (``first_token.py``) and streamed before the decode
+step's bucket is built; prompt + [first token] is then the prompt of the
+loop. One iteration: the draft session proposes a tree from each row's root
+-> one captured verify step over it -> verify (greedy or sampling) -> compact
+the KV cache -> the session commits the accepted path -> advance
+``cache_len`` -> append the emitted tokens.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ import torch
 
 from .. import compiled_cache, config
 from ..drafts.lookup import open_session
+from ..kernels.penalty import reset_seen, seen_buffer
 from ..kernels.verify import TOP_K_CAP
 from ..trees import chain_mask
+from .first_token import first_tokens
 from .graphed import GraphedCall, StaticStep
 from .outputs import per_position
 from .step import CONFIDENCE_SCALE, DecodeStep, features_of
@@ -46,12 +49,14 @@ class GenerateResult:
     scores: tuple | None = None  # with keep: per position, [B, V] (transformers' output_scores)
     logits: tuple | None = None  # with keep: per position, [B, V] raw (transformers' output_logits)
     decode_seconds: float | None = None  # with time_steps: the steps' wall time, from the prefill's end
+    prefill_tokens: int = 0  # tokens the prefill emitted (each row's first), in ``sequences`` but no step's
 
 
 @dataclass(frozen=True)
 class AcceptanceStats:
     """How much one generate call's speculation bought, over all rows. ``tau``: tokens emitted per
-    target verify step (the bonus token included; 1.0 = no draft token accepted); ``position_rate[k]``:
+    target verify step (the bonus token included; 1.0 = no draft token accepted; the first token, which
+    the prefill emits, counts in neither; 0.0 when no step ran); ``position_rate[k]``:
     the share of steps whose (k+1)-th drafted token was accepted; ``accepted_hist[k]``: steps that
     accepted exactly k drafted tokens."""
 
@@ -64,7 +69,7 @@ class AcceptanceStats:
     @classmethod
     def of(cls, result: GenerateResult, depth: int) -> "AcceptanceStats":
         hist = accepted_histogram((n for step in result.accept_lens for n in step), depth)
-        tokens, steps = sum(map(len, result.sequences)), sum(hist)
+        tokens, steps = sum(map(len, result.sequences)) - result.prefill_tokens, sum(hist)
         return cls(steps, tokens, tokens / max(steps, 1), tuple(hist), tuple(position_rates(hist)[0]))
 
 
@@ -86,15 +91,24 @@ def position_rates(hist: list[int]) -> tuple[list[float], list[float]]:
             [reached[k + 1] / max(reached[k], 1) for k in range(depth)])
 
 
-@torch.no_grad()
-def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Write every prompt but its last token into the batch's cache.
+class Prefilled(NamedTuple):
+    cache_len: torch.Tensor  # [B] the tokens written per row
+    features: torch.Tensor | None  # [B, T, F] the draft features of each written token (T: the most written)
+    logits: torch.Tensor | None  # with whole: [B, 1, V] the target's logits at each row's last token
 
-    returns cache_len [B] and, with ``taps``, the draft features of every
-    written token [B, T-1, F] (None otherwise). Under ``backend="inductor"`` the
-    chunk bucket runs as a ``GraphedCall`` kept on ``capture`` (a CUDA graph on
-    CUDA: one replay per chunk instead of every kernel launched from the host).
-    """
+
+@torch.no_grad()
+def prefill(capture, prompts: list[list[int]], device, taps=None, whole: bool = False) -> Prefilled:
+    """Write each prompt (``whole``) or all but its last token into the batch's cache, in chunks of the
+    prefill bucket, and with ``whole`` keep the logits at each row's last token (the first token's).
+
+    Each row's last chunk ends where the row does (it rewrites a few slots of the chunk before with the same
+    values; a row that ends sooner repeats its last chunk while longer rows go on), so the bucket's one
+    logits row (its last) is each row's last token. A row shorter than a chunk is followed by padding: its
+    last token is also put in the chunk's last row, at its own position and attending what it attends (a
+    sibling of itself in the chunk's tree), so that row sees exactly the prompt. Under ``backend="inductor"``
+    the chunk bucket runs as a ``GraphedCall`` kept on ``capture`` (a CUDA graph on CUDA: one replay per
+    chunk instead of every kernel launched from the host)."""
     b = len(prompts)
     # a chunk is a chain, so it must be shallower than the narrowest sliding window, and fit the cache
     chunk = min([PREFILL_NODES, capture.max_length] + [w for w in capture.info.layer_windows if w > 0])
@@ -106,27 +120,37 @@ def prefill(capture, prompts: list[list[int]], device, taps=None) -> tuple[torch
             capture.prefills[key] = GraphedCall(step, cuda_graphs_on(device),
                                                 f"the prefill bucket (B={b}, {chunk} rows)")
         step = capture.prefills[key]
-    # contiguous inputs: the graphed call's static buffers are, and the compiled bucket guards on strides
-    chain = chain_mask(chunk, device).expand(b, -1).contiguous()
-    lengths = [len(p) - 1 for p in prompts]
+    lengths = [len(p) - (0 if whole else 1) for p in prompts]
     total = max(lengths)
-    starts = list(range(0, total, chunk))
-    if starts and starts[-1] + chunk > total >= chunk:
-        # the last chunk ends where the longest prompt does (rewriting a few slots with the same values),
-        # so nothing is written past the longest prompt: the cache may be exactly as long as generate needs
-        starts[-1] = total - chunk
-    features, done = [], 0
-    for start in starts:
-        ids = torch.tensor([(p[:-1] + [0] * (start + chunk))[start:start + chunk] for p in prompts], device=device)
-        # rows whose prompt ended write padding past their length: those slots are overwritten before being read
-        cache_len = torch.full((b,), start, device=device)
-        out = step(ids, start + torch.arange(chunk, device=device).expand(b, -1).contiguous(), cache_len, chain)
-        if taps is not None:  # a graphed call's outputs are overwritten by its next replay: kept as a copy
-            kept = features_of(out[1])[:, done - start:]
-            features.append(kept.clone() if graphed else kept)
-        done = start + chunk
-    merged = torch.cat(features, 1) if features else None
-    return torch.tensor(lengths, device=device), merged
+    chain = chain_mask(chunk, device)  # [chunk]: row i attends rows 0 .. i
+    last_bit = chain[-1] ^ chain[-2] if chunk > 1 else chain[-1]  # the chunk's last row alone
+    rows = torch.arange(chunk, device=device)
+    features = logits = None
+    for k in range(-(-total // chunk)):
+        starts = [min(k * chunk, max(n - chunk, 0)) for n in lengths]
+        ids = [(p[:n] + [0] * chunk)[s:s + chunk] for p, n, s in zip(prompts, lengths, starts)]
+        first = torch.tensor(starts, device=device)
+        slots = first.view(b, 1) + rows  # [B, chunk] where each row's tokens go in the cache
+        positions = slots.clone()
+        mask = chain.expand(b, -1).clone()  # contiguous: the graphed call's static buffers are
+        for r, n in enumerate(lengths):
+            if whole and n < chunk:  # the last token again in the last row, beside its copy at row n - 1
+                ids[r][-1] = prompts[r][n - 1]
+                positions[r, -1] = n - 1
+                mask[r, -1] = (chain[n - 2] if n > 1 else 0) | last_bit
+        out = step(torch.tensor(ids, device=device), positions, first, mask)
+        if taps is not None:  # each written token's features to its place (the rest to a discarded column)
+            tapped = features_of(out[1])  # [B, chunk, F]
+            if features is None:
+                features = tapped.new_zeros(b, total + 1, tapped.shape[-1])
+            lengths_t = torch.tensor(lengths, device=device).view(b, 1)
+            at = torch.where(slots < lengths_t, slots, total)
+            features.scatter_(1, at.unsqueeze(-1).expand_as(tapped), tapped)
+        if whole and k == -(-total // chunk) - 1:  # a graphed call's outputs are overwritten by its next replay
+            logits = out[0] if taps is not None else out  # (logits, taps) or the logits alone
+            logits = logits.clone() if graphed else logits
+    return Prefilled(torch.tensor(lengths, device=device),
+                     None if features is None else features[:, :total].contiguous(), logits)
 
 
 @dataclass(frozen=True)
@@ -287,7 +311,9 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     draws its own target sample and a draft is accepted iff it equals its
     parent's draw).
 
-    The draft works through a session (``draft.session(...)``): ``prefill``
+    The first token comes from the prefill (``first_token.py``): a call of one
+    token, or whose rows all end there, builds no decode step. The draft works
+    through a session (``draft.session(...)``): ``prefill``
     sees the prompt's tapped features, ``propose`` returns each step's Tree,
     ``commit`` sees the acceptance and the step's features. One iteration's
     device work is ``DecodeStep`` (under backends inductor and cudagraphs over
@@ -310,18 +336,61 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     device = capture.kv_device
     b, n = len(prompts), tree.num_nodes
     padding = padding or [[] for _ in prompts]
-    session, run, propose, step = decode_step(capture, draft, tree, b, max_length, sampling,
-                                              synthetic_accept, penalty, keep)
-    if penalty is not None:
-        step.reset_seen(prompts)
-    cache_len, features = prefill(capture, prompts, device, session.taps)
-    session.prefill(prompts, features)
     sequences = [list(p) for p in prompts]
     generated: list[list[int]] = [[] for _ in range(b)]
     done = [max_new_tokens <= 0] * b
-    result = GenerateResult(generated)
-    topology = propose(torch.tensor([seq[-1] for seq in sequences], device=device))  # each row's last token
     active = torch.tensor([not d for d in done], device=device)  # updated in place when a row finishes
+    result = GenerateResult(generated)
+    kept: list[tuple] = []  # with keep: the first token's, then each launched step's (scores, logits)
+    where: list[list[tuple[int, int]]] = [[] for _ in range(b)]  # per row, per token: (kept entry, slot)
+    stopper = None if stopping_criteria is None else BatchStopping(
+        stopping_criteria, [lead + p for lead, p in zip(padding, prompts)], pad_token_id, max_new_tokens, streamer)
+
+    def take(row: int, token: int, at: tuple[int, int]) -> bool:  # one emitted token; True: the row is done
+        where[row].append(at)
+        generated[row].append(token)
+        sequences[row].append(token)
+        if streamer is not None and stopper is None:
+            streamer.put(torch.tensor([token]))
+        if token in eos_token_ids or len(generated[row]) >= max_new_tokens:
+            done[row] = True
+            active[row] = False  # seen from the next step launched (the one ahead, if any, runs on)
+            return True
+        return False
+
+    def stop_where_asked() -> None:  # a criterion stopped rows (or their eos / length was reached): cut there
+        for row in stopper.advance(generated, eos_token_ids) if stopper is not None else ():
+            done[row] = True
+            active[row] = False
+            del sequences[row][len(prompts[row]) + len(generated[row]):]
+            del where[row][len(generated[row]):]
+
+    if not all(done):  # the first token from the prefill: streamed before the decode step's bucket is built
+        filled = prefill(capture, prompts, device, draft.taps, whole=True)
+        seen = None
+        if penalty is not None:  # the prompt's tokens (its padding left out, as model.generate does)
+            seen = seen_buffer(b, capture.info.vocab_size, device)
+            reset_seen(seen, prompts)
+        first = first_tokens(filled.logits, torch.tensor([p[-1] for p in prompts], device=device),
+                             filled.cache_len - 1, sampling, penalty, seen, keep)
+        if any(keep):
+            kept.append((first.scores, first.logits))
+        for row, token in enumerate(first.tokens.tolist()):
+            take(row, token, (0, 0))
+        result.prefill_tokens = b
+        stop_where_asked()
+    if all(done):
+        return finish(result, streamer, keep, kept, where)
+    # from here on prompt + [first token] is each row's prompt, its last token the first tree's root
+    session, run, propose, step = decode_step(capture, draft, tree, b, max_length, sampling,
+                                              synthetic_accept, penalty, keep)
+    if session.taps != draft.taps:
+        raise RuntimeError(f"{type(draft).__name__}.taps={draft.taps} but its session reads {session.taps}: the "
+                           "prefill tapped what the session does not read (a draft's bug)")
+    if penalty is not None:
+        step.reset_seen(sequences)
+    session.prefill([list(seq) for seq in sequences], filled.features)
+    topology = propose(first.tokens)
     confidence_width = 0 if topology.confidence is None else topology.confidence.shape[1]
     width = 2 * tree.max_depth + 3 + confidence_width
     if (b, width) not in capture.readbacks:  # kept: pinning host memory is slow
@@ -331,10 +400,6 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     # a step writes the tree at cache_len .. cache_len + n - 1 and advances cache_len by at most D + 1:
     # a step launched before the previous one is read needs room for both
     room = lambda seq: len(seq) - 1 + tree.max_depth + 1 + n <= max_length  # noqa: E731
-    kept: list[tuple] = []  # with keep: each launched step's (scores, logits), copied before the next launch
-    where: list[list[tuple[int, int]]] = [[] for _ in range(b)]  # per row, per token: (step, slot)
-    stopper = None if stopping_criteria is None else BatchStopping(
-        stopping_criteria, [lead + p for lead, p in zip(padding, prompts)], pad_token_id, max_new_tokens, streamer)
 
     def launch(tree_now, cache_now):
         out = run(tree_now, cache_now, active)
@@ -345,7 +410,7 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
     if time_steps and device.type == "cuda":  # the prefill done first; this stream only (a background compile
         torch.cuda.current_stream(device).synchronize()  # runs on its own)
     decode_start = time.perf_counter()
-    pending = None if all(done) else launch(topology, cache_len)
+    pending = launch(topology, filled.cache_len)
     while pending is not None:
         out, ticket = pending
         pending = None
@@ -359,23 +424,10 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
         result.accepted_ranks.append([row[d1 + 2: d1 + 1 + n] for row, n in zip(host, lens)])
         result.confidence.append([[c / CONFIDENCE_SCALE for c in row[2 * d1 + 1:]] for row in host])
         for row in range(b):
-            if done[row]:
-                continue
-            for slot, token in enumerate(emitted[row][: lens[row]]):
-                where[row].append((len(result.accept_lens) - 1, slot))
-                generated[row].append(token)
-                sequences[row].append(token)
-                if streamer is not None and stopper is None:
-                    streamer.put(torch.tensor([token]))
-                if token in eos_token_ids or len(generated[row]) >= max_new_tokens:
-                    done[row] = True
-                    active[row] = False  # seen from the next step launched (the one ahead, if any, runs on)
+            for slot, token in enumerate(emitted[row][: lens[row]]):  # (a done row's lens are 0)
+                if take(row, token, (len(result.accept_lens), slot)):
                     break
-        for row in stopper.advance(generated, eos_token_ids) if stopper is not None else ():
-            done[row] = True  # a criterion stopped it (or its eos / length was reached): cut where it stopped
-            active[row] = False
-            del sequences[row][len(prompts[row]) + len(generated[row]):]
-            del where[row][len(generated[row]):]
+        stop_where_asked()
         if all(done):
             break
         # cache_len = prompt - 1 + generated tokens: checked from host state, without a second device read
@@ -387,6 +439,12 @@ def speculative_generate(capture, draft, tree, prompts: list[list[int]], max_new
             pending = launch(topology, out.cache_len)
     if time_steps:
         result.decode_seconds = time.perf_counter() - decode_start
+    return finish(result, streamer, keep, kept, where)
+
+
+def finish(result: GenerateResult, streamer, keep: tuple[bool, bool], kept: list[tuple],
+           where: list[list[tuple[int, int]]]) -> GenerateResult:
+    """End the stream and hand back the kept scores / logits per generated position."""
     if streamer is not None:
         streamer.end()
     if keep[0]:

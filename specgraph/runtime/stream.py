@@ -67,7 +67,7 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
     # per slot: [key, prompt, tokens generated so far], or None while the slot is empty
     rows: list[list | None] = [[key, prompt, []] for key, prompt in first] + [None] * (batch - len(first))
     padded = [p for _, p in first] + [first[0][1]] * (batch - len(first))  # one bucket: B rows
-    cache_len, _ = prefill(capture, padded, device)
+    cache_len = prefill(capture, padded, device).cache_len
     session.prefill(padded, None)
     tree_now = propose(torch.tensor([p[-1] for p in padded], device=device))
     active = torch.tensor([r is not None for r in rows], device=device)
@@ -116,7 +116,7 @@ def stream_generate(capture, draft: Plain, queue: deque, batch: int, max_new_tok
         while queue and len(slots) >= refill:
             new = take(refill)
             group = [p for _, p in new] + [new[0][1]] * (refill - len(new))
-            lengths, _ = prefill(capture, group, device)
+            lengths = prefill(capture, group, device).cache_len
             stats["refills"] += 1
             at = torch.tensor(slots[: len(new)], device=device)
             if refill < batch:  # (refill == batch: every slot was empty, the prefill wrote them in place)

@@ -104,10 +104,10 @@ def ttt_forward(draft: Eagle3, ids: torch.Tensor, features: torch.Tensor, steps:
 def chain_walk(runs: list[int], answer: list[bool]) -> list[int]:
     """Tokens a greedy chain commits per target step while generating the answers of one sequence that is
     the target's own greedy output. ``runs[t]``: drafted tokens accepted by a step whose committed text ends
-    at x_{t+1}; ``answer[t]``: x_t is an answer token. An answer's first step drafts from the prompt's last
-    token (as ``generate`` does after its prefill); a step commits ``runs[t]`` + 1 tokens (the target's
-    bonus token included) and the next step starts there, so stretches count by the steps spent on
-    them, as in generation."""
+    at x_{t+1}; ``answer[t]``: x_t is an answer token. An answer's first token is the prefill's (as in
+    ``generate``: no step's), so its first step drafts from that token; a step commits ``runs[t]`` + 1
+    tokens (the target's bonus token included) and the next step starts there, so stretches count by the
+    steps spent on them, as in generation."""
     committed, t, n = [], 0, len(answer)
     while t < n:
         if not answer[t]:
@@ -116,7 +116,7 @@ def chain_walk(runs: list[int], answer: list[bool]) -> list[int]:
         end = t
         while end < n and answer[end]:
             end += 1
-        row = max(t - 2, 0)  # the committed text ends at x_{t-1}, the prompt's last token
+        row = max(t - 1, 0)  # the committed text ends at x_t, the answer's first token (the prefill's)
         while row + 2 < end:  # answer tokens x_{row+2} .. x_{end-1} left to commit
             take = min(runs[row] + 1, end - row - 2)
             committed.append(take)

@@ -114,7 +114,8 @@ def acceptance(spec, tokenizer, questions: list[dict] | None = None, max_new_tok
             cat = per_category.setdefault(questions[start + row].get("category", "all"),
                                           {"questions": 0, "tokens": 0, "steps": 0})
             cat["questions"] += 1
-            cat["tokens"] += min([sum(lens), max_new_tokens] + ends)  # a step's tokens after eos are not emitted
+            # the steps' tokens: the first is the prefill's, and a step's tokens after eos are not emitted
+            cat["tokens"] += min([sum(lens), max_new_tokens - 1] + [e - 1 for e in ends])
             cat["steps"] += len(lens)
             hist = [a + b for a, b in zip(hist, accepted_histogram(lens, depth))]
     rate, conditional = position_rates(hist)

@@ -89,7 +89,7 @@ def propose_once(model, draft, tree):
     rows = prompts(3, [6, 19])
     capture = Capture(model, 160)
     session = draft.session(tree, 2, 160, torch.device("cpu"))
-    _, features = prefill(capture, rows, torch.device("cpu"), session.taps)
+    features = prefill(capture, rows, torch.device("cpu"), session.taps).features
     session.prefill(rows, features)
     seen = []
     session_top = session._top

@@ -281,8 +281,8 @@ def test_commit_leaves_the_state_of_the_draft_run_over_the_sequence(layout, tmp_
     sessions = []
     make = draft.session
     draft.session = lambda *a: sessions.append(make(*a)) or sessions[-1]
-    spec = specgraph.compile(model, draft, tree=DYNAMIC, max_batch=2, max_cache_len=96)
-    rows = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 9, 3]]
+    spec = specgraph.compile(model, draft, tree=DYNAMIC, max_batch=3, max_cache_len=96)
+    rows = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 9, 3], [7, 9, 3, 7, 9]]  # repeating continuations: drafts accepted
     ids, mask = left_pad(rows)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, return_dict_in_generate=True)
     assert max(max(step) for step in out["accept_lens"]) > 1  # multi-row commits happened

@@ -131,8 +131,9 @@ def test_tau_is_what_a_chain_commits_per_step_generating_the_same_answers(tmp_pa
                             eos_token_id=None, return_dict_in_generate=True)
         assert out["sequences"][0].tolist() == e["input_ids"].tolist()
         lens = [step[0] for step in out["accept_lens"]]
-        lens[-1] -= sum(lens) - (len(e["input_ids"]) - prompt)  # the last step's tokens past the length: dropped
-        assert lens[-1] >= 1  # (and the first answer token is drafted too: counted)
+        # the first answer token is the prefill's; the last step's tokens past the length: dropped
+        lens[-1] -= sum(lens) - (len(e["input_ids"]) - prompt - 1)
+        assert lens[-1] >= 1
         committed += lens
     tokens, steps = sum(committed), len(committed)
     assert 1.3 < tokens / steps  # the head is accepted: steps commit several tokens
@@ -141,10 +142,10 @@ def test_tau_is_what_a_chain_commits_per_step_generating_the_same_answers(tmp_pa
 
 
 @pytest.mark.parametrize("runs, answer, committed", [
-    ([0] * 6, [0, 0, 1, 1, 1, 1], [1, 1, 1, 1]),  # one token a step, from the prompt's last token x_1 (row 0)
-    ([1, 3, 9, 9, 9, 9, 9, 9], [0, 0, 1, 1, 1, 1, 1, 1], [2, 4]),  # row 0: 1 accepted + bonus; row 2: 3 + bonus
-    ([0, 3, 9, 9, 9, 9, 9, 9], [0, 0, 1, 1, 1, 1, 0, 0], [1, 3]),  # row 1: capped at the answer's end (x_5)
-    ([2, 2, 2, 2, 2, 2, 2, 2], [0, 0, 1, 1, 0, 0, 0, 1], [2, 1]),  # two answers (turns), each from its prompt
+    ([0] * 6, [0, 0, 1, 1, 1, 1], [1, 1, 1]),  # x_2 the prefill's, then one token a step from it (row 1)
+    ([1, 3, 9, 9, 9, 9, 9, 9], [0, 0, 1, 1, 1, 1, 1, 1], [4, 1]),  # row 1: 3 accepted + bonus; row 5: capped
+    ([0, 3, 9, 9, 9, 9, 9, 9], [0, 0, 1, 1, 1, 1, 0, 0], [3]),  # row 1: capped at the answer's end (x_5)
+    ([2, 2, 2, 2, 2, 2, 2, 2], [0, 0, 1, 1, 0, 0, 0, 1], [1]),  # two answers (turns), each's first the prefill's
     ([5, 0, 0], [1, 1, 1], [1]),  # an answer from position 0: x_0 and x_1 are given
 ])
 def test_chain_walk_steps_through_each_answer(runs, answer, committed):
