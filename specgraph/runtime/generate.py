@@ -125,6 +125,7 @@ def prefill(capture, prompts: list[list[int]], device, taps=None, whole: bool = 
     chain = chain_mask(chunk, device)  # [chunk]: row i attends rows 0 .. i
     last_bit = chain[-1] ^ chain[-2] if chunk > 1 else chain[-1]  # the chunk's last row alone
     rows = torch.arange(chunk, device=device)
+    written = torch.tensor(lengths, device=device).view(b, 1)
     features = logits = None
     for k in range(-(-total // chunk)):
         starts = [min(k * chunk, max(n - chunk, 0)) for n in lengths]
@@ -143,14 +144,12 @@ def prefill(capture, prompts: list[list[int]], device, taps=None, whole: bool = 
             tapped = features_of(out[1])  # [B, chunk, F]
             if features is None:
                 features = tapped.new_zeros(b, total + 1, tapped.shape[-1])
-            lengths_t = torch.tensor(lengths, device=device).view(b, 1)
-            at = torch.where(slots < lengths_t, slots, total)
+            at = torch.where(slots < written, slots, total)
             features.scatter_(1, at.unsqueeze(-1).expand_as(tapped), tapped)
         if whole and k == -(-total // chunk) - 1:  # a graphed call's outputs are overwritten by its next replay
             logits = out[0] if taps is not None else out  # (logits, taps) or the logits alone
             logits = logits.clone() if graphed else logits
-    return Prefilled(torch.tensor(lengths, device=device),
-                     None if features is None else features[:, :total].contiguous(), logits)
+    return Prefilled(written.view(b), None if features is None else features[:, :total].contiguous(), logits)
 
 
 @dataclass(frozen=True)
