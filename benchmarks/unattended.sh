@@ -27,6 +27,10 @@
 #          ssplit/1 .. 4
 # stopk    the draft's top-k kernel (one program a row, and a row's chunks merged by its last program) against
 #          torch.topk and the chunked torch path, 1-64 rows of 8k-128k entries (benchmarks/kernels.py --topk)
+# scode    what inductor made of the default step's draft side (random weights, e2e.py profile_draft under
+#          TORCH_LOGS=output_code): $RESULTS/scode/extern.txt, every extern_kernels call and aten fallback of the
+#          generated code with its shapes (the step's fp32 sgemm and scatter/gather kernels, not yet traced to
+#          their ops), and the whole log gzipped
 # ssplit2e SmolLM2 + the shipped head, plain decoding and compile's default as they are, then with fused_linear's
 #          tiles of $TILES (e2e.py's --tiles, e.g. 32,576,1536=16,16,256,4,4), 80 MT-bench + 40 HumanEval, 256
 #          tokens, a process each
@@ -196,6 +200,10 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               '$down=32,16,128,4,3,3 32,576,576=$split3 32,960,576=$split3'; do i=\$((i + 1)); python3 \
               benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile_draft --profile-draft-trees $DEFAULT \
               \${tiles:+--tiles \$tiles} --out $out/\$i || exit; done" ;;
+    scode) run scode bash -c "TORCH_LOGS=output_code TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 SPECGRAPH_CAPTURE_CACHE=0 \
+             python3 benchmarks/e2e.py --shape smollm2 --prompt 512 --sections profile_draft --profile-draft-trees $DEFAULT --out $out > $out/code.log 2>&1; \
+             grep -E 'extern_kernels[.]|torch[.]ops[.]aten[.]|aten[.][a-z_]+[.]default' $out/code.log > $out/extern.txt; \
+             gzip -f $out/code.log; wc -l $out/extern.txt" ;;
     stopk) run stopk python3 benchmarks/kernels.py --topk 8 --out "$out" ;;
     ssplit2e|scombo) run $phase ab $phase "$out" ;;
     tp1) run tp1 torchrun --nproc-per-node 1 benchmarks/tp.py --tp 1 --one-rank-group --out "$out" ;;

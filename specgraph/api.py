@@ -388,12 +388,10 @@ class SpecModel:
         compiled = capture is self.capture  # an uncompiled call's τ counts, its time does not
         if compiled:
             self._compiled.add(key)
-        with self._choosing:
-            if not result.accept_lens:  # every row ended at the first token (the prefill's): no step to learn from
-                pass
-            elif isinstance(self.policy, MeasuredPolicy):
+        with self._choosing:  # (no steps: every row ended at its first token, the prefill's; nothing to learn)
+            if isinstance(self.policy, MeasuredPolicy) and result.accept_lens:
                 self.policy.record(b, mode, seconds, sum(map(len, result.sequences)))  # (never uncompiled)
-            elif self.policy:
+            elif self.policy and result.accept_lens:
                 tau, running = self.last_stats.tau, getattr(draft_tree(tree), "nodes", 0)
                 budgets = set(self.policy.budgets.values()) if running else set()
                 figures = budget_taus(result.accepted_ranks, result.accept_lens, tau, [n for n in budgets if n < running])

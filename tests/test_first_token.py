@@ -80,3 +80,16 @@ def test_a_call_whose_rows_all_end_at_the_first_token_builds_no_step():
         rows = [rows[0], rows[0]]
     out = spec.generate(torch.tensor(rows), max_new_tokens=8, eos_token_id=firsts[0], pad_token_id=0)
     assert out[:, 7:].tolist() == [[firsts[0]], [firsts[0]]] and not spec.capture.decode_steps
+
+
+@pytest.mark.parametrize("policy", ["cost", "measured"])
+def test_a_policy_learns_nothing_from_a_call_without_steps(policy):
+    """A one-token call runs no step: the policy records nothing (no τ, no time) and the call is HF's."""
+    model = tiny_model("llama")
+    spec = specgraph.compile(model, NGram(), tree=Chain(4), max_cache_len=128, policy=policy)
+    row = prompts(7, [10])[0]
+    learnt = lambda: repr({k: v for k, v in vars(spec.policy).items() if k != "chosen"})  # noqa: E731 (choices count)
+    before = learnt()
+    out = spec.generate(torch.tensor([row]), max_new_tokens=1, eos_token_id=None)
+    assert out[0, len(row):].tolist() == hf_greedy(model, row, max_new_tokens=1, eos_token_id=None)
+    assert learnt() == before
