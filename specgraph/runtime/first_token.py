@@ -16,6 +16,7 @@ import torch
 from ..kernels.gumbel import stream_keys, verify_seeded
 from ..kernels.penalty import penalize
 from ..kernels.verify import TOP_K_CAP, greedy_tokens, sample_categorical, warped_logits
+from .graphed import drawing_turn
 from .step import ARGMAX_CHUNK
 
 
@@ -59,5 +60,6 @@ def first_tokens(logits: torch.Tensor, roots: torch.Tensor, base: torch.Tensor, 
             keys = stream_keys(sampling.seed, b, logits.device)
             tokens = verify_seeded(roots.view(b, 1), parents, mask, probs, 0, keys, base).emitted[:, 0]
         else:  # exact in distribution; Medusa's typical acceptance samples its bonus token the same way
-            tokens = sample_categorical(probs[:, 0])
+            with drawing_turn():  # not while a background compile records a graph (runtime/fast_start.py)
+                tokens = sample_categorical(probs[:, 0])
     return FirstToken(tokens, scores if keep[0] else None, raw if keep[1] else None)

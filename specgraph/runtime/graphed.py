@@ -50,6 +50,12 @@ _thread = threading.local()
 _GENERATOR = threading.Lock()
 
 
+def drawing_turn() -> threading.Lock:
+    """Held around eager draws from the default generator (a call's first token, sampled without a seed), which
+    must not run while another thread records a graph, as replays that draw."""
+    return _GENERATOR
+
+
 def _capture_stream() -> torch.cuda.Stream:
     """The stream this thread records CUDA graphs on (torch.cuda.graph's default is one stream for all)."""
     if getattr(_thread, "stream", None) is None:
