@@ -177,9 +177,13 @@ def budget_confidence(clean: torch.Tensor) -> torch.Tensor:
     (a node is accepted iff its whole root path is: the product of the path's probabilities), over
     the best n - 1 candidates (an ancestor-closed set, as the tree a budget keeps)."""
     e = clean.shape[1]
-    best = clean.exp().sort(dim=1, descending=True).values.cumsum(1)  # [B, E]
-    # columns by slicing, not a list index: that would copy the index to the device (a host sync)
-    return torch.stack([best[:, min(n - 1, e) - 1] for n in CONFIDENCE_BUDGETS], 1)
+    k = min(max(CONFIDENCE_BUDGETS) - 1, e)
+    best = top_k(clean.exp(), k)[0]  # [B, k] best first (a sort and a cumsum stayed aten fallbacks in the step)
+    ranks = torch.arange(k, device=clean.device)
+    # [C, k]: which of the best each budget sums (built from Python ints: a list made a tensor would be copied
+    # to the device, a host sync), then one reduction for every budget
+    within = torch.stack([ranks < min(n - 1, e) for n in CONFIDENCE_BUDGETS])
+    return (best.unsqueeze(1) * within).sum(-1)
 
 
 def _depth_first_numbers(parent_rank: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,9 @@ def test_draft_fast_paths_are_token_exact(monkeypatch, settings, backend):
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
     for row, got in zip(rows, generated_rows(out, ids.shape[1])):
         assert got == hf_greedy(model, row, max_new_tokens=16, eos_token_id=None)
-    assert set(calls) == {3, 7}  # the op ran: each level's top 3 tokens and lanes, the 7 nodes kept
+    # the op ran: each level's top 3 tokens and lanes, the 7 nodes kept, and the confidence's best of the
+    # 3 + 9 + 9 candidates (selection.budget_confidence)
+    assert set(calls) == {3, 7, 21}
     settings(skip_fast_paths="topk,fuse_projections")
     calls.clear()
     specgraph.compile(model, draft, tree=specgraph.DynamicTree(steps=3, topk=3, nodes=8), max_cache_len=128)

@@ -139,12 +139,12 @@ def first_child_next_sibling(parents: torch.Tensor) -> tuple[torch.Tensor, torch
     """
     b, n = parents.shape
     idx = torch.arange(n, dtype=torch.int64, device=parents.device)
-    # first_child: min child index per parent; roots scatter into a spare column n.
-    slot = torch.where(parents >= 0, parents, n)
-    first = torch.full((b, n + 1), n, dtype=torch.int64, device=parents.device)
-    first = first.scatter_reduce(1, slot, idx.expand(b, n), reduce="amin", include_self=True)
-    first = first[:, :n]
-    # next_sibling[i]: the smallest j > i with the same parent. N <= 64: [B, N, N] is tiny.
+    # N <= 64: [B, N, N] comparisons are tiny, one fused reduction each (a scatter_reduce for the first child
+    # stayed an aten fallback of its own in inductor's code of the compiled step, looked at on the CPU)
+    # first_child[p]: the smallest i whose parent is p
+    child = parents.unsqueeze(-2) == idx.view(1, n, 1)  # [B, p, i]
+    first = torch.where(child, idx.view(1, 1, n), n).amin(-1)
+    # next_sibling[i]: the smallest j > i with the same parent
     later_sibling = (parents.unsqueeze(-1) == parents.unsqueeze(-2)) & (idx.view(1, 1, n) > idx.view(1, n, 1))
     nxt = torch.where(later_sibling, idx.view(1, 1, n), n).amin(-1)
     none = torch.full_like(first, -1)
