@@ -15,23 +15,15 @@ import torch
 
 from ..kernels.gumbel import stream_keys, verify_seeded
 from ..kernels.penalty import penalize
-from ..kernels.verify import TOP_K_CAP, greedy_tokens, sample_categorical, warped_logits
+from ..kernels.verify import greedy_tokens, sample_categorical, warped_logits
 from .graphed import drawing_turn
-from .step import ARGMAX_CHUNK
+from .step import ARGMAX_CHUNK, warp_args
 
 
 class FirstToken(NamedTuple):
     tokens: torch.Tensor  # [B] int64
     scores: torch.Tensor | None  # with keep[0]: fp32 [B, 1, V], processed as HF's ``scores``
     logits: torch.Tensor | None  # with keep[1]: fp32 [B, 1, V], the target's raw logits
-
-
-def warp_args(sampling) -> dict:
-    """``warped_logits``' arguments for ``sampling`` (a ``Sampling``): the filters that are on."""
-    top_k, top_p, min_p = sampling.warpers()
-    return dict(temperature=sampling.temperature, top_k=sampling.top_k if top_k else None,
-                top_k_cap=TOP_K_CAP if top_k == "topk" else None, top_p=sampling.top_p if top_p else None,
-                min_p=sampling.min_p if min_p else None)
 
 
 @torch.no_grad()
@@ -44,19 +36,18 @@ def first_tokens(logits: torch.Tensor, roots: torch.Tensor, base: torch.Tensor, 
     b = logits.shape[0]
     raw = logits.float()
     scores = raw
+    mask = torch.ones((b, 1), dtype=torch.int64, device=logits.device)  # a tree of the root alone
     if penalty is not None:
         if seen is None:
             raise ValueError("first_tokens: a repetition penalty needs the prompt's seen tokens (seen=)")
-        mask = torch.ones((b, 1), dtype=torch.int64, device=logits.device)  # a tree of the root alone
         scores = penalize(raw, seen, roots.view(b, 1), mask, penalty)
     if sampling is None:
         tokens = greedy_tokens(scores, ARGMAX_CHUNK)[:, 0]
     else:
-        scores = warped_logits(scores, **warp_args(sampling))
+        scores = warped_logits(scores, **warp_args(sampling.warpers(), vars(sampling)))
         probs = scores.softmax(-1)
         if sampling.seed is not None and sampling.typical is None:
             parents = torch.full((b, 1), -1, dtype=torch.int64, device=logits.device)
-            mask = torch.ones((b, 1), dtype=torch.int64, device=logits.device)
             keys = stream_keys(sampling.seed, b, logits.device)
             tokens = verify_seeded(roots.view(b, 1), parents, mask, probs, 0, keys, base).emitted[:, 0]
         else:  # exact in distribution; Medusa's typical acceptance samples its bonus token the same way

@@ -123,22 +123,25 @@ def prefill(capture, prompts: list[list[int]], device, taps=None, whole: bool = 
     lengths = [len(p) - (0 if whole else 1) for p in prompts]
     total = max(lengths)
     chain = chain_mask(chunk, device)  # [chunk]: row i attends rows 0 .. i
-    last_bit = chain[-1] ^ chain[-2] if chunk > 1 else chain[-1]  # the chunk's last row alone
     rows = torch.arange(chunk, device=device)
     written = torch.tensor(lengths, device=device).view(b, 1)
+    # rows shorter than a chunk (whole): the last token again in the chunk's last row, beside its copy at row
+    # n - 1 (the same position and ancestors); the same in every chunk, since such a row starts at 0 in each
+    again = [whole and n < chunk for n in lengths]
+    moved = torch.tensor(again, device=device).view(b, 1) & (rows == chunk - 1)  # [B, chunk]
+    last_bit = chain[-1] ^ chain[-2] if chunk > 1 else chain[-1]  # the chunk's last row alone
+    ancestors = torch.where(written > 1, chain[(written - 2).clamp(0, chunk - 1)], 0) | last_bit  # [B, 1]
+    mask = torch.where(moved, ancestors, chain)  # [B, chunk], contiguous: the graphed call's static buffers are
     features = logits = None
     for k in range(-(-total // chunk)):
         starts = [min(k * chunk, max(n - chunk, 0)) for n in lengths]
         ids = [(p[:n] + [0] * chunk)[s:s + chunk] for p, n, s in zip(prompts, lengths, starts)]
+        for r, n in enumerate(lengths):
+            if again[r]:
+                ids[r][-1] = prompts[r][n - 1]
         first = torch.tensor(starts, device=device)
         slots = first.view(b, 1) + rows  # [B, chunk] where each row's tokens go in the cache
-        positions = slots.clone()
-        mask = chain.expand(b, -1).clone()  # contiguous: the graphed call's static buffers are
-        for r, n in enumerate(lengths):
-            if whole and n < chunk:  # the last token again in the last row, beside its copy at row n - 1
-                ids[r][-1] = prompts[r][n - 1]
-                positions[r, -1] = n - 1
-                mask[r, -1] = (chain[n - 2] if n > 1 else 0) | last_bit
+        positions = torch.where(moved, written - 1, slots)
         out = step(torch.tensor(ids, device=device), positions, first, mask)
         if taps is not None:  # each written token's features to its place (the rest to a discarded column)
             tapped = features_of(out[1])  # [B, chunk, F]

@@ -7,6 +7,8 @@ row's t-th token's scores in row b of the t-th tensor.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -18,9 +20,7 @@ def per_position(steps: list[torch.Tensor], where: list[list[tuple[int, int]]]) 
     if not steps:
         return ()
     v = steps[0].shape[2]
-    offsets = [0]
-    for kept in steps[:-1]:
-        offsets.append(offsets[-1] + kept.shape[1])
+    offsets = [0, *itertools.accumulate(kept.shape[1] for kept in steps[:-1])]  # each entry's first slot
     positions = max(map(len, where))
     flat = torch.cat(steps, 1)  # [B, sum of W_s, V]
     index = torch.tensor([[offsets[s] + slot for s, slot in row] + [0] * (positions - len(row)) for row in where],

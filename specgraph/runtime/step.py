@@ -51,6 +51,16 @@ CONFIDENCE_SCALE = 10_000  # StepOut.confidence's fixed point (converted in the 
 ARGMAX_CHUNK = 2048
 
 
+def warp_args(warpers: tuple, values) -> dict:
+    """``sampling_probs``'s and ``warped_logits``' arguments for ``warpers`` (``Sampling.warpers()``) with the
+    ``values`` of temperature, top_k, top_p and min_p (a mapping: numbers or 0-d tensors): the filters that
+    are on, the rest skipped."""
+    top_k, top_p, min_p = warpers
+    return dict(temperature=values["temperature"], top_k=values["top_k"] if top_k else None,
+                top_k_cap=TOP_K_CAP if top_k == "topk" else None, top_p=values["top_p"] if top_p else None,
+                min_p=values["min_p"] if min_p else None)
+
+
 def features_of(taps: list[torch.Tensor]) -> torch.Tensor:
     """The draft's view of the tapped states: [B, N, sum of widths] (EAGLE-3: low, mid, high)."""
     return taps[0] if len(taps) == 1 else torch.cat(taps, -1)
@@ -115,11 +125,7 @@ class DecodeStep:
 
     def warp_args(self) -> dict:
         """``sampling_probs``'s and ``warped_logits``' arguments: the filters that are on (the rest skipped)."""
-        top_k, top_p, min_p = self.warpers
-        s = self.sampling
-        return dict(temperature=s["temperature"], top_k=s["top_k"] if top_k else None,
-                    top_k_cap=TOP_K_CAP if top_k == "topk" else None, top_p=s["top_p"] if top_p else None,
-                    min_p=s["min_p"] if min_p else None)
+        return warp_args(self.warpers, self.sampling)
 
     def set_penalty(self, penalty: float) -> None:
         """Use repetition penalty ``penalty`` from the next step on (in place)."""
