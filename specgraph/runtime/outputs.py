@@ -2,8 +2,8 @@
 transformers lays them out.
 
 The first token (the prefill's) comes with ``[B, 1, V]``, each step with ``[B, D+1, V]`` at its accepted
-path (slot i: the distribution emitted token i was chosen from). ``model.generate`` returns one ``[B, V]`` tensor per generated position, the
-row's t-th token's scores in row b of the t-th tensor.
+path (slot i: the distribution emitted token i was chosen from). ``model.generate`` returns one ``[B, V]``
+tensor per generated position, the row's t-th token's scores in row b of the t-th tensor.
 """
 from __future__ import annotations
 
