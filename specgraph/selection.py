@@ -13,6 +13,7 @@ import torch
 from .fast_paths import draft_fast_paths
 from .kernels.bitmask import ancestor_masks, mask_to_matrix
 from .kernels.topk import MAX_K as TOPK_KERNEL_MAX_K
+from .kernels.verify import scatter_ids
 from .trees import CONFIDENCE_BUDGETS, DynamicTree, Tree
 
 
@@ -157,16 +158,16 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     kept = rank_order(clean, nan, n - 1)  # [B, N-1] candidate ids, best first
     # The kept tree in rank space: rank r's parent is a better rank (or -1, the root).
     rank_of = torch.full((b, e + 1), -1, dtype=torch.int64, device=device)
-    rank_of = rank_of.scatter(1, kept, torch.arange(n - 1, device=device).expand(b, n - 1))
+    rank_of = scatter_ids(rank_of, 1, kept, torch.arange(n - 1, device=device).expand(b, n - 1))
     parent_rank = rank_of.gather(1, torch.where(parents >= 0, parents, e).gather(1, kept))
     node = _depth_first_numbers(parent_rank)  # [B, N-1], values 1 .. N-1
     root = torch.zeros(b, 1, dtype=torch.int64, device=device)
     parent_node = torch.where(parent_rank >= 0, node.gather(1, parent_rank.clamp(min=0)), 0)
     out_tokens = torch.cat([root_tokens.view(b, 1).to(torch.int64), torch.zeros_like(node)], 1)
-    out_tokens = out_tokens.scatter(1, node, tokens.gather(1, kept).to(torch.int64))
-    out_parents = torch.cat([root - 1, torch.zeros_like(node)], 1).scatter(1, node, parent_node)
+    out_tokens = scatter_ids(out_tokens, 1, node, tokens.gather(1, kept))
+    out_parents = scatter_ids(torch.cat([root - 1, torch.zeros_like(node)], 1), 1, node, parent_node)
     tree = Tree.from_parents(out_tokens, out_parents, max(spec.max_depth, min(extra, n - 1)), validate=False)
-    tree.rank = (root - 1).expand(b, n).scatter(1, node, torch.arange(n - 1, device=device).expand(b, n - 1))
+    tree.rank = scatter_ids((root - 1).expand(b, n), 1, node, torch.arange(n - 1, device=device).expand(b, n - 1))
     tree.confidence = budget_confidence(clean)
     return tree
 

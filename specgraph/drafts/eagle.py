@@ -52,6 +52,17 @@ class _Borrowed:
         self.module = module
 
 
+def llama_rope(rotary: LlamaRotaryEmbedding, x: torch.Tensor, positions: torch.Tensor):
+    """``rotary(x, positions)``'s (cos, sin) with the angles by a broadcast multiply, as transformers 5.2x has
+    it; earlier releases take them from a matmul over a contraction of length 1, a cuBLAS sgemm launch a draft
+    step on a GPU. Same values (one term, one rounding). RoPE types that rescale as they run keep HF's forward."""
+    if "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
+        return rotary(x, positions)
+    freqs = positions[..., None].float() * rotary.inv_freq.to(device=x.device, dtype=torch.float)  # [B, N, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
+
+
 class FeatureDraft(AutoregressiveDraft):
     """What Eagle and Eagle3 share: the embedding (own or the target's), RoPE, binding."""
 
@@ -88,7 +99,7 @@ class FeatureDraft(AutoregressiveDraft):
         return problems
 
     def rope(self, x, positions):
-        return self.rotary_emb(x, positions)
+        return llama_rope(self.rotary_emb, x, positions)
 
     def _load(self, state: dict, what: str, path) -> "FeatureDraft":
         """Strictly load ``state`` (only the embedding may be missing: then the target's is borrowed)."""

@@ -83,7 +83,7 @@ def lookup_on_device(seq: torch.Tensor, length: torch.Tensor, k: int, max_ngram:
         out = torch.where(take.view(b, 1), follow, out)
         matched = torch.where(take, n, matched)
         found |= start >= 0
-    return out, matched
+    return out.to(torch.int64), matched
 
 
 class NGramSession(DraftSession):
@@ -91,7 +91,8 @@ class NGramSession(DraftSession):
 
     def __init__(self, draft: NGram, tree, batch: int, max_length: int, device):
         self.draft, self.tree, self.device = draft, tree, device
-        self.seq = torch.zeros(batch, max_length + 64, dtype=torch.int64, device=device)
+        # int32: inductor fuses a scatter of int32 values; one of int64 is aten's own launch on a GPU
+        self.seq = torch.zeros(batch, max_length + 64, dtype=torch.int32, device=device)
         self.length = torch.zeros(batch, dtype=torch.int64, device=device)
 
     def prefill(self, prompts, features) -> None:
@@ -115,5 +116,5 @@ class NGramSession(DraftSession):
         """Append each row's emitted tokens (rows past accept_len write slots later overwritten)."""
         width = acc.emitted.shape[1]
         slots = (self.length.view(-1, 1) + torch.arange(width, device=self.device)).clamp(max=self.seq.shape[1] - 1)
-        self.seq.scatter_(1, slots, acc.emitted.to(torch.int64).clamp(min=0))
+        self.seq.scatter_(1, slots, acc.emitted.to(torch.int32).clamp(min=0))
         self.length = self.length + accept_len

@@ -51,10 +51,11 @@ cuBLAS product, the add).
 
 A tile's optional 6th entry splits K over that many programs a tile (tl.dot tiles only): each stores its
 float32 partial, and the tile's last program to arrive (an arrival counter, as tree attention's merge) sums them
-in split order, deterministically, and runs the epilogue. tile_config never takes it: alone, SmolLM2's 32-row
-o and down products ran 0.3 and 1.7 us faster split in three (few_row_tiles.py --tiles split-k), but splitting
-every 17-64-row tile made the default's whole step 0.19 ms slower (H100, 2026-12-07, docs/benchmarks.md); a
-benchmark passes such tiles per row count through TILE_OVERRIDE.
+in split order, deterministically, and runs the epilogue. tile_config splits K in three where 17-32 rows of a
+small weight without silu_mul make at most FEW_TILES tiles (fewer programs than SMs): SmolLM2's 32-row q/k/v,
+o and down made the default's whole step 1.180 -> 1.156 ms and its tokens/s 1.0-1.5% higher; splitting every
+17-64-row tile, gate/up's included, had made it 0.19 ms slower (H100, 2026-12-07, docs/benchmarks.md). A
+benchmark passes other tiles per row count through TILE_OVERRIDE.
 
 Measured (``benchmarks/fused_linear.py``, H200, 2026-12-01, docs/benchmarks.md), one row, each
 product with its prologue and epilogue in ``tile_config``'s tile against cuBLAS with the product alone:
@@ -82,6 +83,8 @@ SMALL_WEIGHT_BYTES = 8 << 20  # a small model's weight (SmolLM2's 0.7-3.5 MB; 8B
 ROW_GRID_PROGRAMS = 768  # a few rows of a small weight: a program per row and 8 weight rows up to this many
 PREFETCH_LINES = 16  # pdl "prefetch": the first 16 128-byte lines (2 KB) of each weight row a program streams
 FEW_PROGRAMS = 256  # one row of a large weight in fewer 8-row programs (two waves of 132 SMs) takes small tiles
+FEW_TILES = 64  # 17-32 rows of a small weight in at most this many tiles: K split over SPLIT_PROGRAMS programs
+SPLIT_PROGRAMS = 3
 
 
 @triton.jit
@@ -248,7 +251,8 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
     1024 columns a step in 4 warps with the norm (512 over 16 rows where that pads K less: Qwen2.5-1.5B's
     gate/up), 512 in 8 without. More rows: 16-row tl.dot tiles (64 x 128 in 3 stages for a large gate/up
     with silu_mul), except a few rows of a small weight without silu_mul: a program per row while the grid
-    stays within ROW_GRID_PROGRAMS (about one wave; past it the re-reads from L2 lose)."""
+    stays within ROW_GRID_PROGRAMS (about one wave; past it the re-reads from L2 lose). 17-32 rows of a small
+    weight in at most FEW_TILES tiles: K split over SPLIT_PROGRAMS programs a tile (H100: SmolLM2's verify)."""
     if TILE_OVERRIDE:
         for key in ((m, n, k), (n, k)):
             if key in TILE_OVERRIDE:
@@ -266,6 +270,8 @@ def tile_config(m: int, n: int, k: int, itemsize: int, norm: bool = False,
         return 1, 8, 512, 4, 3
     if m > 16:  # all the rows in one tile, so the weight streams once; 128 columns a step keep x's stages small
         block_m, block_n = min(MAX_ROWS, triton.next_power_of_2(m)), 16 if small else 32
+        if small and not silu_mul and m <= 32 and triton.cdiv(n, block_n) <= FEW_TILES:  # few tiles fill few SMs
+            return block_m, block_n, 128 if k >= SPLIT_PROGRAMS * 512 else 64, 4, 3, SPLIT_PROGRAMS
         return block_m, block_n, min(128, triton.next_power_of_2(k)), 4, 3
     return 16, 16 if small else 32, min(256, triton.next_power_of_2(k)), 4, 4
 
@@ -282,7 +288,7 @@ def max_rows(weight: torch.Tensor) -> int:
 
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor | None = None, eps: float = 1e-6,
                         residual: torch.Tensor | None = None, gated: bool = False,
-                        tiles: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
+                        tiles: tuple[int, ...] | None = None, silu_mul: bool = False,
                         row_squares: torch.Tensor | None = None, next_gamma: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None):
     """One launch, grid (cdiv(N, BLOCK_N), row blocks); M <= MAX_ROWS. x [..., K] ([..., 2K] gated) -> [..., N]

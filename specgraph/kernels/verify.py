@@ -32,6 +32,12 @@ import torch
 from .bitmask import first_child_next_sibling, mask_to_matrix
 
 
+def scatter_ids(dest: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dest.scatter(dim, index, src)`` for ids below 2**31 (tokens, nodes, ranks), done in int32: inductor
+    leaves a scatter of int64 values to aten's kernel on a GPU (a launch of its own) and fuses an int32 one."""
+    return dest.to(torch.int32).scatter(dim, index, src.to(torch.int32)).to(dest.dtype)
+
+
 class Acceptance(NamedTuple):
     path: torch.Tensor  # [B, D+1]
     accept_len: torch.Tensor  # [B]
@@ -76,7 +82,7 @@ def _accept_deepest(tokens, parents, mask, match, max_depth) -> tuple[torch.Tens
     on_path = anc.gather(1, best.view(b, 1, 1).expand(b, 1, n)).squeeze(1)  # [B, N]
     column = torch.where(on_path, depth, max_depth + 1)  # off-path nodes land in a spare column
     path = torch.full((b, max_depth + 2), -1, dtype=torch.int64, device=tokens.device)
-    path = path.scatter(1, column, idx.expand(b, n))[:, : max_depth + 1]
+    path = scatter_ids(path, 1, column, idx.expand(b, n))[:, : max_depth + 1]
     accept_len = depth.gather(1, best.unsqueeze(1)).squeeze(1) + 1
     return best, Acceptance(path, accept_len, None, None)
 
@@ -105,7 +111,7 @@ def _with_bonus(tokens: torch.Tensor, acc: Acceptance, bonus: torch.Tensor) -> A
     after_root = torch.cat([acc.path[:, 1:], torch.full_like(acc.path[:, :1], -1)], 1)  # [B, D+1]
     real = after_root >= 0  # gathered at where(real, ., 0), not a clamp: TensorRT's Clip is float-only
     emitted = torch.where(real, tokens.gather(1, torch.where(real, after_root, 0)), -1)
-    emitted = emitted.scatter(1, (acc.accept_len - 1).unsqueeze(1), bonus.unsqueeze(1))
+    emitted = scatter_ids(emitted, 1, (acc.accept_len - 1).unsqueeze(1), bonus.unsqueeze(1))
     return Acceptance(acc.path, acc.accept_len, bonus, emitted)
 
 
@@ -307,7 +313,7 @@ def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, gener
         rejected = torch.where(total > 0, leftover / total.clamp(min=1e-30), residual)
         residual = torch.where(accept.unsqueeze(1), _take(target_probs, child),
                                torch.where(reject.unsqueeze(1), rejected, residual))
-        path = path.scatter(1, torch.where(accept, accept_len, max_depth + 1).unsqueeze(1), child.unsqueeze(1))
+        path = scatter_ids(path, 1, torch.where(accept, accept_len, max_depth + 1).unsqueeze(1), child.unsqueeze(1))
         accept_len = accept_len + accept.to(torch.int64)
         candidate = torch.where(accept, first_child[rows, child],
                                 torch.where(reject, next_sibling[rows, child], candidate))

@@ -27,6 +27,7 @@ from .fold_norms_rows import fold_norms_rows
 from .fold_rotary import fold_rotary
 from .fuse_projections import fuse_projections, pack_projections
 from .inplace_cache_writes import inplace_cache_writes
+from .outer_products import outer_products
 from .prune_logits import prune_logits
 from .replace_attention import replace_attention
 from .tap_hidden_states import tap_hidden_states
@@ -38,10 +39,11 @@ from .tensor_parallel import all_reduce_partial_sums
 # fold_norms in one-row steps, fold_norms_rows in steps of 2..16 rows (into the products' epilogues and
 # their readers' row scaling: measured faster on the H200, docs/benchmarks.md).
 PIPELINE = check_order((all_reduce_partial_sums, replace_attention, tap_hidden_states, prune_logits,
-                        fuse_projections, inplace_cache_writes, fold_cache_writes, fold_rotary, fold_norms,
-                        fold_norms_rows))
+                        outer_products, fuse_projections, inplace_cache_writes, fold_cache_writes, fold_rotary,
+                        fold_norms, fold_norms_rows))
 # Passes that only make the graph faster: the graph is correct without them (config.skip_passes).
-OPTIONAL = ("fuse_projections", "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows")
+OPTIONAL = ("outer_products", "fuse_projections", "fold_cache_writes", "fold_rotary", "fold_norms",
+            "fold_norms_rows")
 
 
 def skipped_passes() -> set[str]:
@@ -105,4 +107,5 @@ def run_pipeline(gm: torch.fx.GraphModule, ctx: GraphContext, debug: bool | None
 __all__ = ["GraphContext", "HiddenTaps", "PassContractError", "PassResult", "PipelineOrderError", "PIPELINE",
            "check_invariants", "check_order", "ensure", "graph_pass", "run_pipeline", "replace_attention",
            "tap_hidden_states", "prune_logits", "fuse_projections", "pack_projections", "inplace_cache_writes",
-           "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows", "all_reduce_partial_sums"]
+           "fold_cache_writes", "fold_rotary", "fold_norms", "fold_norms_rows", "all_reduce_partial_sums",
+           "outer_products"]

@@ -301,3 +301,24 @@ def test_fused_projections_compute_the_same_draft_layer(kind):
     with torch.no_grad():
         torch.testing.assert_close(session._chain(tokens, features, start), want, rtol=1e-5, atol=1e-6)
     assert len(separate) == 10
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                                  {"rope_type": "dynamic", "factor": 2.0}], ids=["default", "llama3", "dynamic"])
+def test_the_drafts_rope_is_hfs_bit_for_bit(rope):
+    """eagle.llama_rope (the angles by a multiply) against HF's forward and against the matmul over a
+    contraction of length 1 that transformers before 5.2x computes them with: the same bits."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specgraph.drafts.eagle import llama_rope
+    from test_outer_products import older_rope
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64, rope_theta=10000.0,
+                         rope_scaling=rope)
+    rotary = LlamaRotaryEmbedding(config)
+    x, positions = torch.randn(2, 5, 64, dtype=torch.bfloat16), torch.randint(0, 4000, (2, 5))
+    got = llama_rope(rotary, x, positions)
+    for want in (rotary(x, positions), older_rope(rotary, x, positions)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

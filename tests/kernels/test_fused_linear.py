@@ -232,6 +232,20 @@ def test_tile_config_takes_the_row_grid_for_a_few_rows_of_small_weights():
     assert [tile_config(m, 576, 576, 2)[0] for m in (17, 24, 32, 33, 64)] == [32, 32, 32, 64, 64]  # one tile
 
 
+def test_tile_config_splits_k_where_17_to_32_rows_of_a_small_weight_make_few_tiles():
+    """SmolLM2's 32-row q/k/v, o and down (60, 36, 36 tiles) split K in three, 128 columns a step for the long
+    K; not gate/up with silu_mul, nor past 32 rows, past FEW_TILES tiles, or a large weight."""
+    from specgraph.kernels.fused_linear import FEW_TILES, SPLIT_PROGRAMS, tile_config
+
+    assert tile_config(32, 576, 1536, 2) == (32, 16, 128, 4, 3, SPLIT_PROGRAMS)  # down
+    assert tile_config(32, 576, 576, 2) == tile_config(17, 576, 576, 2) == (32, 16, 64, 4, 3, SPLIT_PROGRAMS)
+    assert tile_config(32, 960, 576, 2)[5:] == (SPLIT_PROGRAMS,)  # q/k/v: 60 tiles
+    assert len(tile_config(32, 1536, 576, 2, silu_mul=True)) == 5  # gate/up: split it lost
+    assert len(tile_config(33, 576, 576, 2)) == len(tile_config(16, 576, 576, 2)) == 5
+    assert len(tile_config(32, 16 * FEW_TILES + 1, 576, 2)) == 5
+    assert len(tile_config(32, 512, 4096 * 4, 2)) == 5  # 16 MB: not a small weight
+
+
 def test_max_rows_past_one_tile_only_for_small_weights_under_pdl(monkeypatch):
     """The op sends up to MAX_ROWS rows to the kernel where that paid (a small weight, PDL), 16 else; the
     kernel itself takes MAX_ROWS whatever the weight."""
