@@ -67,8 +67,8 @@ def test_pass_counters(driver):
     step = driver.capture.step(driver.batch, 8)
     names = [name for name, _ in step.pass_results]
     assert names == ["all_reduce_partial_sums", "replace_attention", "tap_hidden_states", "prune_logits",
-                     "fuse_projections", "inplace_cache_writes", "fold_cache_writes", "fold_rotary", "fold_norms",
-                     "fold_norms_rows"]
+                     "outer_products", "fuse_projections", "inplace_cache_writes", "fold_cache_writes", "fold_rotary",
+                     "fold_norms", "fold_norms_rows"]
     result = step.pass_results[1][1]
     # nothing asked of them: no tensor parallelism, no taps, no pruning
     assert [r.modified for _, r in (step.pass_results[0], *step.pass_results[2:4])] == [False, False, False]
