@@ -293,7 +293,8 @@ def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, gener
     b, n = tokens.shape
     first_child, next_sibling = first_child_next_sibling(parents)
     rows = _arange(b, tokens)
-    path = torch.full((b, max_depth + 2), -1, dtype=torch.int64, device=tokens.device)
+    # int32 through the walk, as scatter_ids (inductor fuses an int32 scatter), widened once after it
+    path = torch.full((b, max_depth + 2), -1, dtype=torch.int32, device=tokens.device)
     path[:, 0] = 0
     accept_len = torch.ones(b, dtype=torch.int64, device=tokens.device)
     candidate = first_child[:, 0]  # next child to try at the current node, -1: walk over
@@ -313,11 +314,12 @@ def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, gener
         rejected = torch.where(total > 0, leftover / total.clamp(min=1e-30), residual)
         residual = torch.where(accept.unsqueeze(1), _take(target_probs, child),
                                torch.where(reject.unsqueeze(1), rejected, residual))
-        path = scatter_ids(path, 1, torch.where(accept, accept_len, max_depth + 1).unsqueeze(1), child.unsqueeze(1))
+        path = path.scatter(1, torch.where(accept, accept_len, max_depth + 1).unsqueeze(1),
+                            child.to(torch.int32).unsqueeze(1))
         accept_len = accept_len + accept.to(torch.int64)
         candidate = torch.where(accept, first_child[rows, child],
                                 torch.where(reject, next_sibling[rows, child], candidate))
-    acc = Acceptance(path[:, : max_depth + 1], accept_len, None, None)
+    acc = Acceptance(path[:, : max_depth + 1].to(torch.int64), accept_len, None, None)
     return _with_bonus(tokens, acc, sample_categorical(residual, generator))
 
 
