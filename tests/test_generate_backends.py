@@ -38,6 +38,7 @@ def test_cudagraphs_backend_is_token_exact_and_compiles_nothing(kind):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing compiled
     (bucket,) = spec.capture.decode_steps.values()
     assert isinstance(bucket.run, StaticStep) and isinstance(bucket.propose, GraphedCall)
+    assert bucket.run.copies_after_step == 0  # the step carried its own results (DecodeStep.carried)
     assert all(isinstance(p, GraphedCall) for p in spec.capture.prefills.values())
 
 
@@ -92,6 +93,9 @@ def test_inductor_backend_is_token_exact(kind, whole_step, settings, request):
         (bucket,) = spec.capture.decode_steps.values()
         assert isinstance(bucket.propose, GraphedCall) and bucket.propose.inputs is not None
         assert kind != "eagle3" or isinstance(bucket.session._prefill_chain, GraphedCall)
+        # the compiled step wrote its results over its inputs itself (DecodeStep.carried): nothing copied after
+        # it, which on CUDA were a memcpy launch each in the recorded graph
+        assert bucket.run.copies_after_step == 0
     if kind == "ngram" and whole_step:  # sampling: a new temperature reuses the compiled step
         hot = spec.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, do_sample=True,
                             temperature=5.0)

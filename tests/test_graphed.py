@@ -45,6 +45,9 @@ def test_state_is_carried_in_place_and_host_changes_are_copied_in():
     length_buffer = session.length
     out = step(tree, torch.tensor([5, 7]), torch.tensor([True, False]))
     assert out.accept_len.tolist() == [4, 0] and out.cache_len.tolist() == [9, 7]
+    # a plain step function: its next tree's tokens, cache_len and length copied after it (the tree's other
+    # tensors are the static ones, handed back by dataclasses.replace: not copied)
+    assert step.copies_after_step == 3
     assert session.length is length_buffer and session.length.tolist() == [4, 0]  # same buffer, new value
     assert out.next_tree.tokens.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
     cache_len, tree_buffer = out.cache_len, out.next_tree

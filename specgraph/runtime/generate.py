@@ -230,7 +230,7 @@ def decode_step(capture, draft, tree, batch: int, max_length: int, sampling: Sam
             frame(method, f"draft's {method.__name__}"), graphed, f"the draft's pass over the prompt (B={batch})"))
     run = step
     if whole_step:
-        run = StaticStep(frame(step.__call__, "decode step"), session, cuda_graph=graphed)
+        run = StaticStep(frame(step.carried, "decode step"), session, cuda_graph=graphed)
     # The first tree of a call: the session's propose, compiled like the step (eagerly it
     # is thousands of small launches: an EAGLE-2 tree of 8 draft steps is ~4,300 aten ops), over a static
     # roots buffer and on CUDA recorded as a graph: it reads the session's state at fixed addresses (each

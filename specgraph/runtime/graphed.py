@@ -13,6 +13,10 @@ into the next step's inputs:
              emitted, accept_len (and scores, logits if kept): outputs in the graph's pool, valid
              until the next replay
 
+The decode step makes those copies itself, inside its compiled frame (``DecodeStep.carried``), where
+they fuse into the kernels that produce the values; ``StaticStep`` copies only what a step hands back
+outside its buffers (``copies_after_step``: 0 for ``carried``).
+
 On the host a step is then: copy in whatever input is not already the static buffer (the host
 loop's ``active``; a new call's prefilled session state and first tree), one replay, one read.
 The replay runs no guards: everything host-side the compiled step depends on (the session's
@@ -31,9 +35,7 @@ from typing import Callable
 import torch
 
 from ..trees import Tree
-from .step import StepOut
-
-_TREE_TENSORS = [f.name for f in dataclasses.fields(Tree) if f.name != "max_depth"]
+from .step import TREE_TENSORS, StepOut, session_state
 
 
 def _copy_in(static: torch.Tensor, value: torch.Tensor, what: str, owner: str = "the decode step") -> None:
@@ -104,11 +106,11 @@ class StaticStep:
         # the session's tensors, adopted as static: (owner, attribute) -> buffer, owners from state_owners()
         self.state: dict[tuple[object, str], torch.Tensor] | None = None
         self.recordings = 0  # CUDA graphs recorded (1 for the life of the bucket)
+        self.copies_after_step = 0  # copies the last step left to the recording (a launch each in a CUDA graph)
 
     def _bind(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> None:
-        self.state = {(owner, name): value for owner in self.session.state_owners()
-                      for name, value in vars(owner).items() if torch.is_tensor(value)}
-        self.tree = dataclasses.replace(tree, **{name: getattr(tree, name).clone() for name in _TREE_TENSORS})
+        self.state = {(owner, name): value for owner, name, value in session_state(self.session)}
+        self.tree = dataclasses.replace(tree, **{name: getattr(tree, name).clone() for name in TREE_TENSORS})
         self.cache_len, self.active = cache_len.clone(), active.clone()
 
     def _load(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> None:
@@ -124,25 +126,28 @@ class StaticStep:
             if tree.max_depth != self.tree.max_depth:
                 raise RuntimeError(f"tree.max_depth: the decode step was recorded for {self.tree.max_depth}, "
                                    f"got {tree.max_depth}")
-            for name in _TREE_TENSORS:
+            for name in TREE_TENSORS:
                 _copy_in(getattr(self.tree, name), getattr(tree, name), f"tree.{name}")
         for static, value, what in ((self.cache_len, cache_len, "cache_len"), (self.active, active, "active")):
             if value is not static:
                 _copy_in(static, value, what)
 
     def _body(self) -> tuple[torch.Tensor | None, ...]:
-        """One step and the copies that carry it into the next: the part a CUDA graph records."""
+        """One step and the copies that carry it into the next: the part a CUDA graph records. A step that
+        wrote its results over its inputs itself (``DecodeStep.carried``) leaves no copy to make here."""
         out = self.fn(self.tree, self.cache_len, self.active)
+        copies = [(static, getattr(owner, name)) for (owner, name), static in self.state.items()]
         for (owner, name), static in self.state.items():
-            value = getattr(owner, name)
-            if value is not static:  # the step reassigned it: back into the static buffer, in place
-                static.copy_(value)
+            if getattr(owner, name) is not static:  # the step reassigned it: back into the static buffer
                 setattr(owner, name, static)
-        self.cache_len.copy_(out.cache_len)
+        copies.append((self.cache_len, out.cache_len))
         self.next_tree = out.next_tree is not None  # the draft proposes inside the step
         if self.next_tree:
-            for name in _TREE_TENSORS:
-                getattr(self.tree, name).copy_(getattr(out.next_tree, name))
+            copies += [(getattr(self.tree, name), getattr(out.next_tree, name)) for name in TREE_TENSORS]
+        copies = [(static, value) for static, value in copies if value is not static]
+        for static, value in copies:
+            static.copy_(value)
+        self.copies_after_step = len(copies)
         return out.emitted, out.accept_len, out.scores, out.logits, out.path_rank, out.confidence
 
     def __call__(self, tree: Tree, cache_len: torch.Tensor, active: torch.Tensor) -> StepOut:
