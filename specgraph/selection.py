@@ -54,6 +54,16 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return best.values, (part.indices + offset).flatten(-2).gather(-1, best.indices)
 
 
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_k(log_softmax(logits.float()), k)``: a draft step's k best children with their log-probabilities
+    (float32). By default (fast path ``topk``) from ``specgraph::top_log_probs``: the ranking of the logits
+    themselves (the log-softmax is monotone), the log-softmax at the k best only, in one launch on CUDA up to
+    8,192 entries. logits: [..., V] -> values [..., k] float32, indices [..., k] int64."""
+    if _topk_kernel_takes(logits, k):
+        return torch.ops.specgraph.top_log_probs(logits, k)
+    return top_k(torch.log_softmax(logits.float(), -1), k)
+
+
 # ----------------------------------------------------------------------------- EAGLE-2 selection
 def rank_order(scores: torch.Tensor, nan: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """Candidate ids best first (the first ``k``, or all): higher score first, ties to the lower id, NaN last.

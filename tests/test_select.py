@@ -282,3 +282,16 @@ def test_confidence_is_the_expected_acceptance_of_every_budget(case):
         for tree in trees_:
             assert tree.confidence[b].tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert Tree.from_spec(Chain(3), torch.zeros(2, 4, dtype=torch.long)).confidence.shape == (2, 0)
+
+
+def test_top_log_probs_is_the_log_softmax_then_top_k():
+    """A draft step's ranking (``selection.top_log_probs``), under both settings: the k best log-probabilities,
+    float32, best first. By default ``specgraph::top_log_probs`` ranks the logits themselves (the log-softmax is
+    monotone) and takes the log-softmax at those k only."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float16):
+        logits = (torch.randn(2, 3, 700, generator=g) * 4).to(dtype)
+        values, indices = selection.top_log_probs(logits, 8)
+        want = torch.log_softmax(logits.float(), -1).topk(8, -1)
+        assert values.dtype == torch.float32 and torch.equal(indices, want.indices)
+        torch.testing.assert_close(values, want.values, rtol=1e-6, atol=2e-6)

@@ -1,7 +1,8 @@
 """The compiled decode step of compile's default on a CUDA row (a tiny Llama, EAGLE-3, its tree with lookup), as
 AOTAutograd hands it to the backend, holds nothing inductor leaves to a library launch on a GPU: no scatter of
 int64 or bool values (aten's kernel: inductor's atomics cannot take them) and no product over a contraction of
-length 1 (a cuBLAS sgemm), even with transformers' older RoPE; the tokens stay HF greedy's."""
+length 1 (a cuBLAS sgemm), even with transformers' older RoPE; its draft steps rank their children without a
+log-softmax over the vocabulary; the tokens stay HF greedy's."""
 import pytest
 import torch
 
@@ -63,3 +64,8 @@ def test_the_default_step_leaves_nothing_to_a_library_launch(recorded_graphs, mo
     steps = [gm for gm in recorded_graphs if any("topk" in str(n.target) for n in gm.graph.nodes)]
     assert steps, "no compiled graph drafts a tree"  # the decode step (its draft's top-k) was compiled
     assert [found for gm in recorded_graphs for found in library_launches(gm)] == []
+    # each draft step ranks its children with one op (the log-softmax at the k best), no log-softmax over the
+    # vocabulary before a top-k (a reduction launch of its own a draft step)
+    targets = [n.target for gm in steps for n in gm.graph.nodes]
+    assert torch.ops.specgraph.top_log_probs.default in targets
+    assert torch.ops.aten._log_softmax.default not in targets

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..kernels.bitmask import MAX_NODES
 from ..kernels.gumbel import coupled_scores
-from ..selection import expand_frontier, seed_frontier, select_tree, top_k
+from ..selection import expand_frontier, seed_frontier, select_tree, top_k, top_log_probs
 from ..trees import DynamicTree, StaticTree, Tree, chain_mask, spec_parents
 from .base import Draft, DraftSession
 
@@ -168,7 +168,11 @@ class ARSession(DraftSession):
 
     def _top(self, hidden: torch.Tensor, k: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, ..., H] at ``depth`` - 1 -> (scores, target tokens) of the k best children, [B, ..., k]."""
-        values, indices = top_k(self._scores(self.draft.draft_logits(hidden), depth), k)
+        logits = self.draft.draft_logits(hidden)
+        if self.coupling is None:  # the log-softmax with the top-k, in one launch on CUDA
+            values, indices = top_log_probs(logits, k)
+        else:
+            values, indices = top_k(self._scores(logits, depth), k)
         return values, self.draft.to_target(indices)
 
     def _propose_static(self, roots: torch.Tensor) -> Tree:

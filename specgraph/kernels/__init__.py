@@ -24,6 +24,7 @@ DECOMPOSITIONS = {
     torch.ops.specgraph.fused_linear.default: _fused_linear.fused_linear_reference,
     torch.ops.specgraph.fused_linear_norm_out.default: _fused_linear.fused_linear_norm_out_reference,
     torch.ops.specgraph.topk.default: _topk.topk_reference,
+    torch.ops.specgraph.top_log_probs.default: _topk.top_log_probs_reference,
 }
 
 

@@ -7,6 +7,10 @@ Contract:
   returns  values [..., k] (x's dtype, x's own values), indices [..., k] int64
 Order: larger first; equal values (-0.0 = +0.0) by lower index (so the result
 is one exact answer, unlike ``torch.topk``'s); NaN ranks with +inf (ties by index).
+``specgraph::top_log_probs(x, k)``: the same indices, and as values ``log_softmax(x.float())`` at them
+(float32): an EAGLE-2 draft step's ranking, where the row's max and sum of exponentials come from the
+registers the ranking reads, one launch up to 8,192 entries (the log-softmax was a reduction kernel of its
+own before the top-k).
 
 Why: ``torch.topk`` over a few long rows runs one block per row, and the
 chunked form in ``selection.top_k`` costs two launches of 9 + 4 µs at a draft
@@ -54,14 +58,19 @@ def _load(pointers, mask, other, CG: tl.constexpr):
 
 @triton.jit
 def _pass(Src, IdxIn, Values, Indices, n, row, chunk, stride_src, stride_idx, out, active,
-          K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr, CG: tl.constexpr):
+          K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr, CG: tl.constexpr,
+          LOG_SOFTMAX: tl.constexpr = False):
     """Entries ``chunk * BLOCK ..`` of ``row`` of Src (n a row): their K best into Values/Indices at ``out``,
     where ``active``. HAS_IDX: a pass over candidates that carry their row index in IdxIn (-1: none). CG: read
-    through L2 (.cg: written by other programs of this launch)."""
+    through L2 (.cg: written by other programs of this launch). LOG_SOFTMAX (the whole row in this chunk): the
+    values stored are the row's log-softmax at the K best, ``(x - max) - log(sum(exp(x - max)))``."""
     lane = tl.arange(0, BLOCK)
     offs = chunk * BLOCK + lane
     alive = (offs < n) & active
     x = _load(Src + row * stride_src + offs, alive, 0.0, CG).to(tl.float32)
+    if LOG_SOFTMAX:  # the row's max and sum of exponentials, from the registers the ranking reads
+        row_max = tl.max(tl.where(alive, x, float("-inf")), 0)
+        log_sum = tl.log(tl.sum(tl.where(alive, tl.exp(x - row_max), 0.0), 0))
     if HAS_IDX:  # candidates carry their index in the row (-1: none)
         alive = alive & (_load(IdxIn + row * stride_idx + offs, alive, -1, CG) >= 0)
     key = tl.where(x != x, float("inf"), tl.where(x == 0.0, 0.0, x))  # NaN ranks with +inf; -0.0 ties +0.0
@@ -76,6 +85,8 @@ def _pass(Src, IdxIn, Values, Indices, n, row, chunk, stride_src, stride_idx, ou
     found = best >= 0
     entry = chunk * BLOCK + tl.where(found, best, 0)
     value = _load(Src + row * stride_src + entry, found, float("-inf"), CG)
+    if LOG_SOFTMAX:
+        value = (value.to(tl.float32) - row_max) - log_sum
     if HAS_IDX:
         index = _load(IdxIn + row * stride_idx + entry, found, -1, CG)
     else:
@@ -88,10 +99,11 @@ def _pass(Src, IdxIn, Values, Indices, n, row, chunk, stride_src, stride_idx, ou
 @triton.jit
 def _topk_kernel(X, IdxIn, Values, Indices, PartV, PartI, Arrived, V, stride_xr, stride_ir, stride_or,
                  K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
-                 MERGE: tl.constexpr = False, MERGE_BLOCK: tl.constexpr = 1):
+                 MERGE: tl.constexpr = False, MERGE_BLOCK: tl.constexpr = 1, LOG_SOFTMAX: tl.constexpr = False):
     """Program (row, chunk): the chunk's K best; without MERGE into Values/Indices [R, chunks * K] (a second
     launch over them, HAS_IDX, or the answer with one chunk), with MERGE into PartV/PartI, then the row's last
-    program to arrive takes the K best of the row's chunks * K candidates (one launch)."""
+    program to arrive takes the K best of the row's chunks * K candidates (one launch). LOG_SOFTMAX (one chunk
+    a row): the log-softmax's values at them."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -107,7 +119,7 @@ def _topk_kernel(X, IdxIn, Values, Indices, PartV, PartI, Arrived, V, stride_xr,
               K, K_POW2, MERGE_BLOCK, True, True)  # chunk-major: equal values stay in index order
     else:
         _pass(X, IdxIn, Values, Indices, V, row, chunk, stride_xr, stride_ir, (row * chunks + chunk) * stride_or,
-              True, K, K_POW2, BLOCK, HAS_IDX, False)
+              True, K, K_POW2, BLOCK, HAS_IDX, False, LOG_SOFTMAX)
 
 
 def topk_triton(x: torch.Tensor, k: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +155,31 @@ def topk_triton(x: torch.Tensor, k: int, chunk: int | None = None) -> tuple[torc
                              part_i.stride(0), k, K=k, K_POW2=k_pow2, BLOCK=block, HAS_IDX=True,
                              num_warps=8 if block >= 4096 else 4)
     return values.view(*x.shape[:-1], k), indices.view(*x.shape[:-1], k)
+
+
+def top_log_probs_triton(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of up to ONE_PASS entries: the k best and the row's log-softmax there, one program a row, one
+    launch (where a log-softmax over the row, then a top-k, were two)."""
+    v = x.shape[-1]
+    if v > ONE_PASS:
+        raise ValueError(f"top_log_probs_triton: rows of up to {ONE_PASS} entries, got {v}")
+    rows = x.reshape(-1, v).contiguous()  # [R, V]
+    r = rows.shape[0]
+    values = torch.empty(r, k, dtype=torch.float32, device=x.device)
+    indices = torch.empty(r, k, dtype=torch.int64, device=x.device)
+    block = triton.next_power_of_2(v)
+    _topk_kernel[(r, 1)](rows, rows, values, indices, rows, rows, rows, v, rows.stride(0), 0, k, K=k,
+                         K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=False, LOG_SOFTMAX=True,
+                         num_warps=8 if block >= 4096 else 4)
+    return values.view(*x.shape[:-1], k), indices.view(*x.shape[:-1], k)
+
+
+def top_log_probs_reference(x: torch.Tensor, k: int, indices: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: ``topk_reference``'s k best of x (or ``indices``), and ``log_softmax(x.float())`` there."""
+    if indices is None:
+        indices = topk_reference(x, k)[1]
+    return torch.log_softmax(x.float(), -1).gather(-1, indices), indices
 
 
 def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,3 +236,33 @@ def _topk_fake(x, k):
     _check(x, k)
     shape = (*x.shape[:-1], k)
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.int64)
+
+
+@torch.library.custom_op("specgraph::top_log_probs", mutates_args=())
+def top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-2 draft step's ranking: the k best entries of each row of logits (``topk``'s order and ties)
+    and ``log_softmax(x.float())`` at them, float32 (the log-softmax is monotone: the same k). On CUDA rows of up
+    to ONE_PASS entries take one launch. Other devices: the reference."""
+    _check(x, k)
+    return top_log_probs_reference(x, k)
+
+
+@top_log_probs.register_kernel("cpu")
+def _top_log_probs_cpu(x, k):
+    _check(x, k)
+    return top_log_probs_reference(x, k, topk_packed(x, k)[1])
+
+
+@top_log_probs.register_kernel("cuda")
+def _top_log_probs_cuda(x, k):
+    _check(x, k)
+    if x.shape[-1] <= ONE_PASS:
+        return top_log_probs_triton(x, k)
+    return top_log_probs_reference(x, k, topk_triton(x, k)[1])
+
+
+@top_log_probs.register_fake
+def _top_log_probs_fake(x, k):
+    _check(x, k)
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int64)

@@ -136,7 +136,8 @@ def test_kernel_every_k_matches_oracle(k, vocab):
 def test_kernel_compiles_for_hopper():
     """The kernel as the GPU builds it (Triton's own ptxas for sm_90, in a child process without the
     interpreter): one pass over 8,192 entries, the pass over chunks' candidates (k = 8 and 31), and chunks of
-    1,024 merged in the launch by the row's last program (one gpu-scope acq_rel atomic)."""
+    1,024 merged in the launch by the row's last program (one gpu-scope acq_rel atomic), and the one pass with
+    the row's log-softmax (top_log_probs)."""
     import subprocess
     import sys
     import textwrap
@@ -149,9 +150,10 @@ def test_kernel_compiles_for_hopper():
         from specgraph.kernels.topk import _topk_kernel
         types = dict(X="*fp32", IdxIn="*i64", Values="*fp32", Indices="*i64", PartV="*fp32", PartI="*i64",
                      Arrived="*i32")
-        for k, block, has_idx, merge in ((8, 8192, False, False), (31, 256, True, False), (8, 1024, False, True)):
+        for k, block, has_idx, merge, log_softmax in ((8, 8192, False, False, False), (31, 256, True, False, False),
+                                                      (8, 1024, False, True, False), (8, 8192, False, False, True)):
             constexprs = dict(K=k, K_POW2=triton.next_power_of_2(k), BLOCK=block, HAS_IDX=has_idx, MERGE=merge,
-                              MERGE_BLOCK=64)
+                              MERGE_BLOCK=64, LOG_SOFTMAX=log_softmax)
             signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in _topk_kernel.arg_names}
             ptx = triton.compile(ASTSource(fn=_topk_kernel, signature=signature, constexprs=constexprs),
                                  target=GPUTarget("cuda", 90, 32)).asm["ptx"]
@@ -177,3 +179,42 @@ def test_kernel_merged_in_one_launch_matches_oracle(k, vocab, chunk):
             values, indices = topk_triton(x, k, chunk=chunk)
             assert_matches_oracle(x, values, indices, k)
         assert not any(b.any() for b in arrivals.buffers("topk"))
+
+
+def assert_log_probs(x, values, indices, k):
+    """top_log_probs: the oracle's k best indices, and values within float32 rounding of torch's log-softmax
+    there (NaN where it is NaN: a row holding NaN or +inf)."""
+    want = oracle(x.cpu(), k)
+    assert indices.reshape(-1, k).cpu().tolist() == want
+    expected = torch.log_softmax(x.cpu().float().reshape(-1, x.shape[-1]), -1).gather(1, torch.tensor(want))
+    got = values.reshape(-1, k).cpu()
+    assert got.dtype == torch.float32 and torch.equal(got.isnan(), expected.isnan())
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=2e-6, equal_nan=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("vocab", [5, 300, 8192, 8193])  # 8193: past one pass, the top-k kernel then a log-softmax
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("special", [False, True])
+def test_top_log_probs_matches_log_softmax_at_the_oracles_best(vocab, dtype, special):
+    k = min(8, vocab)
+    x = (tied_rows(vocab + 1, 3, vocab, torch.float32, special) * 3).to(dtype).to(DEVICE)
+    if vocab <= topk_module.ONE_PASS:
+        assert_log_probs(x, *topk_module.top_log_probs_triton(x, k), k)
+    assert_log_probs(x, *topk_module._top_log_probs_cuda(x, k) if DEVICE == "cuda" else
+                     torch.ops.specgraph.top_log_probs(x, k), k)
+
+
+def test_top_log_probs_op_cpu_fake_and_compile():
+    x = torch.randn(2, 3, 500) * 5
+    values, indices = torch.ops.specgraph.top_log_probs(x, 4)
+    assert values.shape == indices.shape == (2, 3, 4)
+    assert_log_probs(x, values, indices, 4)
+    torch.library.opcheck(torch.ops.specgraph.top_log_probs.default, (x, 4))
+    with torch.device("meta"):
+        fake = torch.ops.specgraph.top_log_probs(torch.empty(8, 8192, dtype=torch.bfloat16), 8)
+    assert fake[0].dtype == torch.float32 and fake[1].dtype == torch.int64 and fake[0].shape == (8, 8)
+    got = torch.compile(lambda t: torch.ops.specgraph.top_log_probs(t * 2, 6), fullgraph=True)(x)
+    assert_log_probs(x * 2, *got, 6)
+    with pytest.raises(ValueError, match=r"k=9 must be in 1 \.\. min\(64, V=8\)"):
+        torch.ops.specgraph.top_log_probs(torch.randn(2, 8), 9)
