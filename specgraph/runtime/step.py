@@ -23,7 +23,7 @@ from ..kernels.penalty import mark_seen, penalize, reset_seen, seen_buffer
 from ..kernels.verify import (TOP_K_CAP, greedy_tokens, sampling_probs, verify_forced, verify_greedy, verify_sample,
                               verify_typical, warped_logits)
 from ..kernels.verify_block import verify_block
-from ..trees import Chain, Tree
+from ..trees import Chain, StaticTree, Tree
 
 
 class StepOut(NamedTuple):
@@ -210,7 +210,9 @@ class DecodeStep:
         cache_len.copy_(out.cache_len)
         if out.next_tree is None:
             return out._replace(cache_len=cache_len)
-        for name in TREE_TENSORS:
+        # a fixed topology (a chain, a static tree: Tree.from_spec) is the first tree's, already in the buffers:
+        # only the tokens change, and the topology's kernels drop out of the compiled step
+        for name in ("tokens",) if isinstance(self.spec, (Chain, StaticTree)) else TREE_TENSORS:
             buffer, value = getattr(tree, name), getattr(out.next_tree, name)
             if buffer is not None and value is not buffer:
                 buffer.copy_(value)
