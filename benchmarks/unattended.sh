@@ -175,7 +175,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers \
               tests/test_generate_gpu.py::test_the_users_own_generate_beside_the_default_background_compile \
               tests/test_generate_gpu.py::test_whole_step_is_token_exact ;;
-    gsuite) run gsuite bash -c "bash .ci/gpu_tests.sh $out 900 parallel kernels graphed folds sampling; python3 -m pytest \
+    gsuite) run gsuite bash -c "bash .ci/gpu_tests.sh $out 1200 parallel kernels graphed folds sampling; python3 -m pytest \
               -q -p no:cacheprovider tests/test_first_token.py" ;;
     slowtests) run slowtests bash -c "if [ -f '${QWEN_GGUF:-}' ]; then joined=\$(python3 -c 'from specgraph.models \
                  import QWEN_CODER_FILE, cache_root; print(cache_root() / QWEN_CODER_FILE)') && mkdir -p \
