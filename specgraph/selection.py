@@ -185,7 +185,7 @@ def _position(seq: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Where each of ``values [B, M']`` sits in ``seq [B, M]`` (distinct entries), -1 where it is absent: every
     pair compared, [B, M', M], M a tree's N-1 at most 63."""
     hit = seq.unsqueeze(1) == values.unsqueeze(2)
-    return torch.where(hit.any(-1), hit.to(torch.int8).argmax(-1), -1)
+    return torch.where(hit, torch.arange(seq.shape[1], device=seq.device), -1).amax(-1)
 
 
 def budget_confidence(clean: torch.Tensor) -> torch.Tensor:

@@ -32,12 +32,6 @@ import torch
 from .bitmask import first_child_next_sibling, mask_to_matrix
 
 
-def scatter_ids(dest: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``dest.scatter(dim, index, src)`` for ids below 2**31 (tokens, nodes, ranks), done in int32: inductor
-    leaves a scatter of int64 values to aten's kernel on a GPU (a launch of its own) and fuses an int32 one."""
-    return dest.to(torch.int32).scatter(dim, index, src.to(torch.int32)).to(dest.dtype)
-
-
 class Acceptance(NamedTuple):
     path: torch.Tensor  # [B, D+1]
     accept_len: torch.Tensor  # [B]
@@ -80,9 +74,9 @@ def _accept_deepest(tokens, parents, mask, match, max_depth) -> tuple[torch.Tens
     key = torch.where(path_ok, depth * n + (n - 1 - idx), -1)
     best = key.argmax(-1)  # [B]
     on_path = anc.gather(1, best.view(b, 1, 1).expand(b, 1, n)).squeeze(1)  # [B, N]
-    column = torch.where(on_path, depth, max_depth + 1)  # off-path nodes land in a spare column
-    path = torch.full((b, max_depth + 2), -1, dtype=torch.int64, device=tokens.device)
-    path = scatter_ids(path, 1, column, idx.expand(b, n))[:, : max_depth + 1]
+    # path[d]: the path's node at depth d (one at most), -1 past it; a reduction, not a scatter (a launch of its own)
+    at_depth = on_path.unsqueeze(1) & (depth.unsqueeze(1) == _arange(max_depth + 1, tokens).view(1, -1, 1))
+    path = torch.where(at_depth, idx, -1).amax(-1)  # [B, D+1]
     accept_len = depth.gather(1, best.unsqueeze(1)).squeeze(1) + 1
     return best, Acceptance(path, accept_len, None, None)
 
@@ -111,7 +105,8 @@ def _with_bonus(tokens: torch.Tensor, acc: Acceptance, bonus: torch.Tensor) -> A
     after_root = torch.cat([acc.path[:, 1:], torch.full_like(acc.path[:, :1], -1)], 1)  # [B, D+1]
     real = after_root >= 0  # gathered at where(real, ., 0), not a clamp: TensorRT's Clip is float-only
     emitted = torch.where(real, tokens.gather(1, torch.where(real, after_root, 0)), -1)
-    emitted = scatter_ids(emitted, 1, (acc.accept_len - 1).unsqueeze(1), bonus.unsqueeze(1))
+    last = _arange(emitted.shape[1], emitted) == (acc.accept_len - 1).unsqueeze(1)  # the bonus's slot
+    emitted = torch.where(last, bonus.unsqueeze(1), emitted)
     return Acceptance(acc.path, acc.accept_len, bonus, emitted)
 
 
@@ -293,7 +288,7 @@ def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, gener
     b, n = tokens.shape
     first_child, next_sibling = first_child_next_sibling(parents)
     rows = _arange(b, tokens)
-    # int32 through the walk, as scatter_ids (inductor fuses an int32 scatter), widened once after it
+    # int32 through the walk (inductor fuses a scatter of int32 values, an int64 one is aten's launch), widened once
     path = torch.full((b, max_depth + 2), -1, dtype=torch.int32, device=tokens.device)
     path[:, 0] = 0
     accept_len = torch.ones(b, dtype=torch.int64, device=tokens.device)
