@@ -121,6 +121,9 @@ class DecodeStep:
         self.target = capture.step(batch, spec.num_nodes, taps=session.taps)
         self.target_fn = self.target.run if compiled_target else self.target.graph
         self.kv = capture.kv(batch)
+        # the session's state tensors by name, read outside any compiled frame (carried's loop then traces getattr
+        # only); a tensor attribute a session adds later is carried by StaticStep instead, after the frame
+        self.state_names = [(owner, name) for owner, name, _ in session_state(session)]
 
     def set_sampling(self, sampling) -> None:
         """Use ``sampling``'s temperature, top_k, top_p and min_p from the next step on (in place)."""
@@ -200,7 +203,7 @@ class DecodeStep:
         tensor the step reassigned back into the one it replaced; returns those buffers. Compiled as one frame,
         the writes fuse into the kernels that produce them: made after the frame, each was a launch of its own
         (a CUDA graph's memcpy node: 8 a plain step, 12 the default's)."""
-        before = session_state(self.session)
+        before = [(owner, name, getattr(owner, name)) for owner, name in self.state_names]
         out = self(tree, cache_len, active)
         for owner, name, buffer in before:
             value = getattr(owner, name)
