@@ -182,14 +182,15 @@ def test_kernel_merged_in_one_launch_matches_oracle(k, vocab, chunk):
 
 
 def assert_log_probs(x, values, indices, k):
-    """top_log_probs: the oracle's k best indices, and values within float32 rounding of torch's log-softmax
-    there (NaN where it is NaN: a row holding NaN or +inf)."""
+    """top_log_probs: the oracle's k best indices, and values within 1e-5 of torch's log-softmax there (a GPU's
+    exp and log are approximate instructions: a few 1e-6 over log(8192)), NaN where it is NaN (a row holding NaN
+    or +inf)."""
     want = oracle(x.cpu(), k)
     assert indices.reshape(-1, k).cpu().tolist() == want
     expected = torch.log_softmax(x.cpu().float().reshape(-1, x.shape[-1]), -1).gather(1, torch.tensor(want))
     got = values.reshape(-1, k).cpu()
     assert got.dtype == torch.float32 and torch.equal(got.isnan(), expected.isnan())
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=2e-6, equal_nan=True)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5, equal_nan=True)
 
 
 @needs_triton
