@@ -67,8 +67,9 @@
 # gtests   tree attention's tests natively, the GPU tests of programmatic dependent launch, of the continuous-
 #          batching stream, of the user's own generate beside the default background compile, and the whole step
 #          token-exact (steps of 16-64 rows)
-# gsuite   the GPU test suite but tree attention's (.ci/gpu_tests.sh: kernels, the graphed and compiled steps with
-#          SmolLM2, folds, sampling; in parallel groups, logs in $RESULTS/gsuite) and the first token's tests
+# gsuite   the GPU test suite but tree attention's (.ci/gpu_tests.sh: kernels, the graphed steps, the compiled
+#          steps through generate with SmolLM2, folds, sampling; in parallel groups, logs in $RESULTS/gsuite) and
+#          the first token's tests
 # slowtests the tests marked slow (CI's 2 cores skip them): Qwen2.5-Coder's n-gram, EAGLE and Medusa drafts
 #          when QWEN_GGUF names the joined file (linked into specgraph's cache), else skipped, said so
 # pdl      benchmarks/fused_linear.py --pdl: layer chains of products, PDL off / on / prefetch
@@ -175,7 +176,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
               tests/test_stream.py::test_on_cuda_the_graphed_stream_streams_the_same_answers \
               tests/test_generate_gpu.py::test_the_users_own_generate_beside_the_default_background_compile \
               tests/test_generate_gpu.py::test_whole_step_is_token_exact ;;
-    gsuite) run gsuite bash -c "bash .ci/gpu_tests.sh $out 1200 parallel kernels graphed folds sampling; python3 -m pytest \
+    gsuite) run gsuite bash -c "bash .ci/gpu_tests.sh $out 1200 parallel kernels graphed generate folds sampling; python3 -m pytest \
               -q -p no:cacheprovider tests/test_first_token.py" ;;
     slowtests) run slowtests bash -c "if [ -f '${QWEN_GGUF:-}' ]; then joined=\$(python3 -c 'from specgraph.models \
                  import QWEN_CODER_FILE, cache_root; print(cache_root() / QWEN_CODER_FILE)') && mkdir -p \
