@@ -13,6 +13,7 @@ import torch
 from .fast_paths import draft_fast_paths
 from .kernels.bitmask import ancestor_masks, mask_to_matrix
 from .kernels.topk import MAX_K as TOPK_KERNEL_MAX_K
+from .kernels.verify import positions
 from .trees import CONFIDENCE_BUDGETS, DynamicTree, Tree
 
 
@@ -168,24 +169,17 @@ def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     # The kept tree in rank space: rank r's parent is a better rank (or -1, the root). The maps between ranks,
     # ids and node numbers are inverted by comparing the N-1 kept pairwise (gathers and reductions that inductor
     # fuses), not by scatters (a launch each, and a cast after it)
-    parent_rank = _position(kept, parents.gather(1, kept))  # [B, N-1]; a root's child: -1 (no id is -1)
+    parent_rank = positions(kept, parents.gather(1, kept))  # [B, N-1]; a root's child: -1 (no id is -1)
     node = _depth_first_numbers(parent_rank)  # [B, N-1], values 1 .. N-1, each once
     root = torch.zeros(b, 1, dtype=torch.int64, device=device)
     parent_node = torch.where(parent_rank >= 0, node.gather(1, parent_rank.clamp(min=0)), 0)
-    numbered = _position(node, torch.arange(1, n, device=device).expand(b, n - 1))  # [B, N-1]: node 1 + i's rank
+    numbered = positions(node, torch.arange(1, n, device=device).expand(b, n - 1))  # [B, N-1]: node 1 + i's rank
     out_tokens = torch.cat([root_tokens.view(b, 1).to(torch.int64), tokens.gather(1, kept).gather(1, numbered)], 1)
     out_parents = torch.cat([root - 1, parent_node.gather(1, numbered)], 1)
     tree = Tree.from_parents(out_tokens, out_parents, max(spec.max_depth, min(extra, n - 1)), validate=False)
     tree.rank = torch.cat([root - 1, numbered], 1)
     tree.confidence = budget_confidence(clean)
     return tree
-
-
-def _position(seq: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Where each of ``values [B, M']`` sits in ``seq [B, M]`` (distinct entries), -1 where it is absent: every
-    pair compared, [B, M', M], M a tree's N-1 at most 63."""
-    hit = seq.unsqueeze(1) == values.unsqueeze(2)
-    return torch.where(hit, torch.arange(seq.shape[1], device=seq.device), -1).amax(-1)
 
 
 def budget_confidence(clean: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,14 @@ def _arange(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int64, device=like.device)
 
 
+def positions(seq: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Where each of ``values [B, M']`` sits in ``seq [B, M]`` (the matched entries distinct), -1 where it is
+    absent: every pair compared, a reduction inductor fuses, where inverting a map by a scatter is a launch of
+    its own on a GPU. For trees' small M and M' (at most 64)."""
+    hit = seq.unsqueeze(1) == values.unsqueeze(2)  # [B, M', M]
+    return torch.where(hit, _arange(seq.shape[1], seq), -1).amax(-1)
+
+
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows of ``x [B, N, V]`` at ``index [B]`` -> ``[B, V]``."""
     return x.gather(1, index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
@@ -74,9 +82,8 @@ def _accept_deepest(tokens, parents, mask, match, max_depth) -> tuple[torch.Tens
     key = torch.where(path_ok, depth * n + (n - 1 - idx), -1)
     best = key.argmax(-1)  # [B]
     on_path = anc.gather(1, best.view(b, 1, 1).expand(b, 1, n)).squeeze(1)  # [B, N]
-    # path[d]: the path's node at depth d (one at most), -1 past it; a reduction, not a scatter (a launch of its own)
-    at_depth = on_path.unsqueeze(1) & (depth.unsqueeze(1) == _arange(max_depth + 1, tokens).view(1, -1, 1))
-    path = torch.where(at_depth, idx, -1).amax(-1)  # [B, D+1]
+    # path[d]: the path's node at depth d, -1 past it (off-path nodes sit at depth -1, which no d matches)
+    path = positions(torch.where(on_path, depth, -1), _arange(max_depth + 1, tokens).expand(b, -1))  # [B, D+1]
     accept_len = depth.gather(1, best.unsqueeze(1)).squeeze(1) + 1
     return best, Acceptance(path, accept_len, None, None)
 
@@ -288,9 +295,9 @@ def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, gener
     b, n = tokens.shape
     first_child, next_sibling = first_child_next_sibling(parents)
     rows = _arange(b, tokens)
-    # int32 through the walk (inductor fuses a scatter of int32 values, an int64 one is aten's launch), widened once
-    path = torch.full((b, max_depth + 2), -1, dtype=torch.int32, device=tokens.device)
+    path = torch.full((b, max_depth + 1), -1, dtype=torch.int64, device=tokens.device)
     path[:, 0] = 0
+    slots = _arange(max_depth + 1, tokens)
     accept_len = torch.ones(b, dtype=torch.int64, device=tokens.device)
     candidate = first_child[:, 0]  # next child to try at the current node, -1: walk over
     residual = target_probs[:, 0]  # [B, V]
@@ -309,12 +316,11 @@ def _rejection_walk(tokens, parents, target_probs, draft_probs, max_depth, gener
         rejected = torch.where(total > 0, leftover / total.clamp(min=1e-30), residual)
         residual = torch.where(accept.unsqueeze(1), _take(target_probs, child),
                                torch.where(reject.unsqueeze(1), rejected, residual))
-        path = path.scatter(1, torch.where(accept, accept_len, max_depth + 1).unsqueeze(1),
-                            child.to(torch.int32).unsqueeze(1))
+        path = torch.where(accept.unsqueeze(1) & (slots == accept_len.unsqueeze(1)), child.unsqueeze(1), path)
         accept_len = accept_len + accept.to(torch.int64)
         candidate = torch.where(accept, first_child[rows, child],
                                 torch.where(reject, next_sibling[rows, child], candidate))
-    acc = Acceptance(path[:, : max_depth + 1].to(torch.int64), accept_len, None, None)
+    acc = Acceptance(path, accept_len, None, None)
     return _with_bonus(tokens, acc, sample_categorical(residual, generator))
 
 
