@@ -69,3 +69,7 @@ def test_the_default_step_leaves_nothing_to_a_library_launch(recorded_graphs, mo
     targets = [n.target for gm in steps for n in gm.graph.nodes]
     assert torch.ops.specgraph.top_log_probs.default in targets
     assert torch.ops.aten._log_softmax.default not in targets
+    # the draft's calls write their K/V and attend in one op each: no scatter into the draft's cache, no RoPE launch
+    assert torch.ops.specgraph.tree_attention.default not in targets
+    scatters = [n for gm in steps for n in gm.graph.nodes if n.target in SCATTERS]
+    assert [n.args[0].meta["val"].shape for n in scatters if n.args[0].meta["val"].dim() == 4] == []

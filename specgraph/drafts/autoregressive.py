@@ -37,7 +37,9 @@ class AutoregressiveDraft(nn.Module, Draft):
 
     Subclasses provide ``forward(tokens, features, from_target, positions, kv,
     cache_len, slots, tree_mask) -> hidden [B, R, H]``, ``draft_logits(hidden)``,
-    ``to_target(draft_ids)``, ``kv_shape`` and ``taps``.
+    ``to_target(draft_ids)``, ``kv_shape`` and ``taps``. ``slots`` is a [B, R]
+    tensor of window slots or an int ``f`` for slots ``f .. f + R - 1``
+    (``layer.slot_tensor``): the sessions pass an int wherever the rows are consecutive.
     """
 
     reads_hidden = True
@@ -85,12 +87,15 @@ class ARSession(DraftSession):
                                       self.parent_index)
             self.window_mask = (topology.mask >> 1) & _LOW63  # node i >= 1 sits at window slot i - 1
             self.levels = []  # per depth d: (expanding nodes, their parents, children, child's parent slot, rank)
+            self.level_slots = []  # per depth d: the expanding nodes' window slots, an int where consecutive
             t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
             for d in range(max(self.depth)):
                 expanding = sorted({parents[i] for i in range(1, len(parents)) if self.depth[i] == d + 1})
                 children = [i for i in range(1, len(parents)) if self.depth[i] == d + 1]
                 self.levels.append((t(expanding), t([parents[i] for i in expanding]), t(children),
                                     t([expanding.index(parents[i]) for i in children]), t([ranks[i] for i in children])))
+                consecutive = expanding == list(range(expanding[0], expanding[0] + len(expanding)))
+                self.level_slots.append(expanding[0] - 1 if consecutive else t(expanding) - 1)
 
     def _run(self, tokens, features, from_target, cache_len, slots, mask, depth):
         """One call; positions follow depth in the window: cache_len + depth."""
@@ -102,7 +107,7 @@ class ARSession(DraftSession):
         r = tokens.shape[1]
         idx = torch.arange(r, device=self.device).expand(self.batch, r)
         mask = chain_mask(r, self.device).expand(self.batch, r)
-        return self._run(tokens, features, True, start, idx, mask, idx)
+        return self._run(tokens, features, True, start, 0, mask, idx)  # window slots 0 .. r-1
 
     def compile_host_work(self, compile_fn) -> None:
         """Compile the draft passes prefill runs (``compile_fn(method) -> callable``): every prompt
@@ -183,8 +188,10 @@ class ARSession(DraftSession):
         hidden[:, 0] = self.last
         for d, (rows, parent_rows, children, slot, rank) in enumerate(self.levels):
             if d > 0:  # run this level's nodes (their tokens are known now) to get their outputs
+                slots = self.level_slots[d]
                 hidden[:, rows] = self._run(tokens[:, rows], hidden[:, parent_rows], False, self.length,
-                                            (rows - 1).expand(b, -1), self.window_mask[:, rows],
+                                            slots if isinstance(slots, int) else slots.expand(b, -1),
+                                            self.window_mask[:, rows],
                                             torch.full_like(rows, d - 1).expand(b, -1))
             # a fixed tree needs only the ranking: top k of the logits, no log-softmax over the vocabulary
             logits = self.draft.draft_logits(hidden[:, rows]).float()
@@ -216,7 +223,7 @@ class ARSession(DraftSession):
                 lane_mask = lane_mask.gather(1, parent_lane)
             lane_mask = lane_mask | own
             lane_tokens = frontier.tokens.gather(1, frontier.lane_rows)
-            out = self._run(lane_tokens, lane_hidden, False, self.length, ((step - 1) * k + lanes).expand(b, k),
+            out = self._run(lane_tokens, lane_hidden, False, self.length, (step - 1) * k,  # lanes' window slots
                             lane_mask, torch.full((b, k), step - 1, device=self.device))
             logprobs, top = self._top(out, k, step + 1)  # [B, K, K]
             frontier = expand_frontier(frontier, logprobs, top, step)

@@ -143,7 +143,7 @@ class Eagle(FeatureDraft):
         """tokens [B, R], features [B, R, H] -> h [B, R, H] (EAGLE-1 fuses every step's input with fc)."""
         x = self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)], -1))
         cos, sin = self.rope(x, positions)
-        return self.layer(x, x, cos, sin, (kv[0], kv[1]), cache_len, slots, tree_mask)
+        return self.layer(x, x, cos, sin, kv, cache_len, slots, tree_mask)
 
     def draft_logits(self, hidden):
         return self._head.module(hidden)

@@ -148,7 +148,7 @@ class Eagle3(FeatureDraft):
         normed = self.midlayer.hidden_norm(g)
         attn_in = torch.cat([self.midlayer.input_layernorm(self.embed_tokens(tokens)), normed], -1)
         cos, sin = self.rope(g, positions)
-        h = self.midlayer(attn_in, normed if self.norm_before_residual else g, cos, sin, (kv[0], kv[1]),
+        h = self.midlayer(attn_in, normed if self.norm_before_residual else g, cos, sin, kv,
                           cache_len, slots, tree_mask)
         return self.norm(h) if self.norm_output else h
 

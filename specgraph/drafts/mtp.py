@@ -40,6 +40,7 @@ from ..passes import HiddenTaps
 from .autoregressive import AutoregressiveDraft
 from .checkpoint import build_config, check_keys, read_config, unreadable, write_checkpoint
 from .eagle import _Borrowed
+from .layer import slot_tensor
 
 REMOTE_BASES = {"mimo": "qwen2"}  # remote-code targets whose decoder layer is a transformers one (vLLM mimo_mtp)
 
@@ -143,7 +144,7 @@ class MTP(AutoregressiveDraft):
         parts = [self.enorm(embed), self.hnorm(features.to(dtype))]
         x = self.eh_proj(torch.cat(parts[::-1] if self.variant.hidden_first else parts, -1))
         mask = torch.ops.specgraph.tree_attention_mask(cache_len, tree_mask, kv[0].shape[2], 0)  # [B, 1, R, S]
-        cache = _SlotCache(kv, cache_len.view(-1, 1) + slots)
+        cache = _SlotCache(kv, cache_len.view(-1, 1) + slot_tensor(slots, *tokens.shape, tokens.device))
         h = self.block(hidden_states=x, position_embeddings=self._rope.module(x, positions), attention_mask=mask,
                        position_ids=positions, use_cache=True, **{self._cache_kwarg: cache})
         h = h[0] if isinstance(h, tuple) else h

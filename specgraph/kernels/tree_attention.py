@@ -26,9 +26,10 @@ tile's last program to finish merges the partials (arrival counters), so a
 call is one launch.
 
 ``specgraph::tree_attention_write`` (tree_attention_write.py) is the same
-launch writing the step's K/V into the cache first: window slot j is row j of
-this step, read from the new K/V, and one program per (row, KV head) stores
-them (``new_kv``); with ``rope`` the kernel also rotates q and the new keys.
+launch writing the step's K/V into the cache first: window slot first + j is
+row j of this step, read from the new K/V, and one program per (row, KV head)
+stores them (``new_kv``; slots before ``first`` are read from the cache); with
+``rope`` the kernel also rotates q and the new keys.
 """
 from __future__ import annotations
 
@@ -104,10 +105,10 @@ def _tree_attention_kernel(
     stride_nkb, stride_nkh, stride_nkn, stride_nkd,
     stride_nvb, stride_nvh, stride_nvn, stride_nvd,
     stride_cb, stride_cr, stride_cd,
-    H_KV, R, N_NEW, S_MAX, qk_scale, window,
+    H_KV, R, N_NEW, FIRST_NEW, S_MAX, qk_scale, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr,
-    WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, MERGE_HERE: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    WRITE_NEW: tl.constexpr, OLD_WINDOW: tl.constexpr, ROPE: tl.constexpr, MERGE_HERE: tl.constexpr, SPLITS_POW2: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
     if PDL:  # launched before the kernel ahead ends (kernels/pdl.py): q, the cache and the mask are its outputs
@@ -162,22 +163,33 @@ def _tree_attention_kernel(
         offs = tl.arange(0, WINDOW_SLOTS)
         slots = cache_len + offs
         used = (((tl.reduce(tree_mask, 0, bit_or) >> offs) & 1) != 0) & (slots < S_MAX)
-        if WRITE_NEW:  # window slot j holds new row j: read it from NewK/NewV, and one program writes it
-            fresh = (offs < N_NEW) & (slots < S_MAX)
-            used = used & fresh
+        if WRITE_NEW:  # window slot FIRST_NEW + j holds new row j: read it from NewK/NewV, one program writes it
+            new_row = offs - FIRST_NEW
+            fresh = (new_row >= 0) & (new_row < N_NEW) & (slots < S_MAX)
             nk_base = NewK + b.to(tl.int64) * stride_nkb + kvh.to(tl.int64) * stride_nkh
             nv_base = NewV + b.to(tl.int64) * stride_nvb + kvh.to(tl.int64) * stride_nvh
-            k = tl.load(nk_base + offs[None, :] * stride_nkn + dims[:, None] * stride_nkd, mask=fresh[None, :], other=0.0)
-            v = tl.load(nv_base + offs[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None], other=0.0)
+            k = tl.load(nk_base + new_row[None, :] * stride_nkn + dims[:, None] * stride_nkd, mask=fresh[None, :],
+                        other=0.0)
+            v = tl.load(nv_base + new_row[:, None] * stride_nvn + dims[None, :] * stride_nvd, mask=fresh[:, None],
+                        other=0.0)
             if ROPE:  # row j's key, rotated by row j's cos/sin, is what the cache stores: [D, 64] tiles
-                cos_col = b.to(tl.int64) * stride_cb + offs[None, :] * stride_cr + dims[:, None] * stride_cd
+                cos_col = b.to(tl.int64) * stride_cb + new_row[None, :] * stride_cr + dims[:, None] * stride_cd
                 turned = _half_turn(dims, HEAD_DIM)[:, None] * stride_nkd
-                k_turned = tl.load(nk_base + offs[None, :] * stride_nkn + turned, mask=fresh[None, :], other=0.0)
+                k_turned = tl.load(nk_base + new_row[None, :] * stride_nkn + turned, mask=fresh[None, :], other=0.0)
                 k = _rotate(k, k_turned, tl.load(Cos + cos_col, mask=fresh[None, :], other=0.0),
                             tl.load(Sin + cos_col, mask=fresh[None, :], other=0.0), _half_sign(dims, HEAD_DIM)[:, None])
-            if pid_m == 0:  # prefix programs read only slots < cache_len: no race with these writes
+            if pid_m == 0:  # the other programs read only slots < cache_len + FIRST_NEW: no race with these writes
                 tl.store(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, k, mask=fresh[None, :])
                 tl.store(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd, v, mask=fresh[:, None])
+            if OLD_WINDOW:  # window slots before FIRST_NEW: written by earlier launches, read from the cache
+                old = used & (new_row < 0)
+                k = tl.where(fresh[None, :], k, tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd,
+                                                        mask=old[None, :], other=0.0))
+                v = tl.where(fresh[:, None], v, tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd,
+                                                        mask=old[:, None], other=0.0))
+                used = used & (fresh | old)
+            else:
+                used = used & fresh
         else:
             k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd, mask=used[None, :], other=0.0)
             v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd, mask=used[:, None], other=0.0)
@@ -289,12 +301,12 @@ def launch_config(q: torch.Tensor, h_kv: int, s_max: int, num_splits: int | None
 
 def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: float, window: int,
                           num_splits: int | None = None, new_kv: tuple | None = None, rope: tuple | None = None,
-                          merge_here: bool | None = None, **override) -> torch.Tensor:
+                          merge_here: bool | None = None, first_new: int = 0, **override) -> torch.Tensor:
     """Launch the Triton kernel (CUDA, or the interpreter with TRITON_INTERPRET=1).
 
     ``new_kv = (key, value)``, each ``[B, H_kv, N, D]``: the step's rows, written into the caches at
-    slots ``cache_len + i`` by the same launch; the window reads them from here, not from the cache
-    (``tree_attention_write``). ``rope = (cos, sin)``, each ``[B, R, D]`` (with ``new_kv`` only): q and the
+    slots ``cache_len + first_new + i`` by the same launch; the window reads them from here, not from the
+    cache, and window slots before ``first_new`` from the cache (``tree_attention_write``). ``rope = (cos, sin)``, each ``[B, R, D]`` (with ``new_kv`` only): q and the
     new keys arrive unrotated and are rotated in the kernel, ``x * cos + rotate_half(x) * sin``.
     Split over the prefix, the last program of each tile to finish merges the splits (``merge_here``;
     False: a second launch, ``_merge_splits_kernel``, does; None: ``launch_config``'s choice).
@@ -324,10 +336,11 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
         *q.stride(), *out.stride()[:3], *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *new_k.stride(),
         *new_v.stride(),
         *cos.stride()[-3:],
-        h_kv, r, new_k.shape[2], s_max, scale * LOG2E, window,
+        h_kv, r, new_k.shape[2], first_new, s_max, scale * LOG2E, window,
         G=h // h_kv, HEAD_DIM=d, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], NUM_SPLITS=splits,
         PREFIX_SPLITS=max(splits - 1, 1), HAS_WINDOW=window > 0, WINDOW_SLOTS=WINDOW_SLOTS,
-        WRITE_NEW=new_kv is not None, ROPE=rope is not None, MERGE_HERE=arrived is not None,
+        WRITE_NEW=new_kv is not None, OLD_WINDOW=new_kv is not None and first_new > 0, ROPE=rope is not None,
+        MERGE_HERE=arrived is not None,
         SPLITS_POW2=triton.next_power_of_2(splits),
         UPCAST=not q.is_cuda and q.dtype == torch.bfloat16,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_kwargs(pdl_launch(q.device)),

@@ -1,4 +1,4 @@
-"""tree_attention_write: the step's K/V written at slots cache_len + i and attended in one op.
+"""tree_attention_write: the step's K/V written at slots cache_len + first + i and attended in one op.
 
 Oracle: the cache written slot by slot in Python, then per-query float64 SDPA over exactly the keys
 each root path may see (attention_cases.oracle). The Triton kernel (interpreted on CPU, native on
@@ -175,6 +175,71 @@ def test_rope_errors_name_the_argument():
         op(case.q, kv, layer, key, value, case.cache_len, case.mask, 1.0, 0, cos, None)
     with pytest.raises(ValueError, match=r"sin must be \[B, R, D\]"):
         op(case.q, kv, layer, key, value, case.cache_len, case.mask, 1.0, 0, cos, sin[:, :3])
+
+
+def later_rows_case(seed: int, first: int, rows: int, dtype=torch.float64):
+    """A tree of first + rows nodes of which only the last ``rows`` are this call's: the earlier window slots
+    hold their keys in the cache (as a draft's earlier lanes), this call's slots NaN until written.
+    Returns (case of the whole tree, q, kv, layer, key, value, mask) with q and mask of the last rows."""
+    case = make_case(seed, lanes=False, r=first + rows)
+    b = case.q.shape[0]
+    layer = seed % 2
+    kv = torch.randn(4, *case.k.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    kv[2 * layer], kv[2 * layer + 1] = case.k.double(), case.v.double()
+    slots = (case.cache_len.view(b, 1) + first + torch.arange(rows)).view(b, 1, rows, 1)
+    slots = slots.expand(b, case.k.shape[1], rows, case.k.shape[3])
+    key, value = case.k.double().gather(2, slots), case.v.double().gather(2, slots)
+    kv[2 * layer:2 * layer + 2].scatter_(3, slots.unsqueeze(0).expand(2, *slots.shape), float("nan"))
+    q, mask = case.q[:, :, first:], case.mask[:, first:].contiguous()
+    return case, q.to(dtype), kv.to(dtype), layer, key.to(dtype), value.to(dtype), mask
+
+
+@pytest.mark.parametrize("first", [1, 5, 24])
+@pytest.mark.parametrize("seed", range(3))
+def test_reference_reads_earlier_window_slots_from_the_cache(seed, first):
+    """first > 0: rows at window slots first .. first + R - 1 attend to earlier window slots as the cache holds
+    them: the whole tree's oracle at those rows."""
+    case, q, kv, layer, key, value, mask = later_rows_case(500 + seed, first, rows=1 + seed * 3)
+    got = tree_attention_write_reference(q, kv, layer, key, value, case.cache_len, mask, case.scale, case.window,
+                                         first=first)
+    assert not got.isnan().any() and not kv[2 * layer].isnan().any() or case.k.isnan().any()
+    torch.testing.assert_close(got, oracle(case)[:, :, first:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv[2 * layer], case.k.double(), equal_nan=True, atol=0, rtol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(3))
+def test_triton_reads_earlier_window_slots_from_the_cache(seed, dtype):
+    """The kernel with first > 0, with and without RoPE, split or not: as the reference; the cache as the
+    reference writes it (bit for bit without RoPE) and nothing else written."""
+    first = (8, 3, 40)[seed]
+    case, q, kv, layer, key, value, mask = later_rows_case(600 + seed, first, rows=(8, 4, 9)[seed], dtype=dtype)
+    cos, sin = rope_tables(Case(q, case.k, case.v, case.cache_len, mask, case.scale, case.window), dtype)
+    q, kv, key, value, mask, cos, sin = (t.to(DEVICE) for t in (q, kv, key, value, mask, cos, sin))
+    cache_len = case.cache_len.to(DEVICE)
+    for rope in (None, (cos, sin)):
+        want_kv = kv.clone()
+        want = tree_attention_write_reference(q, want_kv, layer, key, value, cache_len, mask, case.scale, case.window,
+                                              *(rope or (None, None)), first=first)
+        for num_splits in (None, 3):
+            got_kv = kv.clone()
+            got = tree_attention_triton(q, got_kv[2 * layer], got_kv[2 * layer + 1], cache_len, mask, case.scale,
+                                        case.window, num_splits=num_splits, new_kv=(key, value), rope=rope,
+                                        first_new=first)
+            assert not got.isnan().any()
+            torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+            tol = 0 if rope is None else {torch.float32: 1e-6, torch.bfloat16: 1.6e-2}[dtype]
+            torch.testing.assert_close(got_kv.float(), want_kv.float(), equal_nan=True, atol=tol, rtol=tol)
+            assert torch.equal(got_kv.isnan(), want_kv.isnan())
+
+
+def test_first_must_keep_the_rows_in_the_window():
+    case, q, kv, layer, key, value, mask = later_rows_case(7, 60, rows=4, dtype=torch.float32)
+    op = torch.ops.specgraph.tree_attention_write
+    assert not op(q, kv, layer, key, value, case.cache_len, mask, 1.0, 0, None, None, 60).isnan().any()
+    with pytest.raises(ValueError, match="first=61"):
+        op(q, kv, layer, key, value, case.cache_len, mask, 1.0, 0, None, None, 61)
 
 
 class _Step(torch.nn.Module):
