@@ -212,11 +212,17 @@ class DecodeStep:
                 setattr(owner, name, buffer)
         cache_len.copy_(out.cache_len)
         if out.next_tree is None:
-            return out._replace(cache_len=cache_len)
+            return _replaced(out, cache_len=cache_len)
         # a fixed topology (a chain, a static tree: Tree.from_spec) is the first tree's, already in the buffers:
         # only the tokens change, and the topology's kernels drop out of the compiled step
         for name in ("tokens",) if isinstance(self.spec, (Chain, StaticTree)) else TREE_TENSORS:
             buffer, value = getattr(tree, name), getattr(out.next_tree, name)
             if buffer is not None and value is not buffer:
                 buffer.copy_(value)
-        return out._replace(cache_len=cache_len, next_tree=tree)
+        return _replaced(out, cache_len=cache_len, next_tree=tree)
+
+
+def _replaced(out: StepOut, **fields) -> StepOut:
+    """``out._replace(**fields)`` built field by field: dynamo of torch 2.11 cannot return the NamedTuple
+    ``_replace`` makes inside a compiled frame (an object whose class it cannot source)."""
+    return StepOut(*[fields.get(name, value) for name, value in zip(StepOut._fields, out)])
