@@ -49,7 +49,9 @@ def positions(seq: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     absent: every pair compared, a reduction inductor fuses, where inverting a map by a scatter is a launch of
     its own on a GPU. For trees' small M and M' (at most 64)."""
     hit = seq.unsqueeze(1) == values.unsqueeze(2)  # [B, M', M]
-    return torch.where(hit, _arange(seq.shape[1], seq), -1).amax(-1)
+    # a sum, not a max of where(hit, j, -1): inductor (torch 2.11) pads a fused max with int64's least value in
+    # rows past the tensor and checks a gather's index there unmasked (a device assert); a sum pads with 0 -> -1
+    return (hit * (_arange(seq.shape[1], seq) + 1)).sum(-1) - 1
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
