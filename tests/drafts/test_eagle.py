@@ -8,6 +8,7 @@ row at a time. Oracle for the output: the target's own greedy
 batch 1 and 4) and plain sampling (chi-square)."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import specgraph
 from specgraph import Chain, DynamicTree, StaticTree
@@ -301,6 +302,50 @@ def test_fused_projections_compute_the_same_draft_layer(kind):
     with torch.no_grad():
         torch.testing.assert_close(session._chain(tokens, features, start), want, rtol=1e-5, atol=1e-6)
     assert len(separate) == 10
+
+
+class _OpsSeen(TorchDispatchMode):
+    """The ops a block dispatches (custom ops first, then what their CPU bodies call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_consecutive_slots_write_and_attend_in_one_op(first):
+    """A draft call whose rows sit at consecutive window slots (an int ``slots``) runs one
+    tree_attention_write (RoPE in it): the output and the cache as the separate RoPE, scatters and
+    tree_attention of the same rows at the same slots given as a tensor; earlier window slots are read."""
+    model = tiny_model("llama")
+    draft = make_draft("eagle3", model)
+    assert not draft.bind(model)
+    g = torch.Generator().manual_seed(1)
+    b, r = 2, 4
+    tokens = torch.randint(0, model.config.vocab_size, (b, r), generator=g)
+    features = torch.randn(b, r, draft.fc.in_features, generator=g)
+    cache_len = torch.tensor([5, 9])
+    kv = draft.new_cache(b, 80, "cpu")
+    kv.normal_(generator=g)  # earlier window slots hold keys the rows may name
+    mask = (chain_mask(r, "cpu") << first).expand(b, r)
+    if first:
+        mask = mask | (1 << (first - 1))  # every row also names the window slot before the call's own
+    positions = cache_len.view(-1, 1) + torch.arange(r)
+    with torch.no_grad(), _OpsSeen() as separate:
+        want_kv = kv.clone()
+        want = draft(tokens, features, True, positions, want_kv, cache_len, first + torch.arange(r).expand(b, r), mask)
+    with torch.no_grad(), _OpsSeen() as joined:
+        got_kv = kv.clone()
+        got = draft(tokens, features, True, positions, got_kv, cache_len, first, mask)
+    write, attend = torch.ops.specgraph.tree_attention_write.default, torch.ops.specgraph.tree_attention.default
+    assert write in joined.ops and attend not in joined.ops and write not in separate.ops
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got_kv, kv)  # the rows were written
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
