@@ -217,6 +217,7 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = T
     if converted is not None and (converted / "model.safetensors").is_file():
         tokenizer = AutoTokenizer.from_pretrained(converted)
         model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
+        _special_tokens_as_the_config(tokenizer, model.config)  # a cache written before the fix
         return model.eval(), tokenizer
     with _parse_gguf_once():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -229,9 +230,20 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = T
             warnings.warn(f"transformers refused GgufConfig(dequantize=True) ({err}); loading with its defaults")
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     _check_plain_weights(model, path)
+    _special_tokens_as_the_config(tokenizer, model.config)
     if converted is not None and dtype in (None, torch.float32):
         _write_converted(model, tokenizer, converted)
     return model.eval(), tokenizer
+
+
+def _special_tokens_as_the_config(tokenizer, config) -> None:
+    """The tokenizer's eos and pad tokens set to the ids the config read from the file's metadata where they
+    differ: transformers 5.17 builds SmolLM2's GGUF tokenizer with eos <|im_start|> (the file says 2,
+    <|im_end|>) and no pad token (the file: 2), so a batch could not be padded and chats ended at once."""
+    for name in ("eos", "pad"):
+        want = getattr(config, f"{name}_token_id", None)
+        if isinstance(want, int) and 0 <= want < len(tokenizer) and getattr(tokenizer, f"{name}_token_id") != want:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(want))
 
 
 def _dequantized(path: Path) -> dict:

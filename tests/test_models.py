@@ -33,6 +33,29 @@ def test_default_model_is_smollm2(smollm2):
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
 
 
+def test_the_tokenizers_eos_and_pad_are_the_files(smollm2):
+    """The GGUF metadata's eos and pad ids (2, <|im_end|>), whatever transformers' tokenizer conversion made of
+    them (5.17: eos <|im_start|>, no pad): set where they differ, left where they agree."""
+    import copy
+
+    from specgraph.models import _special_tokens_as_the_config
+
+    model, tokenizer = smollm2
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == ("<|im_end|>", 2, 2)
+    broken = copy.deepcopy(tokenizer)
+    broken.eos_token, broken.pad_token = "<|im_start|>", None  # as transformers 5.17 builds it
+    assert broken.pad_token_id is None
+    _special_tokens_as_the_config(broken, model.config)
+    assert (broken.eos_token_id, broken.pad_token_id) == (2, 2)
+    assert broken(["a", "a b c"], padding=True)["input_ids"][0][-1] == 2  # a batch pads now
+    other = copy.deepcopy(tokenizer)
+    other.pad_token = "<|endoftext|>"
+    config = copy.deepcopy(model.config)
+    config.pad_token_id = None  # the file names none: the tokenizer's stays
+    _special_tokens_as_the_config(other, config)
+    assert other.pad_token == "<|endoftext|>"
+
+
 def test_the_converted_cache_is_the_gguf_model_bit_for_bit(smollm2, tmp_path):
     """load_gguf keeps the dequantized model as a plain checkpoint; loading that must give what
     transformers' own reading of the GGUF file gives (the oracle, without load_gguf's one-parse reader):
