@@ -265,6 +265,8 @@ def test_export_skips_stack_traces_unless_debugging(debug, settings):
 
     from specgraph.capture import export_tree_step
 
+    if not hasattr(fx_config, "do_not_emit_stack_traces"):
+        pytest.skip("this torch (2.11) has no torch.fx.config.do_not_emit_stack_traces: exports keep their traces")
     settings(debug=debug)
     before = fx_config.do_not_emit_stack_traces
     program, _ = export_tree_step(tiny_model("llama"), batch=1, nodes=2, max_length=32)
