@@ -108,7 +108,8 @@ def _tree_attention_kernel(
     H_KV, R, N_NEW, FIRST_NEW, S_MAX, qk_scale, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_SLOTS: tl.constexpr,
-    WRITE_NEW: tl.constexpr, OLD_WINDOW: tl.constexpr, ROPE: tl.constexpr, MERGE_HERE: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    WRITE_NEW: tl.constexpr, OLD_WINDOW: tl.constexpr, ROPE: tl.constexpr, MERGE_HERE: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
     if PDL:  # launched before the kernel ahead ends (kernels/pdl.py): q, the cache and the mask are its outputs
@@ -306,7 +307,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_mask, scale: floa
 
     ``new_kv = (key, value)``, each ``[B, H_kv, N, D]``: the step's rows, written into the caches at
     slots ``cache_len + first_new + i`` by the same launch; the window reads them from here, not from the
-    cache, and window slots before ``first_new`` from the cache (``tree_attention_write``). ``rope = (cos, sin)``, each ``[B, R, D]`` (with ``new_kv`` only): q and the
+    cache, and window slots before ``first_new`` from the cache (``tree_attention_write``). ``rope = (cos,
+    sin)``, each ``[B, R, D]`` (with ``new_kv`` only): q and the
     new keys arrive unrotated and are rotated in the kernel, ``x * cos + rotate_half(x) * sin``.
     Split over the prefix, the last program of each tile to finish merges the splits (``merge_here``;
     False: a second launch, ``_merge_splits_kernel``, does; None: ``launch_config``'s choice).
