@@ -66,11 +66,12 @@ class DraftAttention(nn.Module):
         v = v.view(b, r, self.num_kv_heads, self.head_dim).transpose(1, 2)
         scale = self.head_dim ** -0.5
         if isinstance(slots, int) and isinstance(kv, torch.Tensor) and not torch.is_grad_enabled():  # one launch
-            rope = (cos, sin) if b * r <= max_rows(self.head_dim) or r == 1 else (None, None)
-            if rope[0] is None:
+            rope = (cos, sin) if r == 1 or b * r <= max_rows(self.head_dim) else None  # where fold_rotary folds it
+            if rope is None:
                 q, k = apply_rotary_pos_emb(q, k, cos, sin)
             out = torch.ops.specgraph.tree_attention_write(q, kv, self.kv_layer, k.to(kv.dtype), v.to(kv.dtype),
-                                                           cache_len, tree_mask, scale, 0, *rope, slots)
+                                                           cache_len, tree_mask, scale, 0, *(rope or (None, None)),
+                                                           slots)
         else:
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k_cache, v_cache = kv[2 * self.kv_layer], kv[2 * self.kv_layer + 1]
