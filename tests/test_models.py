@@ -169,6 +169,30 @@ def test_one_gguf_parse_serves_every_read():
     assert first["config"] == again["config"] and first["tokenizer"] == again["tokenizer"] != {}
 
 
+def test_the_shared_reader_maps_the_file_as_a_plain_array_with_the_same_bytes():
+    """The shared reader parses over a plain ndarray view of the mapped file (np.memmap's slices ran Python per
+    slice: the parse of a large vocabulary's strings); every field and tensor it reads equals a stock reader's,
+    and gguf's module sees numpy itself again afterwards."""
+    import gguf
+    import gguf.gguf_reader
+    import numpy as np
+
+    from specgraph.models import _parse_gguf_once
+
+    stock = gguf.GGUFReader(default_gguf())
+    assert isinstance(stock.data, np.memmap)  # the control: what the stock reader slices
+    with _parse_gguf_once():
+        shared = gguf.GGUFReader(default_gguf())
+    assert gguf.gguf_reader.np is np and type(shared.data) is np.ndarray
+    assert list(shared.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        assert field.types == shared.fields[name].types and field.data == shared.fields[name].data, name
+        assert all(np.array_equal(a, b) for a, b in zip(field.parts, shared.fields[name].parts, strict=True)), name
+    assert [t.name for t in shared.tensors] == [t.name for t in stock.tensors]
+    for mine, theirs in zip(shared.tensors, stock.tensors):
+        assert mine.tensor_type == theirs.tensor_type and np.array_equal(mine.data, theirs.data), mine.name
+
+
 @torch.no_grad()
 def test_greedy_tree_verification_reproduces_hf_generate(smollm2):
     model, tokenizer = smollm2
