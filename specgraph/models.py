@@ -196,7 +196,8 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = T
     unless ``dtype`` says otherwise), in eval mode. transformers parses the
     file's metadata for the tokenizer, the config and the weights; here it
     parses once and the three reads share it (Gemma-3-270M: 174 -> 65 s on
-    2 CPU cores, most of it that parse). With
+    2 CPU cores, most of it that parse), over a plain view of the mapped file
+    (``_PlainMemmap``). With
     ``cache`` the dequantized result (fp32 safetensors, config, tokenizer) is
     written once under ``cache_root()/converted`` and loaded from there in
     under a second afterwards, bit-identical.
@@ -306,7 +307,7 @@ def _parse_gguf_once():
 class _PlainMemmap:
     """numpy as ``gguf.GGUFReader`` sees it, but ``memmap`` returns a plain ndarray view of the mapped file: the
     reader slices it millions of times for a large vocabulary's strings, and each slice of an ``np.memmap``
-    runs its Python ``__array_finalize__`` (Qwen2.5-Coder's 151k tokens and merges: ~20 s of a 2-core load).
+    runs its Python ``__array_finalize__`` (docs/benchmarks.md, time to first token: the load).
     The view keeps the map alive (its base); the bytes read are the same."""
 
     def __getattr__(self, name):
