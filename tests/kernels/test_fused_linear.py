@@ -59,8 +59,10 @@ def test_gated_reference_is_hf_llama_mlp(dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m, k, n", [(1, 96, 40), (3, 576, 96), (PAST_TILE, 300, 17), (8, 64, 256)])
+# float32 on one row and past a tile (the upcast is the one dtype branch); bf16, the GPU's dtype, on every shape
+@pytest.mark.parametrize("m, k, n, dtype", [(1, 96, 40, torch.float32), (PAST_TILE, 300, 17, torch.float32)] +
+                         [(*shape, torch.bfloat16) for shape in ((1, 96, 40), (3, 576, 96), (PAST_TILE, 300, 17),
+                                                                 (8, 64, 256))], ids=str)
 @pytest.mark.parametrize("norm, gated, add", [(True, False, False), (False, False, True), (True, False, True),
                                               (False, False, False), (False, True, False), (False, True, True)],
                          ids=["norm", "residual", "norm_residual", "plain", "gated", "gated_residual"])
