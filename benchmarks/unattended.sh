@@ -70,7 +70,7 @@
 # gsuite   the GPU test suite but tree attention's (.ci/gpu_tests.sh: kernels, the graphed steps, the compiled
 #          steps through generate with SmolLM2, folds, sampling; in parallel groups, logs in $RESULTS/gsuite) and
 #          the first token's tests
-# slowtests the tests marked slow (CI's 2 cores skip them): Qwen2.5-Coder's n-gram, EAGLE and Medusa drafts
+# slowtests the tests marked slow (CI's 2 cores skip them): Qwen2.5-Coder's drafts
 #          when QWEN_GGUF names the joined file (linked into specgraph's cache), else skipped, said so
 # pdl      benchmarks/fused_linear.py --pdl: layer chains of products, PDL off / on / prefetch
 # smolpdl  SmolLM2 + the shipped head, plain decoding and compile's default per SPECGRAPH_PDL mode ($PDL_MODES: off,

@@ -197,7 +197,7 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=None, cache: bool = T
     file's metadata for the tokenizer, the config and the weights; here it
     parses once and the three reads share it (Gemma-3-270M: 174 -> 65 s on
     2 CPU cores, most of it that parse), over a plain view of the mapped file
-    (``_PlainMemmap``). With
+    (``_NumpyWithPlainMemmap``). With
     ``cache`` the dequantized result (fp32 safetensors, config, tokenizer) is
     written once under ``cache_root()/converted`` and loaded from there in
     under a second afterwards, bit-identical.
@@ -290,11 +290,12 @@ def _parse_gguf_once():
     def reader(path, mode="r"):
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
-            gguf.gguf_reader.np = _PlainMemmap  # for this parse only: gguf reads np.memmap at construction
+            numpy = gguf.gguf_reader.np
+            gguf.gguf_reader.np = _NUMPY_WITH_PLAIN_MEMMAP  # for this parse only: the reader maps the file here
             try:
                 readers[key] = real(path, mode)
             finally:
-                gguf.gguf_reader.np = np
+                gguf.gguf_reader.np = numpy
         return readers[key]
 
     gguf.GGUFReader = reader
@@ -304,7 +305,7 @@ def _parse_gguf_once():
         gguf.GGUFReader = real
 
 
-class _PlainMemmap:
+class _NumpyWithPlainMemmap:
     """numpy as ``gguf.GGUFReader`` sees it, but ``memmap`` returns a plain ndarray view of the mapped file: the
     reader slices it millions of times for a large vocabulary's strings, and each slice of an ``np.memmap``
     runs its Python ``__array_finalize__`` (docs/benchmarks.md, time to first token: the load).
@@ -318,7 +319,7 @@ class _PlainMemmap:
         return np.memmap(*args, **kwargs).view(np.ndarray)
 
 
-_PlainMemmap = _PlainMemmap()
+_NUMPY_WITH_PLAIN_MEMMAP = _NumpyWithPlainMemmap()
 
 
 def _converted_dir(path: Path) -> Path:

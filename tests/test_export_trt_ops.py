@@ -76,7 +76,8 @@ def problems_of(path) -> set[tuple[str, str]]:
     return found
 
 
-@pytest.mark.parametrize("arch,nodes", [("llama", 8), ("gemma3", 8), ("qwen3", 8), ("llama", 1)])
+@pytest.mark.parametrize("arch,nodes", [("llama", 8), ("gemma3", 8), ("qwen3", 8),
+                                       pytest.param("llama", 1, marks=pytest.mark.slow)])  # slow: llama-8's ops
 def test_every_exported_node_is_in_the_tensorrt_onnx_table(arch, nodes, tmp_path):
     driver = Driver(tiny_model(arch), batch=2, max_length=96, seed=3)
     path = export_onnx(driver.capture, specgraph.Chain(nodes - 1), tmp_path / "step.onnx", batch=2)

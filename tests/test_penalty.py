@@ -173,6 +173,7 @@ def test_a_penalty_transformers_refuses_is_refused(bad):
 
 
 @pytest.mark.model
+@pytest.mark.slow  # the real model and head (~30 s); the tiny targets' greedy and sampled tests above are CI's
 def test_smollm2_greedy_with_a_penalty_is_token_exact():
     from specgraph.models import load_default_draft, load_gguf
 

@@ -262,6 +262,7 @@ def test_op_under_compile_writes_the_buffer_in_place():
     assert not torch.equal(eager.kv.nan_to_num(), kv.nan_to_num())  # the write happened
 
 
+@pytest.mark.slow  # ptxas over two kernels (~25 s): a design choice's reason, not behaviour
 def test_rotating_kernel_spills_more_at_wide_heads(tmp_path):
     """benchmarks/kernel_spills.py (ptxas on the CPU, sm_90a): at the 8B 64-row tile (D = 128, 4 warps) the
     rotating kernel spills more registers than the unrotated one -- why fold_rotary keeps 128-dim heads'
