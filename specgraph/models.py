@@ -285,24 +285,20 @@ def _parse_gguf_once():
     import gguf
     import gguf.gguf_reader
 
-    real, readers = gguf.GGUFReader, {}
+    real, numpy, readers = gguf.GGUFReader, gguf.gguf_reader.np, {}
 
     def reader(path, mode="r"):
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
-            numpy = gguf.gguf_reader.np
-            gguf.gguf_reader.np = _NUMPY_WITH_PLAIN_MEMMAP  # for this parse only: the reader maps the file here
-            try:
-                readers[key] = real(path, mode)
-            finally:
-                gguf.gguf_reader.np = numpy
+            readers[key] = real(path, mode)
         return readers[key]
 
     gguf.GGUFReader = reader
+    gguf.gguf_reader.np = _NUMPY_WITH_PLAIN_MEMMAP  # the reader maps the file through its module's np.memmap
     try:
         yield
     finally:
-        gguf.GGUFReader = real
+        gguf.GGUFReader, gguf.gguf_reader.np = real, numpy
 
 
 class _NumpyWithPlainMemmap:
