@@ -19,6 +19,10 @@ then the same N once everything is compiled (its steady state).
 ``--fast-start on|off``: ``compile(..., fast_start=True/False)``; by default compile's own (on with backend
 "auto" on CUDA: the first calls uncompiled while inductor compiles in the background). With a fast start the
 process also reports when the background compile finished and its first compiled token.
+``--bytecode kept``: the processes read Python's bytecode from a folder of the run's (``PYTHONPYCACHEPREFIX``,
+``PYTHONDONTWRITEBYTECODE`` unset), which an import-only process writes first, as ``pip install`` does; by default
+(``as-is``) they inherit this environment's setting (an image that keeps no bytecode compiles each module's
+source in every process).
 """
 from __future__ import annotations
 
@@ -127,17 +131,36 @@ with specgraph.config.patch(cache=capture_dir):  # the captures' own folder: col
 print(json.dumps({"marks": marks, "backend": spec.config.backend, "tree": str(spec.config.tree),
                   "capture_s": captures, "capture_loaded_s": loaded, "frames_loaded_s": frames,
                   "frames_refused": refused, "first_calls": first_calls, "steady_calls": steady_calls,
+                  "dont_write_bytecode": sys.flags.dont_write_bytecode,
                   "inductor": dict(counters["inductor"]),
                   "aot_autograd": dict(counters["aot_autograd"])}))
 """
 
 
-def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str, fast_start: str = "default",
-             calls: int = 0, new_tokens: int = 256, plain: bool = False, profile: Path | None = None) -> dict:
-    # inductor's and Triton's kernel caches both under the run's folder: the first process starts from nothing
+def child_env(cache: str, bytecode: str) -> dict:
+    """The processes' environment: inductor's and Triton's kernel caches under the run's folder (the first
+    process starts from nothing); with ``bytecode="kept"`` Python's bytecode under it too, written and read."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=str(Path(cache) / "triton"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                           os.environ.get("PYTHONPATH")])))
+    if bytecode == "kept":
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(Path(cache) / "pycache")
+    return env
+
+
+def write_bytecode(cache: str) -> float:
+    """What ``pip install`` leaves: the imports' bytecode, written by a process that only imports. Seconds."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, transformers.models.llama.modeling_llama, specgraph"],
+                   env=child_env(cache, "kept"), check=True)
+    return time.perf_counter() - start
+
+
+def run_once(cache: str, tiny: bool, warmup: bool, backend: str, device: str, fast_start: str = "default",
+             calls: int = 0, new_tokens: int = 256, plain: bool = False, profile: Path | None = None,
+             bytecode: str = "as-is") -> dict:
+    env = child_env(cache, bytecode)
     done = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), str(int(tiny)), str(int(warmup)), backend,
                            str(Path(cache) / "specgraph"), device, fast_start, str(calls), str(new_tokens),
                            str(int(plain)), str(profile or "")],
@@ -166,13 +189,18 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="compile(model, None): plain decoding, the baseline")
     parser.add_argument("--profile", type=Path, default=None,
                         help="write a cProfile of the cold run's compile and first token to this text file")
+    parser.add_argument("--bytecode", default="as-is", choices=["as-is", "kept"],
+                        help="kept: Python's bytecode written first (as pip install does) and read by every process; "
+                             "as-is: this environment's setting")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="inductor-cache-") as cache:
+        if args.bytecode == "kept":
+            print(f"bytecode written in {write_bytecode(cache):.1f} s (an import-only process)", flush=True)
         for i in range(args.runs):
             r = run_once(cache, args.tiny, args.warmup, args.backend, args.device, args.fast_start, args.calls,
-                         args.max_new_tokens, args.plain, args.profile if i == 0 else None)
+                         args.max_new_tokens, args.plain, args.profile if i == 0 else None, args.bytecode)
             r["run"] = "cold" if i == 0 else "warm"
             # inductor's autotuning results kept for the next process (a warm run that benchmarks again missed them)
             r["autotune_results_kept"] = sum(1 for _ in Path(cache).rglob("*.best_config"))
@@ -204,7 +232,7 @@ def main() -> None:
         commit = git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
                                         "command": "python3 benchmarks/first_token.py " + " ".join(sys.argv[1:]),
-                                        "device": args.device, "runs": rows}, indent=2))
+                                        "device": args.device, "bytecode": args.bytecode, "runs": rows}, indent=2))
 
 
 if __name__ == "__main__":

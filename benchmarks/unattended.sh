@@ -39,7 +39,8 @@
 # sdeep    SmolLM2 + the shipped head: compile's default against the 64-row trees of $DEEP_TREES (greedy tau at
 #          <= 64 nodes), 80 MT-bench + 40 HumanEval, 256 tokens, one run
 # sfirst   time to the first token of compile's default on SmolLM2 in a cold, then a warm process
-#          (benchmarks/first_token.py --runs 2), then a fresh process's first 10 calls
+#          (benchmarks/first_token.py --runs 2), the same with Python's bytecode kept (--bytecode kept: the
+#          image writes none), then a fresh process's first 10 calls
 # dprofile where self-distillation's time goes: benchmarks/stream.py on SmolLM2, 1,024 ShareGPT first turns, 256
 #          rows, fixed batches against the stream, the stream's ms a step and its profile
 # sdistill SmolLM2 answers ShareGPT again: greedy for $DISTILL_MIN minutes, then sampled at each T of $SAMPLED_T
@@ -214,6 +215,7 @@ for phase in ${PHASES:?PHASES: a list of phases (see the header)}; do
     tp1) run tp1 torchrun --nproc-per-node 1 benchmarks/tp.py --tp 1 --one-rank-group --out "$out" ;;
     sdeep) run sdeep pair --trees ${DEEP_TREES:-dynamic:6,8,64+lookup16:shared} --out "$out" ;;
     sfirst) run sfirst bash -c "python3 benchmarks/first_token.py --runs 2 --out $out/first.json && python3 \
+              benchmarks/first_token.py --runs 2 --bytecode kept --out $out/first-kept.json && python3 \
               benchmarks/first_token.py --runs 1 --calls 10 --out $out/calls.json" ;;
     dprofile) run dprofile python3 benchmarks/stream.py ${DATA:+--data "$DATA"} --prompts 1024 --batch 256 \
                 --profile "$out" --out "$out/stream.json" ;;

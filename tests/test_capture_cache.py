@@ -143,17 +143,21 @@ def test_onnx_export_of_a_loaded_step_still_unjoins_the_weights(cache_on, tmp_pa
 
 def test_a_second_process_loads_every_bucket(tmp_path):
     """Across processes (benchmarks/first_token.py --tiny: each run a fresh Python, sharing the cache folders):
-    the first captures its buckets, the second loads all of them and captures none."""
+    the first captures its buckets, the second loads all of them and captures none. With ``--bytecode kept`` the
+    processes write and read Python's bytecode though this environment says not to."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_token.py"
     done = subprocess.run([sys.executable, str(script), "--tiny", "--runs", "2", "--calls", "2", "--max-new-tokens", "8",
-                           "--out", str(tmp_path / "ft.json")], capture_output=True, text=True, timeout=600)
+                           "--bytecode", "kept", "--out", str(tmp_path / "ft.json")], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     cold, warm = json.loads((tmp_path / "ft.json").read_text())["runs"]
+    assert cold["dont_write_bytecode"] == warm["dont_write_bytecode"] == 0
     assert [len(cold["first_calls"]), len(warm["steady_calls"])] == [2, 2] and cold["first_calls_tok_s"] > 0
     assert len(cold["capture_s"]) >= 2 and cold["capture_loaded_s"] == []
     assert warm["capture_s"] == [] and len(warm["capture_loaded_s"]) == len(cold["capture_s"])
