@@ -41,9 +41,10 @@ sg_eagle3_* methods use --eagle3 DIR (default: the shipped SmolLM2 head). Method
                   fewer draft steps cost fewer launches per step, at the price of depth
 (inductor methods replay the whole step as a CUDA graph; SPECGRAPH_CUDA_GRAPHS=0 turns that off:
 say so when reporting.)
-For every method: the median time of a one-token generate per prompt (a call's fixed cost:
-prefill, and for specgraph the draft's prefill and first tree). For every specgraph method:
-tokens/s, tau (tokens per target step), the
+For every method: the median time of a one-token generate per prompt (a call's fixed cost: its prefill, where
+specgraph's first token comes from). For every specgraph method: step ms, the calls' time less that first token
+per call, per decode step (the draft's prefill and first tree, and host time the device waits for, included:
+against a replay's time, what the loop adds); tokens/s, tau (tokens per target step), the
 ratio to hf_eager, and the match rate with hf_eager's tokens. A prompt that
 diverges is classified by the target's own top-2 logit gap at the first
 divergent position: bf16 tree verification computes logits in another
@@ -157,7 +158,8 @@ def run_hf(model, rows, max_new, static_cache=None, temperature: float = 0.0, **
     return outs, elapsed
 
 
-def run_specgraph(spec, rows, max_new, temperature: float = 0.0) -> tuple[list[list[int]], float, float]:
+def run_specgraph(spec, rows, max_new, temperature: float = 0.0) -> tuple[list[list[int]], float, float, int]:
+    """Outputs, seconds, τ and decode steps of ``rows``, one call each."""
     outs, elapsed, steps, tokens = [], 0.0, 0, 0
     for row in tqdm(rows, leave=False):
         ids = torch.tensor([row], device="cuda")
@@ -169,7 +171,7 @@ def run_specgraph(spec, rows, max_new, temperature: float = 0.0) -> tuple[list[l
         elapsed += time.perf_counter() - start
         outs.append(out["sequences"][0, len(row):].tolist())
         steps, tokens = steps + out["acceptance"].steps, tokens + out["acceptance"].tokens  # (no prefill token)
-    return outs, elapsed, tokens / max(steps, 1)
+    return outs, elapsed, tokens / max(steps, 1), steps
 
 
 @torch.no_grad()
@@ -233,8 +235,8 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
         for name, rows in sets.items():
             before = dict(spec.policy.calls) if spec.policy else {}
             calls_before = len(spec.policy.history) if policy == "cost" else 0
-            outs, elapsed, tau = run_specgraph(spec, rows, args.max_new_tokens, t)
-            chosen = {}
+            outs, elapsed, tau, steps = run_specgraph(spec, rows, args.max_new_tokens, t)
+            chosen = dict(steps=steps)
             if policy == "measured":
                 chosen = dict(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
                     m: c * 1e3 for (b, m), c in spec.policy.cost.items() if b == 1})
@@ -259,6 +261,9 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
         entry = dict(tokens_per_s=sum(map(len, outs)) / elapsed, tau=tau,
                      first_token_ms=sorted(first)[len(first) // 2] * 1e3, setup_s=setup)
         entry.update(chosen)
+        if chosen.get("steps"):  # a decode step's wall time in the calls, less each call's first token (its median)
+            past_first = elapsed - len(outs) * entry["first_token_ms"] / 1e3
+            entry["step_ms_past_first_token"] = past_first / chosen["steps"] * 1e3
         reference = references.get(name)
         if method == "hf_eager" and t == 0:  # sampled tokens are not comparable one by one
             references[name] = outs
@@ -276,13 +281,16 @@ def print_table(result: dict) -> None:
           f"prompts x {result['max_new_tokens']} tokens, "
           f"{'greedy' if result['temperature'] == 0 else 'T = %g' % result['temperature']}, bf16, batch 1; "
           f"copy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s; floor {result['floor_ms_per_step']:.3f} ms/step")
-    print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8} {'1st tok ms':>10}")
+    print(f"{'method':<12} {'tok/s':>8} {'x hf_eager':>10} {'tau':>5} {'match':>6} {'near-tie':>8} {'1st tok ms':>10} "
+          f"{'step ms':>8}")
     for method, e in result["methods"].items():
         ratio = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
         match = f"{e['match_rate']:.2f}" if "match_rate" in e else "-"
         ties = f"{e['near_tie_divergences']}/{len(e['divergences'])}" if "divergences" in e else "-"
         tau = f"{e['tau']:.2f}" if e["tau"] else "-"
-        print(f"{method:<12} {e['tokens_per_s']:>8.1f} {ratio:>10} {tau:>5} {match:>6} {ties:>8} {e['first_token_ms']:>10.1f}")
+        step = f"{e['step_ms_past_first_token']:.3f}" if "step_ms_past_first_token" in e else "-"
+        print(f"{method:<12} {e['tokens_per_s']:>8.1f} {ratio:>10} {tau:>5} {match:>6} {ties:>8} "
+              f"{e['first_token_ms']:>10.1f} {step:>8}")
 
 
 def main() -> None:
