@@ -238,10 +238,10 @@ def run_method(method: str, model, sets: dict, args, references: dict) -> dict:
             outs, elapsed, tau, steps = run_specgraph(spec, rows, args.max_new_tokens, t)
             chosen = dict(steps=steps)
             if policy == "measured":
-                chosen = dict(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
+                chosen.update(policy_leader=spec.policy.leader.get(1), policy_ms_per_token={
                     m: c * 1e3 for (b, m), c in spec.policy.cost.items() if b == 1})
             elif policy == "cost":  # which modes the timed calls ran, and what the policy knew
-                chosen = dict(policy_calls={m: n - before.get((b, m), 0) for (b, m), n in spec.policy.calls.items()
+                chosen.update(policy_calls={m: n - before.get((b, m), 0) for (b, m), n in spec.policy.calls.items()
                                             if b == 1 and n > before.get((b, m), 0)},
                               policy_ms_per_step={m: spec.policy.table.get(1, m) * 1e3 for m in spec.modes
                                                   if spec.policy.table.get(1, m) is not None},
